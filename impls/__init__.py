@@ -1,0 +1,1 @@
+"""Native implementations of every scheme; each module registers its schemes on import."""

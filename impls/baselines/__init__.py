@@ -1,0 +1,1 @@
+"""Thin adapters around DeepSpeed's and PyTorch's own implementations."""

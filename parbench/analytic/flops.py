@@ -1,0 +1,120 @@
+"""Floating-point operations per iteration and model FLOPs utilisation.
+
+Counting convention (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM", Appendix): only matrix multiplications, one
+multiply-accumulate = 2 FLOPs; an (m x k) @ (k x n) product costs 2mkn. For one transformer
+layer with f = 4h on B sequences of s tokens the forward pass costs
+
+    QKV 6Bsh^2 + attention scores 2Bs^2h + attention over values 2Bs^2h
+    + output projection 2Bsh^2 + MLP 16Bsh^2  =  24Bsh^2 + 4Bs^2h,
+
+and the logit layer 2BshV. The backward pass costs twice the forward; full activation
+recomputation adds one more forward of the transformer layers (not of the logit layer, which
+is never recomputed). That gives Eq. 3 of the paper:
+
+    F = 4 l (24Bsh^2 + 4Bs^2h) + 3 (2BshV) = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+
+Note that the logit term is 6BshV = 3 x 2BshV, not 4 x 2BshV: multiplying the whole forward
+count l(24Bsh^2 + 4Bs^2h) + 2BshV by 4 overcounts Eq. 3 by exactly 2BshV.
+The attention terms count the full s x s score matrix (no causal halving), as the paper does.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from .shape import Shape, require_positive
+
+
+def transformer_forward_flops(b: int, s: int, h: int, l: int) -> int:  # noqa: E741
+    """l (24bsh^2 + 4bs^2h): forward FLOPs of l layers with f = 4h (Narayanan 2021, App.)."""
+    return l * (24 * b * s * h * h + 4 * b * s * s * h)
+
+
+def logit_forward_flops(b: int, s: int, h: int, V: int) -> int:  # noqa: N803
+    """2bshV: forward FLOPs of the LM head (Narayanan 2021, Appendix)."""
+    return 2 * b * s * h * V
+
+
+def forward_flops(b: int, s: int, h: int, l: int, V: int) -> int:  # noqa: E741, N803
+    """l (24bsh^2 + 4bs^2h) + 2bshV: one forward pass over b sequences."""
+    return transformer_forward_flops(b, s, h, l) + logit_forward_flops(b, s, h, V)
+
+
+def training_flops(b: int, s: int, h: int, l: int, V: int,  # noqa: E741, N803
+                   recompute: bool = False) -> int:
+    """FLOPs of one training iteration: 3x the forward (backward = 2x forward), or for the
+    transformer layers 4x with full activation recomputation; the logit layer is 3x always.
+
+    With ``recompute=True`` this equals :func:`megatron_eq3_flops` exactly.
+    """
+    layer_mult = 4 if recompute else 3
+    return layer_mult * transformer_forward_flops(b, s, h, l) + 3 * logit_forward_flops(b, s, h, V)
+
+
+def megatron_eq3_flops(B: int, s: int, l: int, h: int, V: int) -> int:  # noqa: E741, N803
+    """96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et al. 2021, Eq. 3), evaluated
+    exactly as printed (with rational arithmetic). Counts full recomputation."""
+    value = Fraction(96 * B * s * l * h * h) * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
+    assert value.denominator == 1
+    return int(value)
+
+
+def shape_forward_flops(shape: Shape, b: int, s: int | None = None) -> int:
+    """Forward FLOPs for any :class:`Shape` (any f, MoE), same counting convention.
+
+    Per token and layer: QKV + projection 8h^2, MLP 4hf per active expert, router 2hE;
+    per sequence and layer: attention 4s^2h; logit layer 2shV. For a dense model with f = 4h
+    this is :func:`forward_flops`.
+    """
+    s = shape.s if s is None else s
+    h, f = shape.h, shape.f
+    experts = shape.moe_top_k if shape.moe else 1
+    per_token_layer = 8 * h * h + 4 * h * f * experts + 2 * h * shape.num_experts
+    per_layer = b * s * per_token_layer + 4 * b * s * s * h
+    return shape.num_layers * per_layer + 2 * b * s * h * shape.V
+
+
+def shape_training_flops(shape: Shape, b: int, s: int | None = None,
+                         recompute: bool = False) -> int:
+    """:func:`training_flops` for any :class:`Shape` (logit layer 3x, layers 3x or 4x)."""
+    s = shape.s if s is None else s
+    logit = 2 * b * s * shape.h * shape.V
+    layers = shape_forward_flops(shape, b, s) - logit
+    return (4 if recompute else 3) * layers + 3 * logit
+
+
+def params_rule_flops(params: float, tokens: float, recompute: bool = False) -> float:
+    """6 FLOPs per parameter per token for training, 8 with full recomputation.
+
+    The rule follows from the layer count above when s << 6h: 3 x 24Bsh^2 l = 6 (12 l h^2)(Bs)
+    and 3 x 2BshV = 6 (Vh)(Bs) (Kaplan et al. 2020, Sec. 2.1; Narayanan et al. 2021, App.).
+    """
+    return (8 if recompute else 6) * params * tokens
+
+
+def training_time_estimate(tokens: float, params: float, num_devices: int,
+                           flops_per_device: float, recompute: bool = True) -> float:
+    """End-to-end training time ~ 8TP/(nX) seconds (Narayanan et al. 2021, Sec. 5.1):
+    T tokens, P parameters, n devices at X achieved FLOP/s each (6TP/(nX) without
+    recomputation)."""
+    require_positive("flops_per_device", flops_per_device)
+    return params_rule_flops(params, tokens, recompute) / (num_devices * flops_per_device)
+
+
+def achieved_flops(flops_per_iteration: float, iteration_time_s: float,
+                   num_devices: int = 1) -> float:
+    """Achieved FLOP/s per device."""
+    require_positive("iteration_time_s", iteration_time_s)
+    return flops_per_iteration / iteration_time_s / num_devices
+
+
+def mfu(flops_per_iteration: float, iteration_time_s: float, peak_flops_per_device: float,
+        num_devices: int = 1) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s per device over the device's peak.
+
+    Pass model FLOPs without recomputation (``training_flops(..., recompute=False)``) for MFU
+    as defined by Chowdhery et al. 2022 (PaLM, App. B); with recomputation counted it is the
+    hardware FLOPs utilisation that Narayanan et al. 2021 report.
+    """
+    require_positive("peak_flops_per_device", peak_flops_per_device)
+    return achieved_flops(flops_per_iteration, iteration_time_s, num_devices) / peak_flops_per_device

@@ -1,0 +1,241 @@
+"""Starting ranks: a persistent pool of local processes, or this process under torchrun.
+
+Locally, ``WorkerPool(world_size)`` spawns N processes once (gloo on CPU with one thread per
+rank, NCCL on CUDA with one device per rank) and runs any number of tasks on them; tests keep
+one pool per world size for the whole session. A task is a picklable top-level function
+called on every rank as ``fn(ctx, *args)``; each rank's return value comes back.
+
+A rank that raises sends its traceback and the pool ends every rank at once (the others may
+be blocked in a collective), so the caller gets ``RankError`` within seconds; a rank that
+dies without a word (signal, hard exit) is noticed by polling. Under ``torchrun`` or Slurm
+(``WORLD_SIZE`` and ``RANK`` set) ``init_from_env`` joins the job as one rank instead.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+
+class RankError(RuntimeError):
+    """A rank failed; ``rank`` and its ``traceback_text`` are attached."""
+
+    def __init__(self, rank: int, traceback_text: str):
+        self.rank = rank
+        self.traceback_text = traceback_text
+        last = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "?"
+        super().__init__(f"rank {rank} failed: {last}")
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    device: str  # "cpu" or "cuda:N"
+    backend: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and \
+        "PARBENCH_POOL_WORKER" not in os.environ
+
+
+def _setup_env(threads: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def init_process_group(rank: int, world_size: int, device: str, timeout_s: float,
+                       threads: int = 1) -> WorkerContext:
+    """Initialise torch.distributed for this rank (env:// rendezvous) and the ledger hooks."""
+    _setup_env(threads)
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+
+    torch.set_num_threads(threads)
+    comm.install()
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local)
+        dev, backend = f"cuda:{local}", "nccl"
+    else:
+        dev, backend = "cpu", "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return WorkerContext(rank, world_size, dev, backend)
+
+
+def init_from_env(device: str = "cpu", timeout_s: float = 600.0) -> WorkerContext:
+    """Join a torchrun / Slurm job as one rank."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    return init_process_group(rank, world, device, timeout_s)
+
+
+def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "PARBENCH_POOL_WORKER": "1"})
+    try:
+        ctx = init_process_group(rank, world_size, device, timeout_s, threads)
+    except BaseException:
+        results.put((rank, -1, "err", traceback.format_exc()))
+        return
+    results.put((rank, -1, "ready", None))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, fn, args, kwargs = item
+        try:
+            out = fn(ctx, *args, **kwargs)
+            results.put((rank, task_id, "ok", out))
+        except BaseException:
+            results.put((rank, task_id, "err", traceback.format_exc()))
+    try:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+class WorkerPool:
+    """N local ranks started once and reused for many tasks."""
+
+    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float = 120.0,
+                 threads: int = 1, start_timeout_s: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        self.device = device
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._task_qs: list = []
+        self._results = None
+        self._next_id = 0
+        self._start(start_timeout_s)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _start(self, start_timeout_s: float) -> None:
+        port = free_port()
+        self._results = self._ctx.Queue()
+        self._task_qs = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = []
+        for r in range(self.world_size):
+            p = self._ctx.Process(target=_worker_main, daemon=True,
+                                  args=(r, self.world_size, port, self.device, self.timeout_s,
+                                        self.threads, self._task_qs[r], self._results))
+            p.start()
+            self._procs.append(p)
+        self._collect(-1, start_timeout_s, expect="ready")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not self._procs:
+            return
+        if not force:
+            for q in self._task_qs:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            deadline = time.time() + 5
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.time()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(2)
+        self._procs = []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=exc[0] is not None)
+
+    # ---- tasks ----------------------------------------------------------------------------
+    def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the per-rank results.
+
+        Raises ``RankError`` (and ends the pool) if any rank raises, dies, or the task runs
+        past ``timeout_s``.
+        """
+        if not self.alive:
+            raise RuntimeError("the worker pool is not running (a previous task failed)")
+        task_id = self._next_id
+        self._next_id += 1
+        for q in self._task_qs:
+            q.put((task_id, fn, args, kwargs))
+        return self._collect(task_id, timeout_s)
+
+    def _collect(self, task_id: int, timeout_s: float | None, expect: str = "ok") -> list:
+        out: list = [None] * self.world_size
+        got = 0
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        while got < self.world_size:
+            try:
+                rank, tid, status, payload = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    r = dead[0]
+                    code = self._procs[r].exitcode
+                    self.close(force=True)
+                    raise RankError(r, f"rank {r} exited with code {code} without a result")
+                if deadline is not None and time.time() > deadline:
+                    self.close(force=True)
+                    raise RankError(-1, f"task timed out after {timeout_s} s")
+                continue
+            if status == "err":
+                self.close(force=True)
+                raise RankError(rank, payload)
+            if tid != task_id:
+                continue
+            out[rank] = payload
+            got += 1
+        return out
+
+
+_POOLS: dict[tuple, WorkerPool] = {}
+
+
+def shared_pool(world_size: int, device: str = "cpu", timeout_s: float = 120.0) -> WorkerPool:
+    """A process-wide pool per (world size, device), restarted if a task killed it."""
+    key = (world_size, device)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        pool = WorkerPool(world_size, device=device, timeout_s=timeout_s)
+        _POOLS[key] = pool
+    return pool
+
+
+def close_shared_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()

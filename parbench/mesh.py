@@ -1,0 +1,155 @@
+"""The rank grid and its named process groups, laid out as Megatron-Core lays them out.
+
+Megatron-Core enumerates ranks with tensor parallelism fastest and pipeline slowest, in the
+order tp-cp-ep-dp-pp (``parallel_state.RankGenerator``). For the dense part of the model ep
+is 1, so world = tp * cp * dp * pp. Expert parallelism does not add a factor to the world: the
+tp * cp * dp ranks of each pipeline stage are re-partitioned as expert-tp x ep x expert-dp
+(order tp-ep-dp-pp with expert-tp = tp here).
+
+A group over a set of axes holds the ranks that share every *other* coordinate, listed with
+the first named axis fastest (Megatron's ``generate_masked_orthogonal_rank_groups``).
+Process groups are built once per mesh and handed to schemes explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+DENSE_ORDER = ("tp", "cp", "dp", "pp")
+EXPERT_ORDER = ("etp", "ep", "edp", "pp")
+
+#: Groups built for every mesh: name -> (order, axes). Names follow Megatron where it has one.
+GROUP_SPECS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "tp": (DENSE_ORDER, ("tp",)),
+    "cp": (DENSE_ORDER, ("cp",)),
+    "dp": (DENSE_ORDER, ("dp",)),
+    "pp": (DENSE_ORDER, ("pp",)),
+    "dp_cp": (DENSE_ORDER, ("cp", "dp")),  # gradient reduction with context parallelism
+    "tp_cp": (DENSE_ORDER, ("tp", "cp")),
+    "mp": (DENSE_ORDER, ("tp", "pp")),  # model parallel
+    "tp_dp_cp": (DENSE_ORDER, ("tp", "cp", "dp")),  # all ranks of one pipeline stage
+    "ep": (EXPERT_ORDER, ("ep",)),
+    "etp": (EXPERT_ORDER, ("etp",)),
+    "edp": (EXPERT_ORDER, ("edp",)),
+}
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Pure layout: which ranks form which group. No torch.distributed needed."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "dp", "pp", "ep"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        if (self.cp * self.dp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide cp*dp={self.cp * self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def sizes(self, order: tuple[str, ...]) -> dict[str, int]:
+        base = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp,
+                "etp": self.tp, "ep": self.ep, "edp": self.cp * self.dp // self.ep}
+        return {a: base[a] for a in order}
+
+    def coords(self, rank: int, order: tuple[str, ...] = DENSE_ORDER) -> dict[str, int]:
+        out, r = {}, rank
+        for axis, size in self.sizes(order).items():
+            out[axis] = r % size
+            r //= size
+        return out
+
+    def rank_of(self, order: tuple[str, ...] = DENSE_ORDER, **coords: int) -> int:
+        rank, stride = 0, 1
+        for axis, size in self.sizes(order).items():
+            rank += coords.get(axis, 0) * stride
+            stride *= size
+        return rank
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of the named kind, e.g. ``groups('tp')``."""
+        order, axes = GROUP_SPECS[name]
+        sizes = self.sizes(order)
+        others = [a for a in order if a not in axes]
+        out = []
+        for fixed in product(*(range(sizes[a]) for a in reversed(others))):
+            fixed_coords = dict(zip(reversed(others), fixed))
+            members = []
+            for inner in product(*(range(sizes[a]) for a in reversed(axes))):
+                c = dict(fixed_coords)
+                c.update(dict(zip(reversed(axes), inner)))
+                members.append(self.rank_of(order, **c))
+            out.append(members)
+        # Megatron lists groups by their smallest rank
+        return sorted(out, key=lambda g: g[0])
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        for g in self.groups(name):
+            if rank in g:
+                return g
+        raise KeyError(f"rank {rank} is in no {name} group")
+
+    def describe(self) -> dict:
+        return {"world_size": self.world_size,
+                "degrees": {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp,
+                            "pp": self.pp},
+                "ranks": {r: self.coords(r) for r in range(self.world_size)},
+                "groups": {n: self.groups(n) for n in GROUP_SPECS}}
+
+
+@dataclass
+class Mesh:
+    """A layout plus this rank's process groups (``None`` outside torch.distributed)."""
+
+    layout: MeshLayout
+    rank: int
+    _pgs: dict[str, object] = field(default_factory=dict)
+    _ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, layout: MeshLayout, rank: int, backend_groups: bool = True) -> "Mesh":
+        """Create every group of every kind (collectively: all ranks call in the same order)."""
+        mesh = cls(layout=layout, rank=rank)
+        for name in GROUP_SPECS:
+            for members in layout.groups(name):
+                pg = None
+                if backend_groups:
+                    import torch.distributed as dist
+                    pg = dist.new_group(members)
+                if rank in members:
+                    mesh._pgs[name] = pg
+                    mesh._ranks[name] = members
+        return mesh
+
+    def group(self, name: str):
+        """This rank's process group for an axis name (see ``GROUP_SPECS``)."""
+        return self._pgs[name]
+
+    def ranks(self, name: str) -> list[int]:
+        return self._ranks[name]
+
+    def size(self, name: str) -> int:
+        return len(self._ranks[name])
+
+    def index(self, name: str) -> int:
+        """This rank's position inside its group of that name."""
+        return self._ranks[name].index(self.rank)
+
+    def axis_of_group(self, pg) -> str | None:
+        for name, g in self._pgs.items():
+            if g is pg:
+                return name
+        return None
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)

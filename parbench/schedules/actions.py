@@ -1,0 +1,231 @@
+"""Pipeline schedules as data: actions, transfers and the `Schedule` container.
+
+A schedule is a per-rank, ordered list of compute actions.  Everything else the
+harness needs — the cross-rank transfers, the dependency graph, the simulated
+timeline, the grid picture — is derived from that list, so adding a schedule
+means writing one generator that fills `Schedule.actions`.
+
+Dependency rules (shared by the validator, the simulator and the executor):
+
+* ``F(mb, s)`` needs ``F(mb, s-1)`` (stage 0 needs nothing);
+* the backward-for-inputs of ``(mb, s)`` — a ``B`` or a fused ``BW`` — needs
+  ``F(mb, s)`` and the backward-for-inputs of ``(mb, s+1)`` (the last stage
+  needs only its own forward);
+* ``W(mb, s)`` needs ``B(mb, s)``, which lives on the same rank.
+
+Stages are global model stages ``0..S-1`` of one model replica; bidirectional
+schedules (Chimera, DualPipe) hold two replicas, told apart by ``pipe``, and each
+micro-batch travels through exactly one of them (``Schedule.mb_pipe``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+FORWARD = "F"
+BACKWARD_INPUT = "B"
+BACKWARD_WEIGHT = "W"
+BACKWARD_FULL = "BW"
+KINDS = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD_FULL)
+#: kinds that carry the gradient to the previous stage (backward-for-inputs)
+INPUT_GRAD_KINDS = (BACKWARD_INPUT, BACKWARD_FULL)
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built or is broken; the message names field, value and rule."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action on one rank.
+
+    kind: ``'F'`` forward, ``'B'`` backward for inputs, ``'W'`` backward for
+    weights, ``'BW'`` fused full backward (B and W together).
+    mb: global micro-batch index ``0..m-1``.
+    stage: global model stage ``0..S-1`` (stage 0 holds the embedding, ``S-1`` the loss).
+    pipe: model replica (0, or 1 for the second replica of a bidirectional schedule).
+    """
+
+    kind: str
+    mb: int
+    stage: int
+    pipe: int = 0
+
+    def __str__(self) -> str:
+        # Compact and unambiguous: 'F3s0', 'BW3s5', 'B2s1p1'. `Schedule.label`
+        # gives the shorter paper-style label ('F3', 'F3c1') for a known schedule.
+        text = f"{self.kind}{self.mb}s{self.stage}"
+        return text + (f"p{self.pipe}" if self.pipe else "")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A point-to-point transfer implied by a cross-rank dependency.
+
+    kind ``'act'``: the output activation of ``F(mb, src_stage)`` sent to
+    ``F(mb, dst_stage)`` (``dst_stage = src_stage + 1``); kind ``'grad'``: the
+    input gradient produced by the B/BW of ``(mb, src_stage)`` sent to the B/BW of
+    ``(mb, dst_stage)`` (``dst_stage = src_stage - 1``).
+    """
+
+    kind: str
+    mb: int
+    src_stage: int
+    dst_stage: int
+    pipe: int
+    src_rank: int
+    dst_rank: int
+
+
+@dataclass
+class Schedule:
+    """A pipeline schedule: per-rank ordered compute actions plus placement.
+
+    p: ranks; m: micro-batches; v: stages per rank per replica (chunks);
+    num_stages: S (``p*v`` for single-replica schedules, ``p`` for the two replicas
+    of Chimera / DualPipe); placement: ``(pipe, stage) -> rank``; mb_pipe: replica
+    of each micro-batch; split_backward: True when the schedule contains separate
+    B and W actions (schedules may mix B+W and fused BW, e.g. DualPipe);
+    asynchronous: True for PipeDream / PipeDream-2BW (no flush; stale weights).
+    """
+
+    name: str
+    p: int
+    m: int
+    v: int
+    num_stages: int
+    placement: dict[tuple[int, int], int]
+    mb_pipe: list[int]
+    actions: list[list[Action]]
+    split_backward: bool
+    asynchronous: bool = False
+    notes: str = field(default="", compare=False)
+
+    # -- placement -------------------------------------------------------
+    def rank_of(self, action: Action) -> int:
+        """The rank that must run `action` (from `placement`)."""
+        try:
+            return self.placement[(action.pipe, action.stage)]
+        except KeyError:
+            raise ScheduleError(
+                f"{self.name}: no placement for pipe={action.pipe} stage={action.stage}"
+            ) from None
+
+    @property
+    def pipes(self) -> list[int]:
+        return sorted({pipe for pipe, _ in self.placement})
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """The ``(pipe, stage)`` pairs held by `rank`, in chunk order."""
+        return sorted(key for key, r in self.placement.items() if r == rank)
+
+    def chunk_of(self, pipe: int, stage: int) -> int:
+        """Index of ``(pipe, stage)`` among the stages its rank holds (0-based)."""
+        rank = self.placement[(pipe, stage)]
+        return self.stages_of(rank).index((pipe, stage))
+
+    def label(self, action: Action) -> str:
+        """Paper-style label: 'F3' when every rank holds one stage per replica, 'F3c1' otherwise.
+
+        Micro-batches are numbered globally, so bidirectional schedules need no
+        pipe suffix: the micro-batch number already says which replica it uses.
+        """
+        text = f"{action.kind}{action.mb}"
+        if self.v > 1:
+            text += f"c{self.chunk_of(action.pipe, action.stage)}"
+        return text
+
+    # -- derived views ---------------------------------------------------
+    def iter_actions(self) -> Iterator[tuple[int, int, Action]]:
+        """Yield ``(rank, position, action)`` for every action."""
+        for rank, row in enumerate(self.actions):
+            for pos, action in enumerate(row):
+                yield rank, pos, action
+
+    def num_actions(self) -> int:
+        return sum(len(row) for row in self.actions)
+
+    def backward_kinds(self) -> dict[tuple[int, int, int], str]:
+        """``(mb, stage, pipe) -> 'B' | 'BW'``: which action carries the input gradient."""
+        found: dict[tuple[int, int, int], str] = {}
+        for _, _, a in self.iter_actions():
+            if a.kind in INPUT_GRAD_KINDS:
+                found.setdefault((a.mb, a.stage, a.pipe), a.kind)
+        return found
+
+    def dependencies(self, action: Action, backward_kinds=None) -> list[Action]:
+        """The actions `action` depends on (see module docstring for the rules).
+
+        `backward_kinds` (from :meth:`backward_kinds`) says whether the backward of
+        the next stage is a ``B`` or a ``BW``; pass it when calling in a loop.
+        """
+        if backward_kinds is None:
+            backward_kinds = self.backward_kinds()
+        a = action
+        if a.kind == FORWARD:
+            return [Action(FORWARD, a.mb, a.stage - 1, a.pipe)] if a.stage > 0 else []
+        if a.kind == BACKWARD_WEIGHT:
+            return [Action(BACKWARD_INPUT, a.mb, a.stage, a.pipe)]
+        deps = [Action(FORWARD, a.mb, a.stage, a.pipe)]
+        if a.stage < self.num_stages - 1:
+            kind = backward_kinds.get((a.mb, a.stage + 1, a.pipe), BACKWARD_FULL)
+            deps.append(Action(kind, a.mb, a.stage + 1, a.pipe))
+        return deps
+
+    def comm(self) -> list[Transfer]:
+        """Cross-rank transfers implied by the dependencies, in the receivers' order."""
+        kinds = self.backward_kinds()
+        out: list[Transfer] = []
+        for rank, _, a in self.iter_actions():
+            for dep in self.dependencies(a, kinds):
+                src = self.rank_of(dep)
+                if src == rank:
+                    continue
+                kind = "act" if a.kind == FORWARD else "grad"
+                out.append(Transfer(kind, a.mb, dep.stage, a.stage, a.pipe, src, rank))
+        return out
+
+    def work(self) -> dict[str, int]:
+        """Count of actions by kind (for reports)."""
+        counts = {k: 0 for k in KINDS}
+        for _, _, a in self.iter_actions():
+            counts[a.kind] = counts.get(a.kind, 0) + 1
+        return counts
+
+
+# -- placements --------------------------------------------------------------
+def linear_placement(p: int) -> dict[tuple[int, int], int]:
+    """Stage s on rank s (one stage per rank)."""
+    return {(0, s): s for s in range(p)}
+
+
+def looped_placement(p: int, v: int) -> dict[tuple[int, int], int]:
+    """Stage s on rank ``s % p`` (Megatron interleaved / looped BFS)."""
+    return {(0, s): s % p for s in range(p * v)}
+
+
+def v_placement(p: int) -> dict[tuple[int, int], int]:
+    """V shape over 2p stages: rank r holds stages r and 2p-1-r (ZB-V, DualPipeV)."""
+    placement = {}
+    for s in range(2 * p):
+        placement[(0, s)] = s if s < p else 2 * p - 1 - s
+    return placement
+
+
+def bidirectional_placement(p: int) -> dict[tuple[int, int], int]:
+    """Two replicas of p stages: pipe 0 stage s on rank s, pipe 1 stage s on rank p-1-s."""
+    placement = {(0, s): s for s in range(p)}
+    placement.update({(1, s): p - 1 - s for s in range(p)})
+    return placement
+
+
+def split_fused(row: list[Action]) -> list[Action]:
+    """Replace every fused ``BW`` by ``B`` immediately followed by ``W``."""
+    out: list[Action] = []
+    for a in row:
+        if a.kind == BACKWARD_FULL:
+            out.append(Action(BACKWARD_INPUT, a.mb, a.stage, a.pipe))
+            out.append(Action(BACKWARD_WEIGHT, a.mb, a.stage, a.pipe))
+        else:
+            out.append(a)
+    return out
