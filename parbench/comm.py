@@ -103,10 +103,12 @@ class Ledger:
         return {a: dict(v) for a, v in out.items()}
 
     def wire_by_axis(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
+        """Exact per-axis sums (fractions of a byte from the ring factor are summed exactly
+        before rounding to float, so equal totals compare equal)."""
+        out: dict[str, Fraction] = defaultdict(Fraction)
         for r in self.records:
-            out[r.axis] += r.wire_bytes
-        return dict(out)
+            out[r.axis] += wire_bytes(r.op, r.message_bytes, r.group_size)
+        return {a: float(v) for a, v in out.items()}
 
     def total_wire(self) -> float:
         return sum(r.wire_bytes for r in self.records)

@@ -113,7 +113,10 @@ def _flat(states: dict) -> list:
 def _check(scheme, golden, step: int, loss, run) -> dict:
     grads = scheme.full_grads()
     params = scheme.full_params()
-    g = compare(grads, golden.grads[step], run.rtol, run.atol)
+    # step 0 runs on identical weights: gradients must agree to fp32 reduction noise (atol).
+    # Later steps run on weights that already carry AdamW's amplified drift (param_atol),
+    # so their gradients are held to param_atol.
+    g = compare(grads, golden.grads[step], run.rtol, run.atol if step == 0 else run.param_atol)
     p = compare(params, golden.params[step], run.rtol, run.param_atol)
     out = {"step": step, "grad_max_abs": g["max_abs"], "grad_ok": g["ok"],
            "param_max_abs": p["max_abs"], "param_ok": p["ok"],

@@ -53,6 +53,9 @@ class Scheme:
     description: str = ""
     #: the degrees this scheme uses; others must be 1 (checked before spawning)
     uses: tuple[str, ...] = ("dp",)
+    #: True for baselines that keep process-global state (DeepSpeed engines): the runner gives
+    #: each such case a fresh pool of ranks instead of the shared one
+    isolated: bool = False
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx

@@ -33,8 +33,7 @@ class TorchDDP(Scheme):
         self.dp_rank = ctx.mesh.index("dp")
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.ddp = DistributedDataParallel(self.model, process_group=self.group,
-                                           bucket_cap_mb=ctx.parallel.bucket_mb,
-                                           broadcast_buffers=False)
+                                           bucket_cap_mb=ctx.parallel.bucket_mb)
         self.ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
         self.opt = make_optimizer(self.model.parameters(), ctx.run)
 

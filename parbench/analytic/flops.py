@@ -54,9 +54,9 @@ def training_flops(b: int, s: int, h: int, l: int, V: int,  # noqa: E741, N803
 def megatron_eq3_flops(B: int, s: int, l: int, h: int, V: int) -> int:  # noqa: E741, N803
     """96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et al. 2021, Eq. 3), evaluated
     exactly as printed (with rational arithmetic). Counts full recomputation."""
-    value = Fraction(96 * B * s * l * h * h) * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
-    assert value.denominator == 1
-    return int(value)
+    value = Fraction(96 * B * s * l * h * h) * (1 + Fraction(s, 6 * h)
+                                                + Fraction(V, 16 * l * h))
+    return int(value)  # whole: 96Bslh^2 + 16Bs^2lh + 6BshV
 
 
 def shape_forward_flops(shape: Shape, b: int, s: int | None = None) -> int:
@@ -117,4 +117,5 @@ def mfu(flops_per_iteration: float, iteration_time_s: float, peak_flops_per_devi
     hardware FLOPs utilisation that Narayanan et al. 2021 report.
     """
     require_positive("peak_flops_per_device", peak_flops_per_device)
-    return achieved_flops(flops_per_iteration, iteration_time_s, num_devices) / peak_flops_per_device
+    achieved = achieved_flops(flops_per_iteration, iteration_time_s, num_devices)
+    return achieved / peak_flops_per_device

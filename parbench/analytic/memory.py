@@ -30,6 +30,7 @@ Three are provided; every figure says which one it uses:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import floor, log10
 from typing import Union
 
 from .shape import require_nonneg_int, require_positive, require_positive_int
@@ -61,7 +62,7 @@ ACCOUNTINGS = {a.name: a for a in (MIXED_ADAM, MIXED_ADAM_FP32_GRAD, FP32_ADAMW)
 AccountingLike = Union[Accounting, str]
 
 
-def accounting(acc: AccountingLike) -> Accounting:
+def get_accounting(acc: AccountingLike) -> Accounting:
     """An :class:`Accounting` from itself or its name."""
     if isinstance(acc, Accounting):
         return acc
@@ -100,33 +101,33 @@ def partitioned(stage: int) -> tuple[bool, bool, bool]:
 
 
 def zero_model_states(params: float, dp: int = 1, stage: int = 0,
-                      acc: AccountingLike = MIXED_ADAM) -> ModelStates:
+                      accounting: AccountingLike = MIXED_ADAM) -> ModelStates:
     """The paper's per-rank model states (Rajbhandari et al. 2020, Sec. 5.1, Figure 1):
     each partitioned state costs ``bytes * Psi / Nd``, each replicated one ``bytes * Psi``."""
     _check(dp, stage)
-    a = accounting(acc)
+    a = get_accounting(accounting)
     p, g, o = partitioned(stage)
     return ModelStates(param=a.param * params / (dp if p else 1),
                        grad=a.grad * params / (dp if g else 1),
                        optim=a.optim * params / (dp if o else 1))
 
 
-def zero_bytes_per_param(dp: int, stage: int, acc: AccountingLike = MIXED_ADAM,
+def zero_bytes_per_param(dp: int, stage: int, accounting: AccountingLike = MIXED_ADAM,
                          mp: int = 1) -> float:
     """Model-state bytes per parameter on one rank, with model parallelism ``mp`` also
     dividing the model (ZeRO paper Table 2 combines ZeRO-DP with Megatron MP)."""
     require_positive_int("mp", mp)
-    return zero_model_states(1, dp, stage, acc).total / mp
+    return zero_model_states(1, dp, stage, accounting).total / mp
 
 
 def largest_model_fits(device_bytes: float, dp: int, stage: int,
-                       acc: AccountingLike = MIXED_ADAM, mp: int = 1) -> float:
+                       accounting: AccountingLike = MIXED_ADAM, mp: int = 1) -> float:
     """Largest Psi whose model states fit in ``device_bytes`` per rank (ZeRO paper Table 2,
     left: e.g. 32e9-byte V100s, Nd = 64, MP = 1 give 2B, 7.6B, 14.4B and 128B parameters
     for the baseline, P_os, P_os+g and P_os+g+p). Activations and buffers are ignored, as in
     the paper's analysis."""
     require_positive("device_bytes", device_bytes)
-    return device_bytes / zero_bytes_per_param(dp, stage, acc, mp)
+    return device_bytes / zero_bytes_per_param(dp, stage, accounting, mp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def shard_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
 
 
 def zero_model_states_exact(numel: int, dp: int = 1, stage: int = 0,
-                            acc: AccountingLike = FP32_ADAMW,
+                            accounting: AccountingLike = FP32_ADAMW,
                             rank: int = 0) -> dict[str, ModelStates]:
     """Exact per-rank model-state bytes for a flat buffer of ``numel`` parameters.
 
@@ -166,7 +167,7 @@ def zero_model_states_exact(numel: int, dp: int = 1, stage: int = 0,
     """
     require_nonneg_int("numel", numel)
     _check(dp, stage)
-    a = accounting(acc)
+    a = get_accounting(accounting)
     flags = partitioned(stage)
     start, stop = shard_range(numel, dp, rank)
     out = {}
@@ -176,16 +177,17 @@ def zero_model_states_exact(numel: int, dp: int = 1, stage: int = 0,
     return out
 
 
-def zero_table(params: float, dp: int, acc: AccountingLike = MIXED_ADAM) -> dict[str, float]:
+def zero_table(params: float, dp: int,
+               accounting: AccountingLike = MIXED_ADAM) -> dict[str, float]:
     """Model-state bytes per rank for every stage, keyed by the paper's stage names."""
-    return {STAGE_NAMES[st]: zero_model_states(params, dp, st, acc).total for st in ZERO_STAGES}
+    return {STAGE_NAMES[st]: zero_model_states(params, dp, st, accounting).total
+            for st in ZERO_STAGES}
 
 
 def round_sig(x: float, sig: int = 3) -> float:
     """Round to ``sig`` significant figures, as the ZeRO paper prints its GB figures."""
     if x == 0:
         return 0.0
-    from math import floor, log10
     return round(x, sig - 1 - int(floor(log10(abs(x)))))
 
 

@@ -87,6 +87,10 @@ class Schedule:
     of each micro-batch; split_backward: True when the schedule contains separate
     B and W actions (schedules may mix B+W and fused BW, e.g. DualPipe);
     asynchronous: True for PipeDream / PipeDream-2BW (no flush; stale weights).
+    overlapped: optional ``(F, backward)`` pairs, adjacent on one rank, that the
+    schedule runs as one overlapped unit (DualPipe's F&B chunks); executors may
+    ignore it and run them in list order, ``simulate(..., overlap=True)`` uses it.
+    notes: free text for reports.
     """
 
     name: str
@@ -99,6 +103,7 @@ class Schedule:
     actions: list[list[Action]]
     split_backward: bool
     asynchronous: bool = False
+    overlapped: list[tuple[Action, Action]] = field(default_factory=list)
     notes: str = field(default="", compare=False)
 
     # -- placement -------------------------------------------------------

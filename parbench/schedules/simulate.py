@@ -29,9 +29,6 @@ from .actions import (
     ScheduleError,
 )
 
-CostSpec = "Real | Sequence[Real] | Mapping[int, Real]"
-
-
 @dataclass
 class SimResult:
     """Outcome of :func:`simulate`.
@@ -124,45 +121,82 @@ def make_cost(
     return resolve
 
 
-def run_times(schedule: Schedule, cost: Callable[[Action], float], p2p: float = 0.0):
+def run_times(
+    schedule: Schedule,
+    cost: Callable[[Action], float],
+    p2p: float = 0.0,
+    overlap: bool = False,
+    tfb=None,
+):
     """Start/end time of every action; raises `ScheduleError` if the ranks stall.
 
     Worklist algorithm: a rank advances until its next action waits on a
     dependency that has not finished; it is woken when that dependency finishes.
+    With `overlap`, each pair in ``schedule.overlapped`` runs as one unit: it
+    starts when the dependencies of both halves are met, lasts `tfb` (a number,
+    or ``tfb(f, b)``; default ``cost(f) + cost(b)``), and both outputs become
+    available when the unit ends.  Its time is shown split between the halves in
+    proportion to their own costs.
     """
     kinds = schedule.backward_kinds()
+    partner = dict(schedule.overlapped) if overlap else {}
     rank_of = {}
     for rank, _, a in schedule.iter_actions():
         rank_of.setdefault(a, rank)
     pos = [0] * schedule.p
     free = [0.0] * schedule.p
     times: dict[Action, tuple[float, float]] = {}
+    avail: dict[Action, float] = {}
     waiting: dict[Action, list[int]] = {}
     ready = deque(range(schedule.p))
     while ready:
         rank = ready.popleft()
         row = schedule.actions[rank]
         while pos[rank] < len(row):
-            action = row[pos[rank]]
+            group = [row[pos[rank]]]
+            mate = partner.get(group[0])
+            if mate is not None and pos[rank] + 1 < len(row) and row[pos[rank] + 1] == mate:
+                group.append(mate)
             start = free[rank]
             blocked = None
-            for dep in schedule.dependencies(action, kinds):
-                done = times.get(dep)
-                if done is None:
-                    blocked = dep
+            for action in group:
+                for dep in schedule.dependencies(action, kinds):
+                    if dep in group:
+                        continue
+                    done = avail.get(dep)
+                    if done is None:
+                        blocked = dep
+                        break
+                    lag = p2p if rank_of.get(dep, rank) != rank else 0.0
+                    start = max(start, done + lag)
+                if blocked is not None:
                     break
-                lag = p2p if rank_of.get(dep, rank) != rank else 0.0
-                start = max(start, done[1] + lag)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            duration = cost(action)
-            if duration < 0:
-                raise ScheduleError(f"cost of {action} must be >= 0 (got {duration})")
-            times[action] = (start, start + duration)
-            free[rank] = start + duration
-            pos[rank] += 1
-            ready.extend(waiting.pop(action, ()))
+            costs = [float(cost(a)) for a in group]
+            for a, c in zip(group, costs):
+                if c < 0:
+                    raise ScheduleError(f"cost of {a} must be >= 0 (got {c})")
+            if len(group) == 1:
+                duration = costs[0]
+            elif tfb is None:
+                duration = sum(costs)
+            elif callable(tfb):
+                duration = float(tfb(*group))
+            else:
+                duration = float(tfb)
+            total, cursor = sum(costs), start
+            for a, c in zip(group, costs):
+                share = duration * (c / total if total > 0 else 1 / len(group))
+                times[a] = (cursor, cursor + share)
+                cursor += share
+            end = start + duration
+            free[rank] = end
+            pos[rank] += len(group)
+            for a in group:
+                avail[a] = end
+                ready.extend(waiting.pop(a, ()))
     stuck = [r for r in range(schedule.p) if pos[r] < len(schedule.actions[r])]
     if stuck:
         raise ScheduleError(_deadlock_message(schedule, pos, stuck, kinds, rank_of))
@@ -216,6 +250,8 @@ def simulate(
     tbw=None,
     cost: Callable[[Action], float] | None = None,
     costs: Mapping[Action, float] | None = None,
+    overlap: bool = False,
+    tfb=None,
 ) -> SimResult:
     """Simulate `schedule` and return a :class:`SimResult`.
 
@@ -224,9 +260,11 @@ def simulate(
     cost: a callable ``cost(action) -> float`` used instead of the per-kind values.
     costs: ``{action: t}`` overriding both (e.g. measured per-op costs to replay).
     p2p: latency added to every cross-rank dependency.
+    overlap: run the pairs in ``schedule.overlapped`` (DualPipe's F&B chunks) as
+    one unit of duration `tfb` (default: the sum of the two costs).
     """
     cost_fn = make_cost(tf, tb, tw, tbw, cost, costs)
-    times = run_times(schedule, cost_fn, p2p)
+    times = run_times(schedule, cost_fn, p2p, overlap, tfb)
     p = schedule.p
     makespan = max((end for _, end in times.values()), default=0.0)
     busy, idle, span, peak_i, peak_w = [], [], [], [], []

@@ -1,0 +1,179 @@
+"""Split backward of one pipeline stage: B (input gradient) now, W (weight gradients) later.
+
+Zero Bubble pipeline parallelism (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR,
+Sec. 2) splits the backward pass of a stage into B, the gradient with respect to the stage
+input (on the critical path: the previous stage waits for it), and W, the gradients with
+respect to the weights (off the critical path: it only has to finish before the optimizer
+step), so W can fill pipeline bubbles.
+
+How it is done here, on any stage module, without changing the model code:
+
+* After the forward, the autograd graph from the stage output down to the stage's boundary
+  tensor (the received input; on the first stage the embedding output) is analysed once. A
+  node is on the *input path* if it reaches the boundary. A *frontier* node is an input-path
+  node with at least one child that reaches parameters but not the boundary (e.g. the addmm
+  of a linear layer: one child leads to the input, one to the weight).
+* B runs ``torch.autograd.grad(out, boundary)``. The engine only executes nodes that lead
+  to the boundary and asks each node for the gradients of needed edges only, so no weight
+  gradient is computed. A pre-hook on every frontier node keeps the gradient that arrives at
+  it (its ``grad_outputs``).
+* W re-enters the graph at each frontier node (``GradientEdge``) with the kept gradient and
+  asks only for that node's parameters, so the node now computes only its weight edges. One
+  call per frontier node: a single call from all frontier nodes would also re-run the input
+  path of upper nodes towards the parameters of lower ones and count them twice.
+
+Because the same backward nodes compute the weight gradients from the same incoming
+gradients, W's results equal the fused backward's bit for bit. The graph is kept alive
+(``retain_graph``) between B and W -- the activation memory that zero-bubble schedules
+trade for the smaller bubble.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+def _variable(node):
+    return getattr(node, "variable", None)
+
+
+def _analyse(root, target, param_index: dict[int, int]):
+    """Frontier nodes of the graph under ``root`` relative to the boundary node ``target``.
+
+    Returns ``(frontier, below_target)``: frontier is a list of (node, param indices reached
+    through its weight-only children); below_target the param indices under ``target``.
+    """
+    reach_x: dict = {}
+    params_below: dict = {}
+    order, stack, seen = [], [(root, False)], set()
+    while stack:  # iterative post-order
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        if node is target:
+            continue  # nothing under the boundary belongs to B
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append((child, False))
+    for node in order:
+        var = _variable(node)
+        mine = set()
+        if var is not None and id(var) in param_index:
+            mine.add(param_index[id(var)])
+        is_x = node is target
+        if node is target:
+            below = _params_under(node, param_index)
+            params_below[node] = below
+            reach_x[node] = True
+            continue
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            is_x = is_x or reach_x.get(child, False)
+            mine |= params_below.get(child, set())
+        reach_x[node] = is_x
+        params_below[node] = mine
+    frontier = []
+    for node in order:
+        if node is target or not reach_x[node]:
+            continue
+        weight_only, via_input = set(), set()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if reach_x.get(child, False):
+                via_input |= params_below.get(child, set())
+            else:
+                weight_only |= params_below.get(child, set())
+        if weight_only:
+            if weight_only & via_input:
+                raise NotImplementedError(
+                    "split backward: a parameter is used both above and below a node on the "
+                    "input path (shared weights inside one stage); use a fused-backward schedule")
+            frontier.append((node, sorted(weight_only)))
+    return frontier, sorted(params_below.get(target, set()))
+
+
+def _params_under(node, param_index) -> set[int]:
+    out, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        var = _variable(n)
+        if var is not None and id(var) in param_index:
+            out.add(param_index[id(var)])
+        stack.extend(c for c, _ in n.next_functions)
+    return out
+
+
+class SplitBackward:
+    """B and W of one (micro-batch, stage): ``input_grad(grad_out)`` then ``weight_grads()``.
+
+    ``boundary`` is the stage's input (a leaf that requires grad) or, on the first stage,
+    the embedding output; ``params`` the parameter tensors the forward used.
+    """
+
+    def __init__(self, out: torch.Tensor, boundary: torch.Tensor, params: list[torch.Tensor]):
+        self.out = out
+        self.boundary = boundary
+        self.params = params
+        self._groups: list[tuple[object, tuple, list[int]]] = []
+
+    def input_grad(self, grad_out: torch.Tensor | None) -> torch.Tensor:
+        edge = get_gradient_edge(self.boundary)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        frontier, below = _analyse(self.out.grad_fn, edge.node, index)
+        captured: dict[int, tuple] = {}
+        handles = []
+        for i, (node, _) in enumerate(frontier):
+            def hook(grad_outputs, i=i):
+                captured[i] = tuple(grad_outputs)
+            handles.append(node.register_prehook(hook))
+        try:
+            (dx,) = torch.autograd.grad(self.out, [self.boundary], grad_out, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+        self._groups = [(node, captured[i], idx) for i, (node, idx) in enumerate(frontier)
+                        if i in captured]
+        if below:  # first stage: the embedding under the boundary is weight work
+            self._groups.append((edge, (dx,), below))
+        self.out = None
+        return dx
+
+    def weight_grads(self) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for node, gouts, idx in self._groups:
+            if isinstance(node, GradientEdge):
+                edges, gs = [node], list(gouts)
+            else:
+                pairs = [(GradientEdge(node, k), g) for k, g in enumerate(gouts) if g is not None]
+                if not pairs:
+                    continue
+                edges, gs = [e for e, _ in pairs], [g for _, g in pairs]
+            res = torch.autograd.grad(edges, [self.params[j] for j in idx], gs,
+                                      retain_graph=True, allow_unused=True)
+            for j, g in zip(idx, res):
+                if g is None:
+                    continue
+                grads[j] = g if grads[j] is None else grads[j] + g
+        self._groups = []
+        self.boundary = None
+        return grads
+
+
+def fused_grads(out: torch.Tensor, boundary: torch.Tensor | None, params: list[torch.Tensor],
+                grad_out: torch.Tensor | None):
+    """The ordinary backward (BW): (input gradient or None, parameter gradients)."""
+    inputs = list(params) + ([boundary] if boundary is not None else [])
+    res = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    if boundary is not None:
+        return res[-1], list(res[:-1])
+    return None, list(res)

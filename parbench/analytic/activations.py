@@ -1,0 +1,129 @@
+"""Activation memory per transformer layer and per pipeline stage.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+Sec. 4 and Table 2. For sequence length s, micro-batch b, hidden h, a heads, tensor-parallel
+size t, 16-bit activations and 1-byte dropout masks, the bytes one layer saves for backward:
+
+    no parallelism (Eq. 1)         sbh (34 + 5as/h)
+    tensor parallel (Eq. 2)        sbh (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel     sbh/t (34 + 5as/h)            (Eq. 3)
+    selective recomputation        sbh (10 + 24/t)   or 34 sbh/t with sequence parallelism
+    full recomputation             2 sbh
+
+The 34 is: attention block 11 (QKV input 2, Q and K 4, V 2, projection input 2, dropout
+mask 1), MLP 19 (fc1 input 2, GeLU input 8, fc2 input 8, dropout mask 1), two LayerNorm
+inputs 4; the 5as/h is the s x s score matrices (softmax output 2, dropout mask 1, dropout
+output 2). Of the 34, 10 (LayerNorm inputs, QKV and fc1 inputs, dropout masks) is replicated
+over the tensor-parallel ranks unless sequence parallelism shards it.
+
+:func:`layer_activation_bytes` generalises the count to e bytes per stored element, m bytes
+per mask element, any f (the 8 + 8 of the MLP are 2f/h each of fc1 output and GeLU output
+in e bytes) and with or without dropout; with the paper's defaults it gives the formulas
+above exactly. :func:`reference_layer_activation_bytes` applies it to parbench's reference
+model -- see its docstring for the assumptions.
+"""
+from __future__ import annotations
+
+from .shape import require_positive_int
+
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("eager", "flash")
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", ffn_hidden: int | None = None,
+                           bytes_per_element: int = 2, mask_bytes: int = 1,
+                           dropout: bool = True, attention: str = "eager") -> float:
+    """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank.
+
+    ``attention="eager"`` stores the s x s score matrices (softmax output, and with dropout
+    its mask and output); ``"flash"`` (a fused kernel that recomputes scores in backward)
+    instead stores the attention output (sbh elements) and a per-row log-sum-exp
+    (a s b values, fp32). Full recomputation keeps only the layer input -- 2sbh in Table 2;
+    with sequence parallelism that input is the sequence shard, so it is divided by t.
+    """
+    for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
+        require_positive_int(name, v)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION)}")
+    e, m, d = bytes_per_element, mask_bytes, int(dropout)
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    sbh = s * b * h
+    if recompute == "full":
+        return e * sbh / (t if sp else 1)
+    # LN1 and LN2 inputs, QKV input, fc1 input, two dropout masks: replicated under TP
+    replicated = sbh * (4 * e + 2 * d * m)
+    # Q, K, V, projection input, fc1 output (GeLU input), GeLU output (fc2 input)
+    split = (4 * sbh + 2 * s * b * f) * e
+    if attention == "eager":
+        scores = a * s * s * b * (e + d * (m + e))
+    else:
+        scores = sbh * e + a * s * b * 4
+    if recompute == "selective":
+        scores = 0
+    return replicated / (t if sp else 1) + (split + scores) / t
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """The paper's formulas verbatim (Table 2), for checking the generalisation."""
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute == "selective":
+        return s * b * h * (34 / t if sp else 10 + 24 / t)
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
+                                     sp: bool = False, recompute: str = "none",
+                                     ffn_hidden: int | None = None,
+                                     bytes_per_element: int = 4) -> float:
+    """:func:`layer_activation_bytes` adapted to parbench's reference model.
+
+    Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
+    no dropout (the model has none), ``bytes_per_element`` = 4 for fp32 runs (2 for bf16),
+    attention through ``scaled_dot_product_attention`` with a fused kernel that saves its
+    output and log-sum-exp ("flash"); the reshape of the attention output before the
+    projection is a copy, so projection input and kernel output are two tensors. LayerNorm's
+    saved mean and reciprocal standard deviation (2 x 2 s b fp32 values) are added. Not
+    counted: allocator rounding, autograd bookkeeping, and the logits/loss of the last stage.
+    """
+    base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
+                                  bytes_per_element=bytes_per_element, mask_bytes=0,
+                                  dropout=False, attention="flash")
+    if recompute == "full":
+        return base
+    ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1)
+    return base + ln_stats
+
+
+def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: int,
+                                 microbatches: int | None = None, vpp: int = 1,
+                                 schedule: str = "1f1b") -> float:
+    """Activations held at peak by the first pipeline stage (Korthikanti et al. 2022, Sec. 4.2.3).
+
+    With 1F1B the first stage keeps ``p`` micro-batches in flight, each through its ``L/p``
+    layers, so it holds ``L`` layers' worth: total = per-layer bytes x L (fewer if there are
+    fewer than ``p`` micro-batches). The interleaved schedule multiplies this by
+    (1 + (p - 1)/(p v)) for ``v`` chunks per rank. GPipe keeps all ``m`` micro-batches:
+    per-layer bytes x (L/p) x m. Embedding and loss activations are not included.
+    """
+    require_positive_int("num_layers", num_layers)
+    require_positive_int("pp", pp)
+    require_positive_int("vpp", vpp)
+    if num_layers % pp:
+        raise ValueError(f"pp={pp} does not divide num_layers={num_layers}")
+    layers_here = num_layers // pp
+    if schedule == "gpipe":
+        if microbatches is None:
+            raise ValueError("microbatches is required for schedule='gpipe'")
+        return per_layer_bytes * layers_here * microbatches
+    if schedule not in ("1f1b", "interleaved"):
+        raise ValueError(f"schedule={schedule!r} must be 1f1b, interleaved or gpipe")
+    in_flight = pp if microbatches is None else min(pp, microbatches)
+    factor = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1
+    return per_layer_bytes * layers_here * in_flight * factor

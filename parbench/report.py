@@ -1,0 +1,213 @@
+"""Rendering results: rich tables per family, a markdown report and figures.
+
+Units: byte figures use binary prefixes (KiB = 2^10, MiB = 2^20, GiB = 2^30). A measured
+figure equal to its prediction is shown once with "=", otherwise both are shown.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_sci(x) -> str:
+    return "—" if x is None else f"{x:.1e}"
+
+
+def _degrees(row: dict) -> str:
+    d = row.get("degrees", {})
+    parts = [f"{a}{d[a]}" for a in ("tp", "cp", "ep", "dp", "pp") if d.get(a, 1) > 1]
+    if d.get("vpp", 1) > 1:
+        parts.append(f"v{d['vpp']}")
+    return " ".join(parts) or "1"
+
+
+def _same_case(a: dict, b: dict) -> bool:
+    ca, cb = dict(a["case"]), dict(b["case"])
+    ra, rb = dict(ca["run"]), dict(cb["run"])
+    ra.pop("scheme"), rb.pop("scheme")
+    return ca["model"] == cb["model"] and ca["parallel"] == cb["parallel"] and ra == rb
+
+
+def baseline_ratios(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """For each native row id: [(baseline scheme, our step time / baseline step time)]."""
+    out: dict[str, list] = {}
+    for b in rows:
+        native = b.get("baseline_of")
+        if not native or not b.get("step_time_s"):
+            continue
+        for r in rows:
+            if r["scheme"] == native and r.get("step_time_s") and _same_case(r, b):
+                out.setdefault(r["id"], []).append((b["scheme"], r["step_time_s"] /
+                                                    b["step_time_s"]))
+    return out
+
+
+def _vs(measured, predicted) -> str:
+    if predicted is None:
+        return fmt_bytes(measured)
+    if measured is not None and abs(float(measured) - float(predicted)) < 0.5:
+        return f"{fmt_bytes(measured)} ="
+    return f"{fmt_bytes(measured)} / {fmt_bytes(predicted)}"
+
+
+def _states(row: dict) -> str:
+    meas = (row.get("model_state_bytes") or [None])[0]
+    pred = row.get("model_state_bytes_predicted")
+    if not meas:
+        return "—"
+    m = sum(meas.values())
+    if not pred:
+        return fmt_bytes(m)
+    return _vs(m, sum(pred.get(k, 0) for k in meas))
+
+
+def _wire(row: dict) -> str:
+    meas = row.get("wire_bytes") or {}
+    pred = row.get("wire_bytes_predicted") or {}
+    axes = sorted(set(meas) | set(k for k, v in pred.items() if v))
+    if not axes:
+        return "—"
+    return "\n".join(f"{a} {_vs(meas.get(a, 0.0), pred.get(a))}" for a in axes)
+
+
+def _extra_keys(rows: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for r in rows:
+        for k, v in (r.get("extra") or {}).items():
+            if k not in keys and (v is None or isinstance(v, (int, float, str))):
+                keys.append(k)
+    return keys
+
+
+def _fmt_extra(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def tables(rows: list[dict]) -> list[Table]:
+    ratios = baseline_ratios(rows)
+    fams: dict[str, list[dict]] = {}
+    for r in rows:
+        fams.setdefault(r.get("family", "?"), []).append(r)
+    out = []
+    for fam, frows in fams.items():
+        t = Table(title=f"{fam} — {len(frows)} case(s)  (bytes per rank per step; "
+                        "measured = predicted shows '=')", show_lines=True)
+        for col in ("scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
+                    "step ms", "tok/s", "peak/rank", "model states", "wire bytes",
+                    "ours / baseline"):
+            t.add_column(col, overflow="fold")
+        extra = _extra_keys(frows)
+        for k in extra:
+            t.add_column(k, overflow="fold")
+        for r in frows:
+            tol = r.get("tolerance", {})
+            peaks = [p for p in r.get("peak_bytes") or [] if p is not None]
+            rat = ratios.get(r["id"], [])
+            rat_s = "\n".join(f"{v:.2f}× {b.replace('baseline.', '')}" for b, v in rat) or "—"
+            t.add_row(
+                r["scheme"], _degrees(r),
+                "[green]pass[/]" if r["equivalent"] else "[red]FAIL[/]",
+                "\n".join(fmt_sci(r.get(k)) for k in ("max_loss_abs", "max_grad_abs",
+                                                      "max_param_abs")),
+                f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
+                f"param {tol.get('param_atol', 0):.0e}",
+                f"{r['step_time_s'] * 1e3:.2f}" if r.get("step_time_s") else "—",
+                f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "—",
+                fmt_bytes(max(peaks)) if peaks else "—",
+                _states(r), _wire(r), rat_s,
+                *[_fmt_extra((r.get("extra") or {}).get(k)) for k in extra])
+        out.append(t)
+    return out
+
+
+def print_tables(rows: list[dict], console: Console | None = None) -> None:
+    if console is None:
+        import shutil
+        console = Console(width=max(shutil.get_terminal_size((160, 40)).columns, 160))
+    for t in tables(rows):
+        console.print(t)
+
+
+def markdown(rows: list[dict]) -> str:
+    ratios = baseline_ratios(rows)
+    lines = ["# parbench results", "",
+             "Bytes per rank per step; KiB = 2^10, MiB = 2^20 bytes. 'x =' means measured equals "
+             "the analytic prediction exactly.", "",
+             "| scheme | degrees | equivalent | max abs dloss | max abs dparam | step ms | "
+             "peak/rank | model states | wire bytes | ours / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peaks = [p for p in r.get("peak_bytes") or [] if p is not None]
+        rat = "; ".join(f"{v:.2f}x {b}" for b, v in ratios.get(r["id"], [])) or "-"
+        lines.append("| " + " | ".join([
+            r["scheme"], _degrees(r), "pass" if r["equivalent"] else "FAIL",
+            fmt_sci(r.get("max_loss_abs")), fmt_sci(r.get("max_param_abs")),
+            f"{r['step_time_s'] * 1e3:.2f}" if r.get("step_time_s") else "-",
+            fmt_bytes(max(peaks)) if peaks else "-", _states(r),
+            _wire(r).replace("\n", "; "), rat]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Step time per case and wire bytes measured vs predicted, as PNGs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    timed = [r for r in rows if r.get("step_time_s")]
+    if timed:
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(timed) + 2), 4))
+        labels = [f"{r['scheme']}\n{_degrees(r)}" for r in timed]
+        ax.bar(range(len(timed)), [r["step_time_s"] * 1e3 for r in timed],
+               color=["#4C72B0" if not r.get("baseline_of") else "#999999" for r in timed])
+        ax.set_xticks(range(len(timed)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title("Step time (grey: baselines)")
+        fig.tight_layout()
+        p = out_dir / "step_time.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    wired = [r for r in rows if r.get("wire_bytes")]
+    if wired:
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(wired) + 2), 4))
+        meas = [sum((r.get("wire_bytes") or {}).values()) for r in wired]
+        pred = [sum(v for v in (r.get("wire_bytes_predicted") or {}).values() if v) for r in wired]
+        xs = range(len(wired))
+        ax.bar([x - 0.2 for x in xs], [m / 2**10 for m in meas], 0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], [p / 2**10 for p in pred], 0.4, label="predicted")
+        ax.set_xticks(list(xs), [f"{r['scheme']}\n{_degrees(r)}" for r in wired], rotation=60,
+                      ha="right", fontsize=7)
+        ax.set_ylabel("wire bytes per rank per step (KiB)")
+        ax.legend()
+        fig.tight_layout()
+        p = out_dir / "wire_bytes.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_report(rows: list[dict], out_dir: Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    md = out_dir / "report.md"
+    md.write_text(markdown(rows))
+    return [md, *figures(rows, out_dir / "figures")]

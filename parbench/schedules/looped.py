@@ -1,0 +1,113 @@
+"""Several stages per rank in a loop (stage s on rank ``s % p``): interleaved 1F1B, looped BFS.
+
+* Interleaved 1F1B — Narayanan et al. 2021, "Efficient Large-Scale Language Model
+  Training on GPU Clusters Using Megatron-LM" (PTD-P), §2.2.2: each rank holds v
+  model chunks; depth-first order.  Micro-batches are processed in groups of g:
+  the k-th forward slot of a rank runs chunk ``(k // g) % v`` on micro-batch
+  ``(k // (g*v)) * g + k % g``, backward slots run the chunks in reverse.  Rank r
+  warms up with ``(v-1)*g + 2*(p-1-r)`` forwards (capped at ``m*v``), then
+  alternates F and BW, then drains.  Megatron uses ``g = p`` and needs
+  ``m % p == 0``; like torch.distributed.pipelining's ScheduleInterleaved1F1B we
+  relax this with ``rounds = max(1, m // p)`` and ``g = m // rounds``, which
+  needs ``m % rounds == 0`` (e.g. p=4, m=10 → g=5; p=4, m=3 → g=3).
+* Looped BFS — Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism": each rank
+  runs the forward of all m micro-batches for its first chunk, then its second
+  chunk, ..., then the backwards chunk by chunk in reverse.  With v=1 it is GPipe.
+"""
+from __future__ import annotations
+
+from ._common import need_positive, no_extra, resolve_v
+from .actions import (
+    BACKWARD_FULL,
+    FORWARD,
+    Action,
+    Schedule,
+    ScheduleError,
+    looped_placement,
+    split_fused,
+)
+
+
+def interleaved_group(p: int, m: int) -> int:
+    """Micro-batch group size g (Megatron: g = p when p divides m)."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ScheduleError(
+            f"interleaved needs m to be a multiple of rounds = max(1, m // p) = {rounds} "
+            f"(got m={m}, p={p}); use m % p == 0 or m < p"
+        )
+    return m // rounds
+
+
+def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    """Megatron interleaved 1F1B with v chunks per rank (stage s on rank s % p)."""
+    need_positive("interleaved", p=p, m=m)
+    v = resolve_v("interleaved", v, 2, minimum=2)
+    no_extra("interleaved", kw)
+    g = interleaved_group(p, m)
+    total = m * v
+
+    def slot(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, g * v)
+        chunk = within // g
+        if backward:
+            chunk = v - 1 - chunk
+        return group * g + within % g, chunk
+
+    rows = []
+    for r in range(p):
+        warm = min(total, (v - 1) * g + 2 * (p - 1 - r))
+        row = []
+
+        def fwd(k):
+            mb, chunk = slot(k, False)
+            row.append(Action(FORWARD, mb, chunk * p + r))
+
+        def bwd(k):
+            mb, chunk = slot(k, True)
+            row.append(Action(BACKWARD_FULL, mb, chunk * p + r))
+
+        for k in range(warm):
+            fwd(k)
+        for k in range(total - warm):
+            fwd(warm + k)
+            bwd(k)
+        for k in range(total - warm, total):
+            bwd(k)
+        rows.append(split_fused(row) if split_backward else row)
+    return Schedule(
+        name="interleaved",
+        p=p,
+        m=m,
+        v=v,
+        num_stages=p * v,
+        placement=looped_placement(p, v),
+        mb_pipe=[0] * m,
+        actions=rows,
+        split_backward=bool(split_backward),
+        notes=f"micro-batch group g={g}",
+    )
+
+
+def looped_bfs(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    """Looped breadth-first: all forwards chunk by chunk, then all backwards in reverse."""
+    need_positive("bfs", p=p, m=m)
+    v = resolve_v("bfs", v, 2)
+    no_extra("bfs", kw)
+    rows = []
+    for r in range(p):
+        stages = [c * p + r for c in range(v)]
+        row = [Action(FORWARD, i, s) for s in stages for i in range(m)]
+        row += [Action(BACKWARD_FULL, i, s) for s in reversed(stages) for i in range(m)]
+        rows.append(split_fused(row) if split_backward else row)
+    return Schedule(
+        name="bfs",
+        p=p,
+        m=m,
+        v=v,
+        num_stages=p * v,
+        placement=looped_placement(p, v),
+        mb_pipe=[0] * m,
+        actions=rows,
+        split_backward=bool(split_backward),
+    )

@@ -1,0 +1,90 @@
+"""Configuration: overrides, validation messages, Megatron and DeepSpeed imports."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parbench.config import (CaseConfig, ConfigError, apply_overrides, from_deepspeed_json,
+                             from_megatron_args, model_preset, validate_case)
+
+
+def test_overrides_bare_and_dotted_keys():
+    c = apply_overrides(CaseConfig(), {"model": "tiny-4l", "parallel.pp": "2", "dp": "3",
+                                       "lr": "0.01", "sp": "true"})
+    assert c.model.num_layers == 4 and c.parallel.pp == 2 and c.parallel.dp == 3
+    assert c.run.lr == 0.01 and c.parallel.sp is True
+
+
+@pytest.mark.parametrize("ov, msg", [
+    ({"bogus": "1"}, "unknown key 'bogus'"),
+    ({"parallel.nothing": "1"}, "parallel has no field 'nothing'"),
+    ({"dp": "two"}, "dp='two' is not an integer"),
+    ({"dp": "1.5"}, "dp='1.5' is not an integer"),
+    ({"sp": "maybe"}, "sp='maybe' is not a boolean"),
+    ({"model": "gpt5"}, "model='gpt5' is not a preset"),
+])
+def test_bad_overrides_name_the_field(ov, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", "\\(").replace(".", "\\.")):
+        apply_overrides(CaseConfig(), ov)
+
+
+@pytest.mark.parametrize("ov, msg", [
+    ({"tp": "3", "num_heads": "8", "hidden_size": "32"}, "tp=3 does not divide num_heads=8"),
+    ({"num_heads": "5"}, "num_heads=5 does not divide hidden_size=32"),
+    ({"pp": "3"}, "pp*vpp=3 does not divide num_layers=2"),
+    ({"dp": "4", "ep": "3"}, "ep=3 does not divide cp*dp=4"),
+    ({"zero_stage": "4"}, "zero_stage=4 must be 0, 1, 2 or 3"),
+    ({"steps": "0"}, "steps=0 must be >= 1"),
+    ({"optimizer": "lamb"}, "optimizer='lamb' must be adamw or sgd"),
+])
+def test_rules(ov, msg):
+    c = apply_overrides(CaseConfig(), ov)
+    with pytest.raises(ConfigError) as e:
+        validate_case(c)
+    assert msg in str(e.value)
+
+
+def test_world_size_must_match_degrees():
+    c = apply_overrides(CaseConfig(), {"dp": "2", "pp": "2"})
+    validate_case(c, 4)
+    with pytest.raises(ConfigError, match="world_size=3 does not match tp\\*cp\\*dp\\*pp"):
+        validate_case(c, 3)
+
+
+def test_megatron_arguments():
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size=2",
+            "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
+            "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+            "--ffn-hidden-size", "256"]
+    c = from_megatron_args(argv, world_size=8)
+    assert (c.parallel.tp, c.parallel.pp, c.parallel.dp) == (2, 2, 2)
+    assert c.parallel.vpp == 2  # 8 layers / 2 stages / 2 layers per virtual stage
+    assert c.parallel.num_microbatches == 4  # 16 / (2 * 2)
+    assert c.parallel.sp and c.model.ffn_hidden_size == 256 and c.model.num_heads == 8
+    validate_case(c, 8)
+    with pytest.raises(ConfigError, match="--global-batch-size=15 is not a multiple"):
+        from_megatron_args(["--micro-batch-size", "2", "--global-batch-size", "15"], 1)
+    with pytest.raises(ConfigError, match="'--foo' is not supported"):
+        from_megatron_args(["--foo", "1"])
+
+
+def test_deepspeed_json():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+           "train_batch_size": 24, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.99],
+                                                    "weight_decay": 0.1}}}
+    c = from_deepspeed_json(json.dumps(cfg), world_size=4)
+    assert (c.parallel.micro_batch_size, c.parallel.num_microbatches, c.parallel.dp) == (2, 3, 4)
+    assert c.parallel.zero_stage == 2 and c.run.dtype == "bf16"
+    assert (c.run.lr, c.run.beta2, c.run.weight_decay) == (3e-4, 0.99, 0.1)
+    cfg["train_batch_size"] = 25
+    with pytest.raises(ConfigError, match="train_batch_size=25"):
+        from_deepspeed_json(cfg, world_size=4)
+
+
+def test_presets_validate():
+    for name in ("tiny", "gpt3-175b", "llama2-7b", "ubmesh-moe-2t"):
+        validate_case(CaseConfig(model=model_preset(name)))
