@@ -35,7 +35,7 @@ import torch.distributed as dist
 from parbench.analytic.comm import Transfer, summarize, zero_traffic
 from parbench.analytic.memory import (FP32_ADAMW, MIXED_ADAM, MIXED_ADAM_FP32_GRAD,
                                       shard_numel, zero_model_states)
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import CaseConfig
 from parbench.model import build_model, compute_dtype
 
 from .data import bucket_assignment
@@ -170,12 +170,6 @@ def split_units(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def check_zero_case(cls, case: CaseConfig) -> None:
-    if case.run.device == "cpu" and case.run.dtype == "bf16" and case.run.optimizer != "adamw":
-        raise ConfigError(f"optimizer={case.run.optimizer!r} with dtype=bf16 is not supported "
-                          f"by {cls.name} (use adamw)")
-
-
 # ---------------------------------------------------------------------------------------------
 # prediction
 # ---------------------------------------------------------------------------------------------
@@ -249,8 +243,6 @@ def zero_prediction(case: CaseConfig, stage: int) -> dict:
     mixed = case.run.dtype == "bf16"
     transfers = zero_transfers(layout, stage, e, case.parallel.num_microbatches)
     wire = summarize(transfers).get("dp", {"wire_bytes": 0, "message_bytes": 0, "count": 0})
-    if layout.dp == 1:
-        wire = dict(wire, wire_bytes=0)
     return {
         "wire_bytes": {"dp": float(wire["wire_bytes"])},
         "message_bytes": {"dp": wire["message_bytes"]},

@@ -37,7 +37,8 @@ class SimResult:
     ``[0, makespan]``; peak_inflight: per rank, the most ``(mb, stage)`` forwards
     whose backward-for-inputs (B or BW) has not finished; peak_w_pending: per rank,
     the most finished B whose W has not finished; span: per rank, last end minus
-    first start (the "parallelogram" width used by the Zero Bubble paper).
+    first start (the "parallelogram" width used by the Zero Bubble paper);
+    params: the cost arguments the simulation ran with (scalars only).
     """
 
     schedule: Schedule
@@ -50,6 +51,7 @@ class SimResult:
     times: dict[Action, tuple[float, float]]
     idle: list[list[tuple[float, float]]]
     span: list[float] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
 
     @property
     def p(self) -> int:
@@ -289,4 +291,9 @@ def simulate(
         per_rank = [1.0 - b / makespan for b in busy]
     else:
         bubble, per_rank = 0.0, [0.0] * p
-    return SimResult(schedule, makespan, busy, bubble, per_rank, peak_i, peak_w, times, idle, span)
+    params = {"tf": tf, "tb": tb, "tw": tw, "tbw": tbw, "p2p": p2p, "overlap": overlap, "tfb": tfb}
+    params = {k: val for k, val in params.items() if val is None or isinstance(val, (Real, bool))}
+    if cost is not None or costs is not None:
+        params["custom_costs"] = True
+    return SimResult(schedule, makespan, busy, bubble, per_rank, peak_i, peak_w, times, idle,
+                     span, params)

@@ -1,0 +1,120 @@
+"""The README's commands and the bad inputs, run as a new user would (subprocesses)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parbench(*args, cwd=None, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "parbench.cli", *args], cwd=cwd or ROOT,
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    return p, time.time() - t0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "suite=nosuch"], "suite='nosuch' does not exist"),
+    (["run", "suite=smoke", "bogus=1"], "unknown key 'bogus'"),
+    (["run", "suite=smoke", "tp=3", "hidden_size=32", "num_heads=8"],
+     "tp=3 does not divide num_heads=8"),
+    (["run", "suite=smoke", "world_size=3"], "world_size=3 does not match tp*cp*dp*pp"),
+    (["run"], "run needs suite=NAME"),
+    (["schedule", "chimera", "p=3", "m=6"], "p=3"),
+])
+def test_bad_input_fails_fast_with_one_line(args, message):
+    p, dt = parbench(*args)
+    assert p.returncode != 0
+    assert dt < 5, f"took {dt:.1f} s"
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("parbench: error:"), p.stderr
+    assert "Traceback" not in p.stderr
+    assert message in err[0]
+
+
+def test_smoke_suite_runs_and_reports(tmp_path):
+    out = tmp_path / "smoke"
+    p, dt = parbench("run", "suite=smoke", f"out={out}")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows and all(r["equivalent"] for r in rows)
+    assert {r["scheme"] for r in rows} >= {"data.ddp", "baseline.torch.ddp"}
+    assert "ours / baseline" in p.stdout and "pass" in p.stdout
+    assert (out / "report.md").exists() and (out / "figures" / "step_time.png").exists()
+    for r in rows:
+        assert Path(r["trace"]).exists()
+    # re-rendering from the directory gives the same table
+    p2, _ = parbench("report", str(out))
+    assert p2.returncode == 0 and "data.ddp" in p2.stdout
+    # resume skips finished cases
+    p3, _ = parbench("run", "suite=smoke", f"out={out}", "resume=true")
+    assert p3.returncode == 0
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_failing_rank_ends_run_with_traceback_and_keeps_results(tmp_path):
+    suite = tmp_path / "failing.yaml"
+    suite.write_text("name: failing\ndefaults: {model: tiny, dp: 2, steps: 2}\ncases:\n"
+                     "  - {scheme: data.ddp}\n"
+                     "  - {scheme: data.ddp, fail_at_step: 1, fail_rank: 1}\n")
+    out = tmp_path / "out"
+    p, dt = parbench("run", f"suite={suite}", f"out={out}", timeout=120)
+    assert p.returncode == 1
+    assert dt < 60
+    assert "rank 1 failed" in p.stderr and "Traceback" in p.stderr
+    assert "injected failure at step 1 on rank 1" in p.stderr
+    rows = (out / "results.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["equivalent"]
+
+
+def test_mesh_json_matches_megatron_order():
+    p, _ = parbench("mesh", "tp=2", "pp=2", "dp=2", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d["groups"]["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d["groups"]["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_estimate_reproduces_zero_paper_example():
+    p, _ = parbench("estimate", "params=7.5e9", "dp=64", "--json")
+    assert p.returncode == 0, p.stderr
+    gb = json.loads(p.stdout)["memory"]["model_states"]["zero_paper_gb"]
+    # Rajbhandari et al. 2020, Table 1 / Fig. 1: 7.5B parameters, Nd = 64, K = 12
+    assert gb == {"baseline": 120.0, "P_os": 31.4, "P_os+g": 16.6, "P_os+g+p": 1.88}
+
+
+def test_traffic_table_flags_the_two_printing_errors():
+    p, _ = parbench("traffic", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    bad = [(c["parallelism"], c["column"]) for c in d["published_checks"] if not c["ok"]]
+    assert len(bad) == 2 and bad[0][0] == "TP" and bad[1][0] == "PP", bad
+
+
+def test_list_and_golden(tmp_path):
+    p, _ = parbench("list", "--json")
+    assert p.returncode == 0
+    d = json.loads(p.stdout)
+    assert "smoke" in d["suites"] and "data.ddp" in d["schemes"]
+    g = tmp_path / "golden"
+    p, _ = parbench("golden", "record", f"dir={g}", "models=tiny")
+    assert p.returncode == 0, p.stderr
+    p, _ = parbench("golden", "check", f"dir={g}", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["ok"]
+    # a tampered golden file is caught
+    f = next(g.glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    p, _ = parbench("golden", "check", f"dir={g}", "--json")
+    assert p.returncode != 0
