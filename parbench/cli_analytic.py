@@ -202,9 +202,11 @@ def schedule_command(args: list[str], as_json: bool) -> int:
                           f"{', '.join(SCHEDULES)})")
     ints = {k: _num(k, rest.pop(k), integer=True) for k in ("p", "m", "v") if k in rest}
     costs = {k: _num(k, rest.pop(k)) for k in ("tf", "tb", "tw", "p2p") if k in rest}
+    if "overlap" in rest:  # DualPipe: run each F&B pair as one unit (DeepSeek-V3 Table 2)
+        costs["overlap"] = rest.pop("overlap").lower() in ("1", "true", "yes")
     if rest:
         raise ConfigError(f"unknown key {next(iter(rest))!r} for schedule (p, m, v, tf, tb, tw, "
-                          "p2p)")
+                          "p2p, overlap)")
     try:
         sched = SCHEDULES[name](ints.get("p", 4), ints.get("m", 8), ints.get("v", 1)) \
             if "v" in ints else SCHEDULES[name](ints.get("p", 4), ints.get("m", 8))

@@ -220,6 +220,10 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
         "tokens_per_s": tokens / merged["step_time_s"] if merged["step_time_s"] else None,
         "peak_bytes": merged["peak_bytes"],
         "model_state_bytes": merged["model_state_bytes"],
+        # peak minus model states: activations, communication buffers, temporaries
+        "other_peak_bytes": [(pk - sum(st.values())) if pk is not None and st else None
+                             for pk, st in zip(merged["peak_bytes"],
+                                               merged["model_state_bytes"])],
         "model_state_bytes_predicted": pred.get("model_state_bytes"),
         "wire_bytes": wire_measured,
         "wire_bytes_per_rank": merged["wire_by_axis"],

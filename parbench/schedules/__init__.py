@@ -12,7 +12,9 @@ from .actions import (
     ScheduleError,
     Transfer,
 )
+from .closed_forms import predict, ratio_from_fraction, ratio_from_size
 from .registry import SCHEDULES, make_schedule
+from .render import Event, events_from_sim, grid_text, plot_timeline, summary
 from .simulate import SimResult, make_cost, simulate
 from .validate import fifo_violations, validate
 
@@ -29,4 +31,12 @@ __all__ = [
     "simulate",
     "validate",
     "fifo_violations",
+    "predict",
+    "ratio_from_size",
+    "ratio_from_fraction",
+    "Event",
+    "events_from_sim",
+    "grid_text",
+    "plot_timeline",
+    "summary",
 ]

@@ -31,5 +31,5 @@ def need_even_p(name: str, p: int) -> None:
 
 def no_extra(name: str, kw: dict) -> None:
     if kw:
-        keys = ", ".join(sorted(kw))
-        raise ScheduleError(f"{name} takes no option {keys} (got {keys}={list(kw.values())})")
+        given = ", ".join(f"{k}={v!r}" for k, v in sorted(kw.items()))
+        raise ScheduleError(f"{name} takes no option {given} (options: p, m, v)")

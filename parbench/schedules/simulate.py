@@ -29,6 +29,7 @@ from .actions import (
     ScheduleError,
 )
 
+
 @dataclass
 class SimResult:
     """Outcome of :func:`simulate`.

@@ -1,0 +1,48 @@
+"""Suite expansion and the append-only results file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parbench.config import ConfigError
+from parbench.results import append_row, load_rows
+from parbench.suites import available_suites, check_suite, expand, load_suite
+
+
+def test_grid_cases_defaults_and_command_line_overrides():
+    spec = {"name": "x", "defaults": {"model": "tiny", "steps": 2},
+            "grid": {"scheme": ["data.ddp", "baseline.torch.ddp"], "dp": [1, 2]},
+            "cases": [{"scheme": "data.ddp", "dp": 4, "steps": 5}]}
+    suite = expand(spec, {"lr": "0.01"})
+    assert len(suite.cases) == 5
+    assert all(c.run.lr == 0.01 and c.model.name == "tiny" for c in suite.cases)
+    assert suite.cases[-1].run.steps == 5 and suite.cases[0].run.steps == 2
+    assert len({c.id for c in suite.cases}) == 5
+
+
+def test_identical_cases_are_run_once():
+    suite = expand({"cases": [{"dp": 2}, {"dp": 2}]}, {})
+    assert len(suite.cases) == 1
+
+
+def test_bundled_suites_load_and_pass_every_check():
+    for name in available_suites():
+        check_suite(load_suite(name))
+
+
+def test_unknown_suite_and_bad_world():
+    with pytest.raises(ConfigError, match="suite='nope' does not exist"):
+        load_suite("nope")
+    with pytest.raises(ConfigError, match="world_size=3"):
+        check_suite(load_suite("smoke"), world_size=3)
+
+
+def test_results_are_appended_and_a_torn_line_is_skipped(tmp_path):
+    p = tmp_path / "results.jsonl"
+    append_row(p, {"id": "a", "x": 1})
+    append_row(p, {"id": "b", "x": 2})
+    with open(p, "a") as fh:
+        fh.write('{"id": "c", "x"')  # a run killed mid-write
+    assert [r["id"] for r in load_rows(p)] == ["a", "b"]
+    assert json.loads(p.read_text().splitlines()[0])["x"] == 1
