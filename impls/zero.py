@@ -137,8 +137,8 @@ class _ZeroReplicated(Scheme):
     # ---- the step -------------------------------------------------------------------------
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.dp_rank, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.dp_rank, self.d).to(self.ctx.device)
+        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
+        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
         self.gbuf.zero_()
         tl = self.ctx.timeline
         total = 0.0
@@ -174,10 +174,6 @@ class _ZeroReplicated(Scheme):
             for w in works:
                 w.wait()
         return self.reduce_loss(total / self.d, self.group)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.r
 
     # ---- comparison and accounting ---------------------------------------------------------
     def _gather(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -177,23 +177,28 @@ def _record(op: str, tensor: torch.Tensor, message_bytes: int, group, work, t0: 
 
 
 def _wrap(name: str, op: str, size_of):
-    orig = getattr(dist, name)
+    orig = getattr(dist, name, None)
+    if orig is None:  # not in this torch version
+        return
     if getattr(orig, "_parbench_wrapped", False):
         return
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if active() is None:
+        if active() is None or getattr(_state, "in_wrapped", False):
+            # inside another wrapped call (torch's blocking send/recv call isend/irecv):
+            # the outer call is the one record
             return orig(*args, **kwargs)
         t0 = time.perf_counter()
-        work = orig(*args, **kwargs)
+        _state.in_wrapped = True
         try:
-            tensor, nbytes, group, peer = size_of(*args, **kwargs)
-            _record(op, tensor, nbytes, group, work, t0, peer,
-                    bool(kwargs.get("async_op", False)) or op in ("send", "recv") and
-                    name.startswith("i"))
-        except Exception:  # accounting must never break the run
-            raise
+            work = orig(*args, **kwargs)
+        finally:
+            _state.in_wrapped = False
+        tensor, nbytes, group, peer = size_of(*args, **kwargs)
+        is_async = bool(kwargs.get("async_op", False)) or (op in ("send", "recv") and
+                                                           name.startswith("i"))
+        _record(op, tensor, nbytes, group, work, t0, peer, is_async)
         return work
 
     wrapper._parbench_wrapped = True
@@ -236,6 +241,21 @@ def _reduce_scatter_list(*a, **k):
     return lst[0], sum(_nbytes(t) for t in lst), _arg(a, k, 3, "group"), -1
 
 
+def _reduce_scatter_single(*a, **k):
+    inp = _arg(a, k, 1, "input")
+    return inp, _nbytes(inp), _arg(a, k, 3, "group"), -1
+
+
+def _reduce(*a, **k):
+    t = _arg(a, k, 0, "tensor")
+    return t, _nbytes(t), _arg(a, k, 3, "group"), -1
+
+
+def _all_reduce_coalesced(*a, **k):
+    lst = _arg(a, k, 0, "tensors")
+    return lst[0], sum(_nbytes(t) for t in lst), _arg(a, k, 2, "group"), -1
+
+
 def _all_to_all_single(*a, **k):
     inp = _arg(a, k, 1, "input")
     return inp, _nbytes(inp), _arg(a, k, 4, "group"), -1
@@ -268,7 +288,11 @@ def _barrier(*a, **k):
 _WRAPPERS = [
     ("all_reduce", "all_reduce", _all_reduce),
     ("all_gather_into_tensor", "all_gather", _all_gather_into),
+    ("all_gather_single", "all_gather", _all_gather_into),
     ("all_gather", "all_gather", _all_gather_list),
+    ("reduce_scatter_single", "reduce_scatter", _reduce_scatter_single),
+    ("reduce", "reduce", _reduce),
+    ("all_reduce_coalesced", "all_reduce", _all_reduce_coalesced),
     ("reduce_scatter_tensor", "reduce_scatter", _reduce_scatter_tensor),
     ("reduce_scatter", "reduce_scatter", _reduce_scatter_list),
     ("all_to_all_single", "all_to_all", _all_to_all_single),

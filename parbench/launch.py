@@ -51,17 +51,18 @@ def in_torchrun() -> bool:
         "PARBENCH_POOL_WORKER" not in os.environ
 
 
-def _setup_env(threads: int) -> None:
+def _setup_env(threads: int, device: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(threads))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if device == "cpu":  # DeepSpeed would otherwise look for an accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def init_process_group(rank: int, world_size: int, device: str, timeout_s: float,
                        threads: int = 1) -> WorkerContext:
     """Initialise torch.distributed for this rank (env:// rendezvous) and the ledger hooks."""
-    _setup_env(threads)
+    _setup_env(threads, device)
     import torch
     import torch.distributed as dist
 

@@ -51,7 +51,9 @@ class _LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
         for t in flat:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            # plain tensors only: a subclass (DTensor) has no storage of its own here, and the
+            # ops on its local shards run below this mode and are not seen (documented limit)
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":
                 st = t.untyped_storage()
                 key = id(st) if st.data_ptr() == 0 else st.data_ptr()
                 if key in self._live or st.nbytes() == 0:

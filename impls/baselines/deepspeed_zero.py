@@ -1,0 +1,245 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 on the same case (Rajbhandari et al. 2020; DeepSpeed's
+``DeepSpeedZeroOptimizer`` and ``DeepSpeedZeroOptimizer_Stage3``).
+
+The engine is built with ``deepspeed.initialize`` after torch.distributed is up (the pool
+initialised it; ``DS_ACCELERATOR=cpu`` on CPU machines, where DeepSpeed falls back to gloo), with
+a client ``torch.optim.AdamW(foreach=False)`` of the same hyper-parameters, so no fused Adam
+is compiled. ``engine.backward`` scales each micro-batch loss by 1/m itself
+(``gradient_accumulation_steps = m``). DeepSpeed's collectives go through
+``torch.distributed`` and land in parbench's ledger.
+
+What the ledger shows is DeepSpeed's own traffic, not the paper's accounting (a finding, not an
+error): see ``predict`` (the paper's figure) beside the measured row. The full gradients are
+read with ``deepspeed.utils.safe_get_full_grad`` before ``engine.step()`` with the ledger
+paused (that read is collective). DeepSpeed keeps process-global state (its comm backend,
+groups, the engine's hooks), so each case gets a fresh pool (``isolated``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from parbench import comm
+from parbench.config import CaseConfig, ConfigError
+from parbench.model import build_model, make_optimizer
+from parbench.scheme import Scheme, register
+
+from ..common import dp_slice, microbatches, optimizer_tensors
+from ..zero_common import paper_prediction
+
+
+def _import_deepspeed():
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "parbench", "torch_extensions")
+    os.makedirs(cache, exist_ok=True)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed
+    return deepspeed
+
+
+def deepspeed_config(case: CaseConfig, stage: int) -> dict:
+    p, r = case.parallel, case.run
+    bucket = max(1, int(p.bucket_mb * 2**20 / 4))
+    return {
+        "train_micro_batch_size_per_gpu": p.micro_batch_size,
+        "gradient_accumulation_steps": p.num_microbatches,
+        "train_batch_size": p.micro_batch_size * p.num_microbatches * p.dp,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                              "allgather_bucket_size": bucket,
+                              "stage3_prefetch_bucket_size": bucket,
+                              # free every gathered parameter after use, as the paper's
+                              # ZeRO-3 (and ours) does: no persistent small parameters, no
+                              # reuse window between forward and backward
+                              "stage3_param_persistence_threshold": 0,
+                              "stage3_max_reuse_distance": 0,
+                              "stage3_max_live_parameters": bucket},
+        "bf16": {"enabled": r.dtype == "bf16"},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class _MeshMPU:
+    """The model-parallel-unit interface DeepSpeed asks for, answered from parbench's mesh, so
+    DeepSpeed's collectives run on the mesh's own dp group (and are booked to axis dp)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def get_data_parallel_group(self):
+        return self.mesh.group("dp")
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.mesh.ranks("dp"))
+
+    def get_data_parallel_rank(self):
+        return self.mesh.index("dp")
+
+    def get_data_parallel_world_size(self):
+        return self.mesh.size("dp")
+
+    def get_model_parallel_group(self):
+        return self.mesh.group("tp")
+
+    def get_model_parallel_rank(self):
+        return self.mesh.index("tp")
+
+    def get_model_parallel_world_size(self):
+        return self.mesh.size("tp")
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.mesh.ranks("tp")[0]
+
+
+class _DeepSpeedZero(Scheme):
+    family = "data"
+    uses = ("dp",)
+    isolated = True
+    stage = 1
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        if case.parallel.world_size != case.parallel.dp:
+            raise ConfigError(f"dp={case.parallel.dp} must equal the world size for {cls.name}")
+        if case.run.optimizer != "adamw":
+            raise ConfigError(f"optimizer={case.run.optimizer!r}: {cls.name} runs adamw only")
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        ds = _import_deepspeed()
+        self._ds = ds
+        self.group = ctx.mesh.group("dp")
+        self.d = ctx.mesh.size("dp")
+        self.r = ctx.mesh.index("dp")
+        model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
+        self.names = [n for n, _ in model.named_parameters()]
+        opt = make_optimizer(model.parameters(), ctx.run)
+        with _quiet():
+            self.engine, self.opt, _, _ = ds.initialize(
+                model=model, optimizer=opt, config=deepspeed_config(ctx.case, self.stage),
+                mpu=_MeshMPU(ctx.mesh), dist_init_required=False)
+        self._grads: dict[str, torch.Tensor] = {}
+
+    def train_step(self, inputs, targets, step):
+        m = self.ctx.parallel.num_microbatches
+        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
+        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        tl = self.ctx.timeline
+        total = 0.0
+        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+            with tl.span("F", mb=i):
+                loss = self.engine(xm, ym)
+            with tl.span("B", mb=i):
+                self.engine.backward(loss)
+            total += float(loss.detach()) / m
+            if i == m - 1 and step < self.ctx.run.steps:
+                self._capture_grads()
+            with tl.span("optim" if i == m - 1 else "step", mb=i):
+                self.engine.step()
+        return self.reduce_loss(total / self.d, self.group)
+
+    def _capture_grads(self) -> None:
+        led = comm.active()
+        ctxm = led.pause() if led is not None else _Null()
+        with ctxm:
+            self._grads = {}
+            for n, p in zip(self.names, self.engine.module.parameters()):
+                g = self._ds.utils.safe_get_full_grad(p)
+                self._grads[n] = g.detach().float().clone().view(_shape(p))
+
+    def full_grads(self):
+        return self._grads
+
+    def full_params(self):
+        params = list(self.engine.module.parameters())
+        if self.stage == 3:
+            with self._ds.zero.GatheredParameters(params):
+                return {n: p.detach().float().clone() for n, p in zip(self.names, params)}
+        if self.ctx.run.dtype == "bf16":  # the fp32 master weights
+            return {n: self._ds.utils.safe_get_full_fp32_param(p).detach().clone().view(_shape(p))
+                    for n, p in zip(self.names, params)}
+        return {n: p.detach().float().clone() for n, p in zip(self.names, params)}
+
+    def state_tensors(self):
+        """What DeepSpeed holds (best effort): the module's parameter storages, the optimizer's
+        flat fp32 partitions and their gradients, and the client optimizer's states."""
+        params = [p for p in self.engine.module.parameters()]
+        if self.stage == 3:
+            params = [getattr(p, "ds_tensor", p) for p in params]
+        inner = self.engine.optimizer
+        flat = []
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            flat += [t for t in getattr(inner, attr, []) if isinstance(t, torch.Tensor)]
+        grads = [t.grad for t in flat if t.grad is not None]
+        for attr in ("averaged_gradients",):
+            v = getattr(inner, attr, None)
+            if isinstance(v, dict):
+                for lst in v.values():
+                    grads += [t for t in (lst or []) if isinstance(t, torch.Tensor)]
+        client = getattr(inner, "optimizer", inner)
+        opt = optimizer_tensors(client) if isinstance(client, torch.optim.Optimizer) else []
+        opt += flat  # DeepSpeed's fp32 partitions are copies, also in fp32 runs
+        return {"params": params, "grads": grads, "optimizer": opt}
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> dict:
+        return paper_prediction(case, cls.stage)
+
+
+def _shape(p) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _quiet:
+    """Keep DeepSpeed's start-up logging at warnings."""
+
+    def __enter__(self):
+        import logging
+        self._lg = logging.getLogger("DeepSpeed")
+        self._lvl = self._lg.level
+        self._lg.setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc):
+        self._lg.setLevel(self._lvl)
+        return False
+
+
+@register
+class DeepSpeedZero1(_DeepSpeedZero):
+    name = "baseline.deepspeed.zero1"
+    baseline_of = "zero.1"
+    stage = 1
+    description = "DeepSpeed ZeRO stage 1"
+
+
+@register
+class DeepSpeedZero2(_DeepSpeedZero):
+    name = "baseline.deepspeed.zero2"
+    baseline_of = "zero.2"
+    stage = 2
+    description = "DeepSpeed ZeRO stage 2"
+
+
+@register
+class DeepSpeedZero3(_DeepSpeedZero):
+    name = "baseline.deepspeed.zero3"
+    baseline_of = "zero.3"
+    stage = 3
+    description = "DeepSpeed ZeRO stage 3"

@@ -1,0 +1,122 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) on the same case, compared with
+``zero.3`` (Zhao et al. 2023, "PyTorch FSDP"; the ZeRO-3 scheme of Rajbhandari et al. 2020).
+
+Each transformer block is one FSDP unit and the root (embedding, final LN, LM head) another,
+on a 1-D ``DeviceMesh`` made from the mesh's dp group. Parameters become DTensors sharded on
+dim 0. AdamW (``foreach=False``, elementwise) steps the DTensors' local shards directly (the
+same arithmetic as stepping the DTensors, without DTensor's per-op dispatch, whose outputs
+parbench's CPU memory tracker cannot read and whose overhead would dominate a tiny model's
+step). Gradients are reduce-scattered every
+micro-batch and accumulate in the sharded ``.grad``. With ``dtype=bf16`` a
+``MixedPrecisionPolicy`` gathers bf16 parameters and reduces bf16 gradients; the sharded fp32
+parameters are the master weights.
+
+FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; parbench's ledger
+wraps ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the same c10d ops), so the
+adapter installs FSDP2's public custom-collective hooks (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``) with implementations that call those -- FSDP2's own buffers,
+sizes and order are unchanged, and its traffic lands in the ledger.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
+                                                                    DefaultReduceScatter)
+
+from parbench.config import CaseConfig
+from parbench.model import build_model, make_optimizer
+from parbench.scheme import Scheme, register
+
+from ..common import dp_slice, microbatches, optimizer_tensors
+from ..zero_common import paper_prediction
+
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated")
+
+
+class _LedgerAllGather(DefaultAllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class _LedgerReduceScatter(DefaultReduceScatter):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@register
+class TorchFSDP2(Scheme):
+    name = "baseline.torch.fsdp2"
+    family = "data"
+    baseline_of = "zero.3"
+    description = "torch FSDP2 fully_shard (one unit per block + root)"
+    uses = ("dp",)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.group = ctx.mesh.group("dp")
+        self.d = ctx.mesh.size("dp")
+        self.r = ctx.mesh.index("dp")
+        mesh = DeviceMesh.from_group(self.group, ctx.device.type)
+        model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
+        mp = MixedPrecisionPolicy()
+        if ctx.run.dtype == "bf16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        units = [fully_shard(blk, mesh=mesh, mp_policy=mp) for blk in model.blocks.values()]
+        units.append(fully_shard(model, mesh=mesh, mp_policy=mp))
+        for u in units:
+            u.set_custom_all_gather(_LedgerAllGather())
+            u.set_custom_reduce_scatter(_LedgerReduceScatter())
+        self.model = model
+        self.params = list(model.parameters())
+        self.local = [p.to_local().detach() for p in self.params]
+        self.opt = make_optimizer(self.local, ctx.run)
+
+    def train_step(self, inputs, targets, step):
+        m = self.ctx.parallel.num_microbatches
+        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
+        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        self.model.zero_grad(set_to_none=True)
+        tl = self.ctx.timeline
+        total = 0.0
+        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+            with tl.span("F", mb=i):
+                loss = self.model(xm, ym) / m
+            with tl.span("B", mb=i):
+                loss.backward()
+            total += float(loss.detach())
+        with tl.span("optim"):
+            for p, loc in zip(self.params, self.local):
+                loc.grad = p.grad.to_local() if p.grad is not None else None
+            self.opt.step()
+            for loc in self.local:
+                loc.grad = None
+        return self.reduce_loss(total / self.d, self.group)
+
+    def full_params(self):
+        return {n: p.full_tensor().detach().float() for n, p in self.model.named_parameters()}
+
+    def full_grads(self):
+        return {n: p.grad.full_tensor().detach().float()
+                for n, p in self.model.named_parameters()}
+
+    def state_tensors(self):
+        params = [_local(p) for p in self.params]
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        opt = optimizer_tensors(self.opt)
+        return {"params": params, "grads": grads, "optimizer": opt}
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> dict:
+        return paper_prediction(case, 3)
