@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from parbench.scheme import Scheme
+
 
 def dp_slice(x: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
     """Rows of the global batch that data-parallel rank ``dp_rank`` trains on."""
@@ -35,3 +37,23 @@ def optimizer_state_bytes(numel: int, num_param_tensors: int, optimizer: str,
         return 0
     return 2 * numel * state_elem_bytes + optimizer_bookkeeping_bytes(num_param_tensors,
                                                                       optimizer)
+
+
+class DataParallelScheme(Scheme):
+    """Base of the data-parallel family: the dp group, this rank's place in it, and its
+    micro-batches of the global batch (each replica trains on an equal slice)."""
+
+    family = "data"
+    uses = ("dp",)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.group = ctx.mesh.group("dp")
+        self.d = ctx.mesh.size("dp")
+        self.r = ctx.mesh.index("dp")
+
+    def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
+        dev = self.ctx.device
+        x = dp_slice(inputs, self.r, self.d).to(dev)
+        y = dp_slice(targets, self.r, self.d).to(dev)
+        return microbatches(x, y, self.ctx.parallel.num_microbatches)

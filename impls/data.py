@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from parbench.config import CaseConfig
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from .common import dp_slice, microbatches, optimizer_state_bytes, optimizer_tensors
+from .common import DataParallelScheme, optimizer_state_bytes, optimizer_tensors
 
 
 def bucket_assignment(sizes: list[int], cap_elems: int) -> list[list[int]]:
@@ -51,7 +51,7 @@ class _Bucket:
 
 
 @register
-class NativeDDP(Scheme):
+class NativeDDP(DataParallelScheme):
     name = "data.ddp"
     family = "data"
     description = "DDP: bucketed gradient all-reduce overlapping backward"
@@ -59,9 +59,6 @@ class NativeDDP(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.dp = ctx.mesh.size("dp")
-        self.dp_rank = ctx.mesh.index("dp")
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         cap = max(1, int(ctx.parallel.bucket_mb * 2**20 / self.params[0].element_size()))
@@ -81,19 +78,18 @@ class NativeDDP(Scheme):
         b = self._bucket_of[p]
         b.ready += 1
         if b.ready == len(b.params):
-            b.buffer.div_(self.dp)
+            b.buffer.div_(self.d)
             b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.dp_rank, self.dp).to(self.ctx.device)
-        y = dp_slice(targets, self.dp_rank, self.dp).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         for b in self.buckets:
             b.buffer.zero_()
             b.ready, b.work = 0, None
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             self._sync = i == m - 1
             with tl.span("F", mb=i):
                 loss = self.model(xm, ym) / m
@@ -106,7 +102,7 @@ class NativeDDP(Scheme):
                     b.work.wait()
         with tl.span("optim"):
             self.opt.step()
-        return self.reduce_loss(total / self.dp, self.group)
+        return self.reduce_loss(total / self.d, self.group)
 
     def full_params(self):
         return {n: p.detach() for n, p in self.model.named_parameters()}

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from parbench.config import CaseConfig, ConfigError
 from parbench.golden import GoldenRun, global_batch
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from .common import dp_slice, microbatches, optimizer_state_bytes, optimizer_tensors
+from .common import (DataParallelScheme, dp_slice, microbatches, optimizer_state_bytes,
+                     optimizer_tensors)
 
 
 def is_sync_step(step: int, period: int) -> bool:
@@ -52,11 +53,12 @@ def _flat_params(model, device):
     return params, flat, grads
 
 
-def _local_step(model, opt, grads, x, y, m) -> float:
+def _local_step(model, opt, grads, mbs) -> float:
     """One worker's step: m micro-batches, each loss scaled 1/m, then the optimizer."""
     grads.zero_()
     total = 0.0
-    for xm, ym in microbatches(x, y, m):
+    m = len(mbs)
+    for xm, ym in mbs:
         loss = model(xm, ym) / m
         loss.backward()
         total += float(loss.detach())
@@ -65,7 +67,7 @@ def _local_step(model, opt, grads, x, y, m) -> float:
 
 
 @register
-class LocalSGD(Scheme):
+class LocalSGD(DataParallelScheme):
     name = "data.local_sgd"
     family = "data"
     uses = ("dp",)
@@ -80,21 +82,16 @@ class LocalSGD(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.d = ctx.mesh.size("dp")
-        self.r = ctx.mesh.index("dp")
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.params, self.flat, self.grads = _flat_params(self.model, ctx.device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.opt = make_optimizer(self.params, ctx.run)
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         tl = self.ctx.timeline
         with tl.span("BW", mb=-1):
-            total = _local_step(self.model, self.opt, self.grads, x, y, m)
+            total = _local_step(self.model, self.opt, self.grads, mbs)
         if is_sync_step(step, self.ctx.parallel.local_sgd_period):
             with tl.span("average"):
                 dist.all_reduce(self.flat, group=self.group)
@@ -158,7 +155,8 @@ def simulate_workers(case: CaseConfig, steps: int) -> GoldenRun:
         x, y = global_batch(case, step)
         losses, grads_s = [], {}
         for r, (model, params, flat, grads, opt) in enumerate(workers):
-            losses.append(_local_step(model, opt, grads, dp_slice(x, r, d), dp_slice(y, r, d), m))
+            mbs = microbatches(dp_slice(x, r, d), dp_slice(y, r, d), m)
+            losses.append(_local_step(model, opt, grads, mbs))
             grads_s.update({f"w{r}/{n}": p.grad.detach().clone() for n, p in zip(names, params)})
         if is_sync_step(step, case.parallel.local_sgd_period):
             mean = torch.stack([w[2] for w in workers]).sum(0) / d

@@ -24,14 +24,14 @@ import torch
 
 from parbench.config import CaseConfig
 from parbench.model import build_model, compute_dtype, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from .common import dp_slice, microbatches, optimizer_tensors
+from .common import DataParallelScheme, optimizer_tensors
 from .zero_common import (all_gather_into, build_layout, reduce_scatter_into, split_units,
                           unit_views, zero_prediction)
 
 
-class _ZeroReplicated(Scheme):
+class _ZeroReplicated(DataParallelScheme):
     """ZeRO stages 1 and 2: replicated parameters, partitioned optimizer (and gradients)."""
 
     family = "data"
@@ -40,9 +40,6 @@ class _ZeroReplicated(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.d = ctx.mesh.size("dp")
-        self.r = ctx.mesh.index("dp")
         dev = ctx.device
         self.dtype = compute_dtype(ctx.run)
         self.mixed = self.dtype != torch.float32
@@ -137,12 +134,11 @@ class _ZeroReplicated(Scheme):
     # ---- the step -------------------------------------------------------------------------
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         self.gbuf.zero_()
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             self._mb = i
             self._sync = self.stage == 2 or i == m - 1
             self._ready = [0] * len(self._ready)

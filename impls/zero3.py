@@ -25,9 +25,9 @@ from torch.func import functional_call
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, compute_dtype, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from .common import dp_slice, microbatches, optimizer_tensors
+from .common import DataParallelScheme, optimizer_tensors
 from .zero_common import (all_gather_into, build_layout, model_layers, reduce_scatter_into,
                           split_units, unit_views, zero_prediction)
 
@@ -56,7 +56,7 @@ class _UnitParams(torch.autograd.Function):
 
 
 @register
-class Zero3(Scheme):
+class Zero3(DataParallelScheme):
     name = "zero.3"
     family = "data"
     uses = ("dp",)
@@ -72,9 +72,6 @@ class Zero3(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.d = ctx.mesh.size("dp")
-        self.r = ctx.mesh.index("dp")
         dev = ctx.device
         self.dtype = compute_dtype(ctx.run)
         self.mixed = self.dtype != torch.float32
@@ -203,12 +200,11 @@ class Zero3(Scheme):
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         self.gbuf.zero_()
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             self._mb = i
             with tl.span("F", mb=i):
                 loss = self._forward(xm, ym) / m

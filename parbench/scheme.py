@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

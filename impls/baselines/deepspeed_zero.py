@@ -23,9 +23,9 @@ import torch
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from ..common import dp_slice, microbatches, optimizer_tensors
+from ..common import DataParallelScheme, optimizer_tensors
 from ..zero_common import paper_prediction
 
 
@@ -98,7 +98,7 @@ class _MeshMPU:
         return self.mesh.ranks("tp")[0]
 
 
-class _DeepSpeedZero(Scheme):
+class _DeepSpeedZero(DataParallelScheme):
     family = "data"
     uses = ("dp",)
     isolated = True
@@ -130,11 +130,10 @@ class _DeepSpeedZero(Scheme):
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             with tl.span("F", mb=i):
                 loss = self.engine(xm, ym)
             with tl.span("B", mb=i):

@@ -30,9 +30,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGat
 
 from parbench.config import CaseConfig
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from ..common import dp_slice, microbatches, optimizer_tensors
+from ..common import DataParallelScheme, optimizer_tensors
 from ..zero_common import paper_prediction
 
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
@@ -56,7 +56,7 @@ def _local(t):
 
 
 @register
-class TorchFSDP2(Scheme):
+class TorchFSDP2(DataParallelScheme):
     name = "baseline.torch.fsdp2"
     family = "data"
     baseline_of = "zero.3"
@@ -65,9 +65,6 @@ class TorchFSDP2(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.d = ctx.mesh.size("dp")
-        self.r = ctx.mesh.index("dp")
         mesh = DeviceMesh.from_group(self.group, ctx.device.type)
         model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         mp = MixedPrecisionPolicy()
@@ -85,12 +82,11 @@ class TorchFSDP2(Scheme):
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.r, self.d).to(self.ctx.device)
-        y = dp_slice(targets, self.r, self.d).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         self.model.zero_grad(set_to_none=True)
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             with tl.span("F", mb=i):
                 loss = self.model(xm, ym) / m
             with tl.span("B", mb=i):

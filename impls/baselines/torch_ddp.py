@@ -7,19 +7,18 @@ in parbench's ledger like ours.
 """
 from __future__ import annotations
 
-import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import register
 
-from ..common import dp_slice, microbatches, optimizer_tensors
+from ..common import DataParallelScheme, optimizer_tensors
 from ..data import ddp_prediction
 
 
 @register
-class TorchDDP(Scheme):
+class TorchDDP(DataParallelScheme):
     name = "baseline.torch.ddp"
     family = "data"
     baseline_of = "data.ddp"
@@ -28,9 +27,6 @@ class TorchDDP(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.group = ctx.mesh.group("dp")
-        self.dp = ctx.mesh.size("dp")
-        self.dp_rank = ctx.mesh.index("dp")
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.ddp = DistributedDataParallel(self.model, process_group=self.group,
                                            bucket_cap_mb=ctx.parallel.bucket_mb)
@@ -39,12 +35,11 @@ class TorchDDP(Scheme):
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
-        x = dp_slice(inputs, self.dp_rank, self.dp).to(self.ctx.device)
-        y = dp_slice(targets, self.dp_rank, self.dp).to(self.ctx.device)
+        mbs = self.local_microbatches(inputs, targets)
         self.opt.zero_grad(set_to_none=False)
         tl = self.ctx.timeline
         total = 0.0
-        for i, (xm, ym) in enumerate(microbatches(x, y, m)):
+        for i, (xm, ym) in enumerate(mbs):
             last = i == m - 1
             ctx = self.ddp.no_sync() if not last else _null()
             with ctx:
@@ -55,7 +50,7 @@ class TorchDDP(Scheme):
             total += float(loss.detach())
         with tl.span("optim"):
             self.opt.step()
-        return self.reduce_loss(total / self.dp, self.group)
+        return self.reduce_loss(total / self.d, self.group)
 
     def full_params(self):
         return {n: p.detach() for n, p in self.model.named_parameters()}
