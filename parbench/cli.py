@@ -76,7 +76,7 @@ def cmd_run(args: list[str], as_json: bool) -> int:
 
     import shutil
     console = Console(stderr=as_json,
-                      width=max(shutil.get_terminal_size((160, 40)).columns, 160))
+                      width=max(shutil.get_terminal_size((160, 40)).columns, 200))
     out_dir = results_dir(suite.name, out, resume)
     console.print(f"[bold]parbench[/] suite [cyan]{suite.name}[/]: {len(suite.cases)} case(s), "
                   f"results in {out_dir}")

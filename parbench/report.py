@@ -74,12 +74,26 @@ def _states(row: dict) -> str:
 
 
 def _wire(row: dict) -> str:
+    """Per axis: measured (= predicted), then the calls actually made, e.g. all_reduce×7."""
     meas = row.get("wire_bytes") or {}
     pred = row.get("wire_bytes_predicted") or {}
     axes = sorted(set(meas) | set(k for k, v in pred.items() if v))
     if not axes:
         return "—"
-    return "\n".join(f"{a} {_vs(meas.get(a, 0.0), pred.get(a))}" for a in axes)
+    calls: dict[str, list[str]] = {}
+    for key, e in (row.get("ledger_summary") or {}).items():
+        axis, op = key.split("/", 1)
+        if e["wire_bytes"] or op not in ("recv", "barrier"):
+            calls.setdefault(axis, []).append(f"{op}×{e['count']}")
+    return "\n".join(f"{a} {_vs(meas.get(a, 0.0), pred.get(a))}"
+                     + (f"\n  {' '.join(calls[a])}" if a in calls else "") for a in axes)
+
+
+def _paper_states(row: dict) -> str | None:
+    """The ZeRO paper's mixed-precision accounting (2+2+K, K=12) for this rank, if given."""
+    paper = (row.get("prediction") or {}).get("paper") or {}
+    mixed = (paper.get("model_state_bytes") or {}).get("mixed_adam")
+    return fmt_bytes(mixed["total"]) if mixed else None
 
 
 def _extra_keys(rows: list[dict]) -> list[str]:
@@ -113,6 +127,9 @@ def tables(rows: list[dict]) -> list[Table]:
                     "ours / baseline"):
             t.add_column(col, overflow="fold")
         extra = _extra_keys(frows)
+        paper = any(_paper_states(r) for r in frows)
+        if paper:
+            t.add_column("ZeRO paper 2+2+K", overflow="fold")
         for k in extra:
             t.add_column(k, overflow="fold")
         for r in frows:
@@ -131,6 +148,7 @@ def tables(rows: list[dict]) -> list[Table]:
                 f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "—",
                 fmt_bytes(max(peaks)) if peaks else "—",
                 _states(r), _wire(r), rat_s,
+                *([_paper_states(r) or "—"] if paper else []),
                 *[_fmt_extra((r.get("extra") or {}).get(k)) for k in extra])
         out.append(t)
     return out
@@ -139,7 +157,7 @@ def tables(rows: list[dict]) -> list[Table]:
 def print_tables(rows: list[dict], console: Console | None = None) -> None:
     if console is None:
         import shutil
-        console = Console(width=max(shutil.get_terminal_size((160, 40)).columns, 160))
+        console = Console(width=max(shutil.get_terminal_size((160, 40)).columns, 200))
     for t in tables(rows):
         console.print(t)
 
