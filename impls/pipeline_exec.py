@@ -6,7 +6,8 @@ validator use, so a validated schedule cannot deadlock here):
 * before an action, the receives it needs are posted and waited for; the send produced by
   the previous action is posted in the same ``batch_isend_irecv`` (Megatron's
   ``send_forward_recv_backward`` pattern, which keeps NCCL from deadlocking when two
-  neighbours exchange at once);
+  neighbours exchange at once); on gloo the receives of the next action are posted too, so
+  the transfer overlaps this action's compute;
 * sends are asynchronous and only waited for at the end of the step;
 * messages between two ranks are matched in the order the *sender* produces them
   (gloo and NCCL match point-to-point messages between a pair in posting order). A
@@ -15,7 +16,8 @@ validator use, so a validated schedule cannot deadlock here):
 * a transfer between two stages on the same rank is a local hand-off (no traffic).
 
 Compute actions: ``F`` (forward of one micro-batch through one stage), ``BW`` (fused
-backward), ``B`` and ``W`` (split backward, see ``pipeline_split``). Every action is a
+backward), ``B`` and ``W`` (split backward, see ``pipeline_split``; on the first stage, whose
+input gradient nobody needs, B is empty and W is the whole backward). Every action is a
 timeline span ``F/B/W/BW`` with its micro-batch, stage and pipe. The loss of each
 micro-batch is scaled by 1/m so that accumulated gradients equal the full-batch mean.
 """
@@ -27,9 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
+from parbench.model import make_optimizer
 from parbench.schedules import Schedule
 
-from .pipeline_split import SplitBackward, fused_grads
+from .common import optimizer_tensors
+
+from .pipeline_split import SplitBackward, fused_backward_into_grad, fused_grads
 
 
 @dataclass
@@ -49,7 +54,20 @@ class StageSlot:
 
 
 class SyncWeights:
-    """Synchronous semantics: one weight version; gradients accumulate into ``p.grad``."""
+    """Synchronous semantics: one weight version; gradients accumulate into ``p.grad``;
+    one optimizer step per step. The hooks below are what the asynchronous rules
+    (``pipeline_async``) replace."""
+
+    #: fused backward may accumulate straight into ``p.grad`` of the module's parameters
+    accumulates_in_grad = True
+
+    def __init__(self, slots: list[StageSlot], run_cfg):
+        self.slots = slots
+        self.opt = make_optimizer([p for s in slots for p in s.params], run_cfg)
+
+    def loss_divisor(self, m: int) -> int:
+        """Each micro-batch loss is divided by m: accumulated gradients = full-batch mean."""
+        return m
 
     def forward_params(self, slot: StageSlot, mb: int):
         return None  # the module's own parameters
@@ -66,6 +84,14 @@ class SyncWeights:
                     p.grad = torch.zeros_like(p)
                 else:
                     p.grad.zero_()
+
+    def step_end(self) -> None:
+        self.opt.step()
+
+    def state_tensors(self) -> dict:
+        params = [p for s in self.slots for p in s.params]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.opt)}
 
 
 def stage_forward(module, inp, targets, param_dict=None):
@@ -130,8 +156,14 @@ class Executor:
         self.dtype = dtype
         self.device = device
         self.timeline = timeline
-        self.weights = weights or SyncWeights()
+        self.weights = weights
         self.sync_cuda = device.type == "cuda"
+        # gloo moves a message only once its receive is posted, so on CPU the receives of
+        # the next action are posted one action early and the transfer overlaps compute.
+        # NCCL waits do not block the host, and an early receive would sit in front of
+        # later sends on the communicator's stream, so there each receive is posted just
+        # in time (batched with the pending send).
+        self.lookahead = 1 if device.type == "cpu" else 0
         produced = _produced(schedule, me)
         self.row = schedule.actions[me]
         self.sends = [(k, d) for k, d in produced]
@@ -149,7 +181,7 @@ class Executor:
         self.peak_inflight = 0
 
     # ---- point-to-point ----------------------------------------------------------------
-    def _post(self, ops: list, recv_keys: list) -> None:
+    def _post(self, ops: list) -> None:
         """Post a batch; remember the work that completes each received key."""
         if not ops:
             return
@@ -166,8 +198,8 @@ class Executor:
 
     def _recv_ops(self, key) -> list:
         """Receive ops for ``key`` and every earlier message from the same sender."""
-        if key is None or key in self._local or key in self._recv_buf:
-            return []
+        if key is None or key not in self.recv_src or key in self._recv_buf:
+            return []  # nothing to receive, a local hand-off, or already posted
         src = self.recv_src[key]
         queue = self.recv_order[src]
         ops = []
@@ -190,6 +222,15 @@ class Executor:
             w.wait()
         return self._recv_buf.pop(key)
 
+    def _fused(self, slot, a, c: dict, grad_out):
+        """The whole backward of one (micro-batch, stage); returns the input gradient."""
+        boundary = c["boundary"] if a.stage > 0 else None
+        if getattr(self.weights, "accumulates_in_grad", False):
+            return fused_backward_into_grad(c["out"], boundary, c["params"], grad_out)
+        dx, grads = fused_grads(c["out"], boundary, c["params"], grad_out)
+        self.weights.on_grads(slot, a.mb, c["params"], grads)
+        return dx
+
     # ---- one step ----------------------------------------------------------------------
     def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> dict:
         """Run every action of this rank for one step; returns the summed micro-batch losses
@@ -203,11 +244,13 @@ class Executor:
         loss_sum = torch.zeros((), dtype=torch.float64)
         inflight = peak = 0
         tl = self.timeline
-        for a, (out_key, dst) in zip(self.row, self.sends):
+        for k, (a, (out_key, dst)) in enumerate(zip(self.row, self.sends)):
             need = needed_key(self.s, a)
             ops = pending + self._recv_ops(need)
+            for nxt in self.row[k + 1:k + 1 + self.lookahead]:
+                ops += self._recv_ops(needed_key(self.s, nxt))
             pending = []
-            self._post(ops, [])
+            self._post(ops)
             received = self._take(need)
             slot = self.slots[(a.pipe, a.stage)]
             key = (a.mb, a.stage, a.pipe)
@@ -219,30 +262,35 @@ class Executor:
                     params = slot.params if pdict is None else list(pdict.values())
                     if slot.module.last:
                         loss_sum += float(out.detach())
-                        out = out / m
+                        out = out / self.weights.loss_divisor(m)
                     ctx[key] = {"boundary": boundary, "out": out, "params": params}
                     inflight += 1
                     peak = max(peak, inflight)
                     produced = None if slot.module.last else out.detach()
                 elif a.kind == "BW":
-                    c = ctx.pop(key)
-                    dx, grads = fused_grads(c["out"], c["boundary"] if a.stage > 0 else None,
-                                            c["params"], received)
-                    self.weights.on_grads(slot, a.mb, c["params"], grads)
+                    produced = self._fused(slot, a, ctx.pop(key), received)
                     inflight -= 1
-                    produced = dx
                 elif a.kind == "B":
                     c = ctx[key]
-                    split = SplitBackward(c["out"], c["boundary"], c["params"])
-                    dx = split.input_grad(received)
-                    c.clear()
-                    c["split"], c["params"] = split, split.params
+                    if a.stage == 0:
+                        # nothing waits for the first stage's input gradient (its input is
+                        # tokens): B only keeps the output gradient, W runs the stage's whole
+                        # backward in one pass (torch.distributed.pipelining does the same)
+                        c["grad_out"] = received
+                        produced = None
+                    else:
+                        split = SplitBackward(c["out"], c["boundary"], c["params"])
+                        produced = split.input_grad(received)
+                        c.clear()
+                        c["split"], c["params"] = split, split.params
                     inflight -= 1
-                    produced = dx if a.stage > 0 else None
                 else:  # W
                     c = ctx.pop(key)
-                    grads = c["split"].weight_grads()
-                    self.weights.on_grads(slot, a.mb, c["params"], grads)
+                    if "split" in c:
+                        grads = c["split"].weight_grads()
+                        self.weights.on_grads(slot, a.mb, c["params"], grads)
+                    else:
+                        self._fused(slot, a, c, c["grad_out"])
                     produced = None
                 if self.sync_cuda:
                     torch.cuda.synchronize(self.device)
@@ -254,7 +302,7 @@ class Executor:
                     t = t.contiguous()
                     pending.append((dist.P2POp(dist.isend, t, self.global_rank[dst],
                                                self.group), None))
-        self._post(pending, [])
+        self._post(pending)
         for w, _ in self._send_works:
             if w is not None:
                 w.wait()

@@ -33,84 +33,80 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
-def _variable(node):
-    return getattr(node, "variable", None)
-
-
 def _analyse(root, target, param_index: dict[int, int]):
     """Frontier nodes of the graph under ``root`` relative to the boundary node ``target``.
 
     Returns ``(frontier, below_target)``: frontier is a list of (node, param indices reached
     through its weight-only children); below_target the param indices under ``target``.
+    One iterative post-order walk; parameter sets are bit masks.
     """
-    reach_x: dict = {}
-    params_below: dict = {}
-    order, stack, seen = [], [(root, False)], set()
-    while stack:  # iterative post-order
-        node, done = stack.pop()
-        if done:
-            order.append(node)
+    info: dict = {}  # node -> (reaches the boundary, bit mask of parameters below)
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if node in info:
+            stack.pop()
             continue
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
         if node is target:
-            continue  # nothing under the boundary belongs to B
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                stack.append((child, False))
-    for node in order:
-        var = _variable(node)
-        mine = set()
-        if var is not None and id(var) in param_index:
-            mine.add(param_index[id(var)])
-        is_x = node is target
-        if node is target:
-            below = _params_under(node, param_index)
-            params_below[node] = below
-            reach_x[node] = True
+            info[node] = (True, _mask_under(node, param_index))
+            stack.pop()
             continue
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            is_x = is_x or reach_x.get(child, False)
-            mine |= params_below.get(child, set())
-        reach_x[node] = is_x
-        params_below[node] = mine
+        children = node.next_functions
+        pending = False
+        for child, _ in children:
+            if child is not None and child not in info:
+                stack.append(child)
+                pending = True
+        if pending:
+            continue
+        stack.pop()
+        var = getattr(node, "variable", None)
+        mask = 1 << param_index[id(var)] if var is not None and id(var) in param_index else 0
+        reach = False
+        for child, _ in children:
+            if child is not None:
+                c_reach, c_mask = info[child]
+                reach = reach or c_reach
+                mask |= c_mask
+        info[node] = (reach, mask)
     frontier = []
-    for node in order:
-        if node is target or not reach_x[node]:
+    for node, (reach, _) in info.items():
+        if node is target or not reach:
             continue
-        weight_only, via_input = set(), set()
+        weight_only = via_input = 0
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            if reach_x.get(child, False):
-                via_input |= params_below.get(child, set())
+            c_reach, c_mask = info[child]
+            if c_reach:
+                via_input |= c_mask
             else:
-                weight_only |= params_below.get(child, set())
+                weight_only |= c_mask
         if weight_only:
             if weight_only & via_input:
                 raise NotImplementedError(
                     "split backward: a parameter is used both above and below a node on the "
                     "input path (shared weights inside one stage); use a fused-backward schedule")
-            frontier.append((node, sorted(weight_only)))
-    return frontier, sorted(params_below.get(target, set()))
+            frontier.append((node, _bits(weight_only)))
+    return frontier, _bits(info.get(target, (True, 0))[1])
 
 
-def _params_under(node, param_index) -> set[int]:
-    out, stack, seen = set(), [node], set()
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def _mask_under(node, param_index) -> int:
+    mask, stack, seen = 0, [node], set()
     while stack:
         n = stack.pop()
         if n is None or n in seen:
             continue
         seen.add(n)
-        var = _variable(n)
+        var = getattr(n, "variable", None)
         if var is not None and id(var) in param_index:
-            out.add(param_index[id(var)])
+            mask |= 1 << param_index[id(var)]
         stack.extend(c for c, _ in n.next_functions)
-    return out
+    return mask
 
 
 class SplitBackward:
@@ -177,3 +173,12 @@ def fused_grads(out: torch.Tensor, boundary: torch.Tensor | None, params: list[t
     if boundary is not None:
         return res[-1], list(res[:-1])
     return None, list(res)
+
+
+def fused_backward_into_grad(out: torch.Tensor, boundary: torch.Tensor | None,
+                             params: list[torch.Tensor], grad_out: torch.Tensor | None):
+    """BW accumulating straight into ``p.grad`` (as ``loss.backward()`` does); returns the
+    input gradient. ``boundary`` must be a leaf (the received activation) or None."""
+    inputs = list(params) + ([boundary] if boundary is not None else [])
+    torch.autograd.backward(out, grad_out, inputs=inputs)
+    return boundary.grad if boundary is not None else None

@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sys.stderr.write(f"parbench: error: {e}\n")
         return 2
+    except BrokenPipeError:  # output piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("parbench: interrupted; finished results are kept\n")
         return 130
