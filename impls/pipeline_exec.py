@@ -19,7 +19,10 @@ Compute actions: ``F`` (forward of one micro-batch through one stage), ``BW`` (f
 backward), ``B`` and ``W`` (split backward, see ``pipeline_split``; on the first stage, whose
 input gradient nobody needs, B is empty and W is the whole backward). Every action is a
 timeline span ``F/B/W/BW`` with its micro-batch, stage and pipe. The loss of each
-micro-batch is scaled by 1/m so that accumulated gradients equal the full-batch mean.
+micro-batch is divided by m so that accumulated gradients equal the full-batch mean (the
+weight rule decides: ``loss_divisor``; PipeDream, which updates after every micro-batch,
+uses 1). Weight rules (``SyncWeights`` here, the asynchronous ones in ``pipeline_async``)
+choose the parameters a forward runs on and receive the gradients of every backward.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ from parbench.model import make_optimizer
 from parbench.schedules import Schedule
 
 from .common import optimizer_tensors
-
 from .pipeline_split import SplitBackward, fused_backward_into_grad, fused_grads
 
 
@@ -97,23 +99,15 @@ class SyncWeights:
 def stage_forward(module, inp, targets, param_dict=None):
     """Forward of one stage: returns (boundary, output).
 
-    The boundary is the tensor B differentiates with respect to: the received input, or on
-    the first stage the embedding output (so the first stage's B covers its blocks and its W
-    the embedding and all weights). With ``param_dict`` (a stashed weight version) the stage
-    runs through ``functional_call`` and only fused backward is supported on the first stage.
+    The boundary is the tensor B differentiates with respect to: the received input (None on
+    the first stage, whose input is tokens). With ``param_dict`` (a stashed weight version,
+    PipeDream) the stage runs on those tensors through ``functional_call``.
     """
     if param_dict is not None:
         out = functional_call(module, param_dict, (inp, targets))
-        return (None if module.first else inp), out
-    if module.first:
-        boundary = module.embed(inp)
     else:
-        boundary = inp
-    h = boundary
-    for blk in module.blocks.values():
-        h = blk(h)
-    out = module.head(h, targets) if module.last else h
-    return boundary, out
+        out = module(inp, targets)
+    return (None if module.first else inp), out
 
 
 def _produced(schedule: Schedule, rank: int):

@@ -8,8 +8,9 @@ step), so W can fill pipeline bubbles.
 
 How it is done here, on any stage module, without changing the model code:
 
-* After the forward, the autograd graph from the stage output down to the stage's boundary
-  tensor (the received input; on the first stage the embedding output) is analysed once. A
+* At B, the autograd graph from the stage output down to the stage's boundary tensor (the
+  received input; any tensor works -- a non-leaf boundary's own subgraph, e.g. an
+  embedding under it, becomes weight work for W) is analysed once, one walk. A
   node is on the *input path* if it reaches the boundary. A *frontier* node is an input-path
   node with at least one child that reaches parameters but not the boundary (e.g. the addmm
   of a linear layer: one child leads to the input, one to the weight).
@@ -112,8 +113,8 @@ def _mask_under(node, param_index) -> int:
 class SplitBackward:
     """B and W of one (micro-batch, stage): ``input_grad(grad_out)`` then ``weight_grads()``.
 
-    ``boundary`` is the stage's input (a leaf that requires grad) or, on the first stage,
-    the embedding output; ``params`` the parameter tensors the forward used.
+    ``boundary`` is the stage's input (a leaf that requires grad, or a non-leaf such as an
+    embedding output); ``params`` the parameter tensors the forward used.
     """
 
     def __init__(self, out: torch.Tensor, boundary: torch.Tensor, params: list[torch.Tensor]):

@@ -1,0 +1,92 @@
+"""Step time of our 1F1B, interleaved, ZB-V and DualPipeV against torch.distributed.pipelining's
+on the same case; prints medians and the ratio ours / torch (< 1: ours faster).
+
+    python scripts/bench_pipeline.py [model=small] [num_layers=8] [pp=2] [num_microbatches=8]
+                                     [timed_steps=8] [repeats=3] [schedules=1f1b,zbv]
+                                     [key=value ...]
+
+Each scheme runs the same case (one checked step against the golden run, then
+``timed_steps`` timed ones; the harness takes each rank's median and the slowest rank). The
+two sides of a pair run alternately ``repeats`` times on one pool of ranks and the median of
+the repeats is reported, so slow drift of a shared machine hits both. By default pp=2, so on a
+2-core machine each rank has a core of its own. No assertions: this prints numbers.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parbench.config import CaseConfig, apply_overrides, parse_overrides  # noqa: E402
+from parbench.harness import merge_ranks, run_case  # noqa: E402
+from parbench.launch import WorkerPool  # noqa: E402
+from parbench.scheme import get_scheme  # noqa: E402
+
+#: (ours, torch's, vpp)
+PAIRS = [("pipeline.1f1b", "baseline.torch.pipelining.1f1b", 1),
+         ("pipeline.interleaved", "baseline.torch.pipelining.interleaved", 2),
+         ("pipeline.zbv", "baseline.torch.pipelining.zbv", 2),
+         ("pipeline.dualpipev", "baseline.torch.pipelining.dualpipev", 2)]
+DEFAULTS = {"model": "small", "num_layers": "8", "pp": "2", "steps": "1",
+            "timed_steps": "8", "warmup_steps": "2", "num_microbatches": "8",
+            "micro_batch_size": "1"}
+
+
+def run_one(pool: WorkerPool, case: CaseConfig) -> dict:
+    cls = get_scheme(case.run.scheme)
+    cls.check(case)
+    per_rank = pool.run(run_case, case.to_dict(), timeout_s=600)
+    names = sorted(cls.reference(case, 1).params[0])
+    merged = merge_ranks(per_rank, names)
+    merged["send_bytes"] = sum(x["wire_bytes"] for r in per_rank for x in r["ledger"]
+                               if x["op"] == "send")
+    return merged
+
+
+def main(argv: list[str]) -> None:
+    ov = {**DEFAULTS, **parse_overrides(argv)}
+    repeats = int(ov.pop("repeats", 3))
+    only = ov.pop("schedules", "")
+    pairs = [pr for pr in PAIRS if not only or pr[0].split(".", 1)[1] in only.split(",")]
+    base = apply_overrides(CaseConfig(), ov)
+    times: dict[str, list[float]] = {}
+    ok: dict[str, bool] = {}
+    sent: dict[str, float] = {}
+    t0 = time.time()
+    with WorkerPool(base.parallel.world_size) as pool:
+        for rep in range(repeats):
+            for ours, theirs, vpp in pairs:
+                for s in (ours, theirs) if rep % 2 == 0 else (theirs, ours):
+                    case = apply_overrides(base, {"scheme": s, "vpp": vpp})
+                    merged = run_one(pool, case)
+                    times.setdefault(s, []).append(merged["step_time_s"])
+                    ok[s] = ok.get(s, True) and merged["equivalent"]
+                    sent[s] = merged["send_bytes"]
+                    print(f"  repeat {rep + 1}/{repeats} {s:40s} "
+                          f"{merged['step_time_s'] * 1e3:8.2f} ms  p2p sent "
+                          f"{merged['send_bytes'] / 2**10:8.1f} KiB  "
+                          f"{'pass' if merged['equivalent'] else 'FAIL'}", flush=True)
+    med = {s: statistics.median(v) for s, v in times.items()}
+    m, p = base.model, base.parallel
+    print(f"\ncase: model={m.name} (h={m.hidden_size}, layers={m.num_layers}, "
+          f"seq={m.seq_length}), pp={p.pp}, micro-batches={p.num_microbatches}x"
+          f"{p.micro_batch_size}, {base.run.timed_steps} timed steps x {repeats} repeats, "
+          f"device={base.run.device} ({time.time() - t0:.0f} s)")
+    print(f"{'scheme':42s} {'median step ms':>15s} {'p2p KiB*':>9s}  golden")
+    for ours, theirs, _ in pairs:
+        for s in (ours, theirs):
+            print(f"{s:42s} {med[s] * 1e3:15.2f} {sent[s] / 2**10:9.1f}  "
+                  f"{'pass' if ok[s] else 'FAIL'}")
+    print("* point-to-point bytes sent by all ranks in the checked step (step 0: includes "
+          "torch's one-time warm-up and metadata messages)")
+    print()
+    for ours, theirs, _ in pairs:
+        r = med[ours] / med[theirs]
+        print(f"ratio {ours} / {theirs}: {r:.2f}x  ({'ours faster' if r < 1 else 'ours slower'})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
