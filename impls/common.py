@@ -39,6 +39,16 @@ def optimizer_state_bytes(numel: int, num_param_tensors: int, optimizer: str,
                                                                       optimizer)
 
 
+class ReplicaMixin:
+    """For schemes whose rank holds a whole ``self.model`` with ordinary ``.grad``s."""
+
+    def full_params(self):
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def full_grads(self):
+        return {n: p.grad.detach() for n, p in self.model.named_parameters()}
+
+
 class DataParallelScheme(Scheme):
     """Base of the data-parallel family: the dp group, this rank's place in it, and its
     micro-batches of the global batch (each replica trains on an equal slice)."""

@@ -19,7 +19,7 @@ from parbench.config import CaseConfig
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
-from .common import DataParallelScheme, optimizer_state_bytes, optimizer_tensors
+from .common import DataParallelScheme, ReplicaMixin, optimizer_state_bytes, optimizer_tensors
 
 
 def bucket_assignment(sizes: list[int], cap_elems: int) -> list[list[int]]:
@@ -51,7 +51,7 @@ class _Bucket:
 
 
 @register
-class NativeDDP(DataParallelScheme):
+class NativeDDP(ReplicaMixin, DataParallelScheme):
     name = "data.ddp"
     family = "data"
     description = "DDP: bucketed gradient all-reduce overlapping backward"
@@ -103,12 +103,6 @@ class NativeDDP(DataParallelScheme):
         with tl.span("optim"):
             self.opt.step()
         return self.reduce_loss(total / self.d, self.group)
-
-    def full_params(self):
-        return {n: p.detach() for n, p in self.model.named_parameters()}
-
-    def full_grads(self):
-        return {n: p.grad.detach() for n, p in self.model.named_parameters()}
 
     def state_tensors(self):
         return {"params": list(self.params), "grads": [b.buffer for b in self.buckets],

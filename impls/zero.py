@@ -28,7 +28,7 @@ from parbench.scheme import register
 
 from .common import DataParallelScheme, optimizer_tensors
 from .zero_common import (all_gather_into, build_layout, reduce_scatter_into, split_units,
-                          unit_views, zero_prediction)
+                          step_masters, unit_views, zero_prediction)
 
 
 class _ZeroReplicated(DataParallelScheme):
@@ -155,15 +155,7 @@ class _ZeroReplicated(DataParallelScheme):
         with tl.span("optim"):
             for g in self.gshard:
                 g.div_(self.d)
-            for master, g in zip(self.masters, self.gshard):
-                master.grad = g if not self.mixed else g.float()
-            self.opt.step()
-            for master in self.masters:
-                master.grad = None
-            if self.mixed:
-                with torch.no_grad():
-                    for own, master in zip(self.own, self.masters):
-                        own.copy_(master)
+            step_masters(self.opt, self.masters, self.gshard, self.mixed, self.own)
         works = [all_gather_into(buf, own, self.group, True)
                  for buf, own in zip(self.ubuf, self.own)]
         with tl.span("wait"):

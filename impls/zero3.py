@@ -29,7 +29,7 @@ from parbench.scheme import register
 
 from .common import DataParallelScheme, optimizer_tensors
 from .zero_common import (all_gather_into, build_layout, model_layers, reduce_scatter_into,
-                          split_units, unit_views, zero_prediction)
+                          split_units, step_masters, unit_views, zero_prediction)
 
 
 class _Saved:
@@ -218,15 +218,7 @@ class Zero3(DataParallelScheme):
             self._live.clear()
         with tl.span("optim"):
             self.gbuf.div_(self.d)
-            for master, g in zip(self.masters, self.gshard):
-                master.grad = g if not self.mixed else g.float()
-            self.opt.step()
-            for master in self.masters:
-                master.grad = None
-            if self.mixed:
-                with torch.no_grad():
-                    for shard, master in zip(self.shards, self.masters):
-                        shard.copy_(master)
+            step_masters(self.opt, self.masters, self.gshard, self.mixed, self.shards)
         return self.reduce_loss(total / self.d, self.group)
 
     # ---- comparison and accounting ---------------------------------------------------------

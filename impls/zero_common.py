@@ -274,3 +274,19 @@ def paper_prediction(case: CaseConfig, stage: int) -> dict:
         "params": psi,
         "paper": paper_figures(psi, d, stage, e, mixed),
     }
+
+
+def step_masters(opt, masters: list[torch.Tensor], grad_shards: list[torch.Tensor],
+                 mixed: bool, owned: list[torch.Tensor]) -> None:
+    """The optimizer step on this rank's fp32 master shards (ZeRO Sec. 5.1): hand each master
+    its (averaged) gradient shard, step, drop the gradients, and with mixed precision copy
+    the updated masters into the low-precision shards the model computes with."""
+    for master, g in zip(masters, grad_shards):
+        master.grad = g if not mixed else g.float()
+    opt.step()
+    for master in masters:
+        master.grad = None
+    if mixed:
+        with torch.no_grad():
+            for own, master in zip(owned, masters):
+                own.copy_(master)

@@ -92,6 +92,11 @@ def init_from_env(device: str = "cpu", timeout_s: float = 600.0) -> WorkerContex
 
 
 def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results):
+    if not os.environ.get("PARBENCH_VERBOSE"):
+        # libraries print banners on stdout (DeepSpeed lists its layers); the parent's
+        # progress and tables own stdout. stderr (warnings) stays; PARBENCH_VERBOSE=1 keeps all
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "PARBENCH_POOL_WORKER": "1"})

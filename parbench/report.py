@@ -54,10 +54,13 @@ def baseline_ratios(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
     return out
 
 
-def _vs(measured, predicted) -> str:
+def _vs(measured, predicted, exact: bool | None = None) -> str:
+    """'x =' when measured equals predicted (on every rank, if ``exact`` says so)."""
     if predicted is None:
         return fmt_bytes(measured)
-    if measured is not None and abs(float(measured) - float(predicted)) < 0.5:
+    if exact is None:
+        exact = measured is not None and abs(float(measured) - float(predicted)) < 0.5
+    if exact:
         return f"{fmt_bytes(measured)} ="
     return f"{fmt_bytes(measured)} / {fmt_bytes(predicted)}"
 
@@ -70,7 +73,7 @@ def _states(row: dict) -> str:
     m = sum(meas.values())
     if not pred:
         return fmt_bytes(m)
-    return _vs(m, sum(pred.get(k, 0) for k in meas))
+    return _vs(m, sum(pred.get(k, 0) for k in meas), row.get("model_state_exact"))
 
 
 def _wire(row: dict) -> str:
@@ -85,7 +88,8 @@ def _wire(row: dict) -> str:
         axis, op = key.split("/", 1)
         if e["wire_bytes"] or op not in ("recv", "barrier"):
             calls.setdefault(axis, []).append(f"{op}×{e['count']}")
-    return "\n".join(f"{a} {_vs(meas.get(a, 0.0), pred.get(a))}"
+    exact = row.get("wire_exact")
+    return "\n".join(f"{a} {_vs(meas.get(a, 0.0), pred.get(a), exact if a in pred else None)}"
                      + (f"\n  {' '.join(calls[a])}" if a in calls else "") for a in axes)
 
 
@@ -96,13 +100,47 @@ def _paper_states(row: dict) -> str | None:
     return fmt_bytes(mixed["total"]) if mixed else None
 
 
+#: pipeline bubble ratios, folded into one column in this order
+BUBBLE_KEYS = ("bubble_measured", "bubble_replayed", "bubble_sim_mean_costs", "bubble_unit",
+               "bubble_closed_form")
+BUBBLE_COLUMN = "bubble: measured / replayed /\nsim (mean costs) / unit / closed form"
+
+
+def _peaks(row: dict) -> str:
+    """Largest peak per rank; every rank's when they differ by more than 5% (pipeline
+    stages), in rank order."""
+    peaks = [p for p in row.get("peak_bytes") or [] if p is not None]
+    if not peaks:
+        return "—"
+    if max(peaks) > 1.05 * min(peaks):
+        return "\n".join(f"r{i} {fmt_bytes(p)}" for i, p in enumerate(peaks))
+    return fmt_bytes(max(peaks))
+
+
 def _extra_keys(rows: list[dict]) -> list[str]:
     keys: list[str] = []
     for r in rows:
         for k, v in (r.get("extra") or {}).items():
+            if k in BUBBLE_KEYS:
+                k = BUBBLE_COLUMN
             if k not in keys and (v is None or isinstance(v, (int, float, str))):
                 keys.append(k)
     return keys
+
+
+def _extra_value(row: dict, key: str) -> str:
+    extra = row.get("extra") or {}
+    if key == BUBBLE_COLUMN:
+        vals = [extra.get(k) for k in BUBBLE_KEYS]
+        if all(v is None for v in vals):
+            return "—"
+        return " / ".join("—" if v is None else f"{100 * v:.1f}%" for v in vals)
+    return _fmt_extra(extra.get(key))
+
+
+def _uniform_tolerance(rows: list[dict]) -> dict | None:
+    tols = {tuple(sorted((r.get("tolerance") or {}).items())) for r in rows}
+    return dict(next(iter(tols))) if len(tols) == 1 else None
 
 
 def _fmt_extra(v) -> str:
@@ -120,11 +158,19 @@ def tables(rows: list[dict]) -> list[Table]:
         fams.setdefault(r.get("family", "?"), []).append(r)
     out = []
     for fam, frows in fams.items():
-        t = Table(title=f"{fam} — {len(frows)} case(s)  (bytes per rank per step; "
-                        "measured = predicted shows '=')", show_lines=True)
-        for col in ("scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
-                    "step ms", "tok/s", "peak/rank", "model states", "wire bytes",
-                    "ours / baseline"):
+        uniform = _uniform_tolerance(frows)
+        caption = ("bytes per rank per step, largest rank; 'x =' means every rank equals its "
+                   "prediction; KiB = 2^10 B, MiB = 2^20 B")
+        if uniform:
+            caption += (f"; tolerance rtol {uniform.get('rtol', 0):.0e}, atol "
+                        f"{uniform.get('atol', 0):.0e}, params {uniform.get('param_atol', 0):.0e}"
+                        " (tensor-wise)")
+        t = Table(title=f"{fam} — {len(frows)} case(s)", caption=caption, show_lines=True)
+        cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
+                "step ms", "tok/s", "peak/rank", "model states", "wire bytes", "ours / baseline"]
+        if uniform:
+            cols.remove("tolerance")
+        for col in cols:
             t.add_column(col, overflow="fold")
         extra = _extra_keys(frows)
         paper = any(_paper_states(r) for r in frows)
@@ -134,22 +180,22 @@ def tables(rows: list[dict]) -> list[Table]:
             t.add_column(k, overflow="fold")
         for r in frows:
             tol = r.get("tolerance", {})
-            peaks = [p for p in r.get("peak_bytes") or [] if p is not None]
             rat = ratios.get(r["id"], [])
             rat_s = "\n".join(f"{v:.2f}× {b.replace('baseline.', '')}" for b, v in rat) or "—"
+            tol_cell = [] if uniform else [
+                f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
+                f"param {tol.get('param_atol', 0):.0e}"]
             t.add_row(
                 r["scheme"], _degrees(r),
                 "[green]pass[/]" if r["equivalent"] else "[red]FAIL[/]",
                 "\n".join(fmt_sci(r.get(k)) for k in ("max_loss_abs", "max_grad_abs",
                                                       "max_param_abs")),
-                f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
-                f"param {tol.get('param_atol', 0):.0e}",
+                *tol_cell,
                 f"{r['step_time_s'] * 1e3:.2f}" if r.get("step_time_s") else "—",
                 f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "—",
-                fmt_bytes(max(peaks)) if peaks else "—",
-                _states(r), _wire(r), rat_s,
+                _peaks(r), _states(r), _wire(r), rat_s,
                 *([_paper_states(r) or "—"] if paper else []),
-                *[_fmt_extra((r.get("extra") or {}).get(k)) for k in extra])
+                *[_extra_value(r, k) for k in extra])
         out.append(t)
     return out
 

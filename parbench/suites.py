@@ -193,6 +193,7 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
     figures = cls.write_figures(case, per_rank, out_dir) if hasattr(cls, "write_figures") else []
     axes = sorted({a for w in merged["wire_by_axis"] for a in w})
     wire_measured = {a: max(w.get(a, 0.0) for w in merged["wire_by_axis"]) for a in axes}
+    wire_exact, states_exact = _exact_per_rank(pred, merged)
     extra = {}
     for r in per_rank:
         for k, v in (r.get("extra") or {}).items():
@@ -228,6 +229,9 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
         "wire_bytes": wire_measured,
         "wire_bytes_per_rank": merged["wire_by_axis"],
         "wire_bytes_predicted": pred.get("wire_bytes"),
+        # every rank's measured figure equals its own prediction (None: no prediction)
+        "wire_exact": wire_exact,
+        "model_state_exact": states_exact,
         "prediction": {k: v for k, v in pred.items()
                        if k not in ("wire_bytes", "model_state_bytes")},
         "ledger_summary": _ledger_summary(per_rank[0]["ledger"]),
@@ -237,6 +241,26 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
+
+
+def _exact_per_rank(pred: dict, merged: dict) -> tuple[bool | None, bool | None]:
+    """Compare each rank with its prediction: ``*_per_rank`` lists when a scheme gives them
+    (pipeline stages differ), else the one figure every rank should show."""
+    world = len(merged["wire_by_axis"])
+    out = []
+    for key, measured, tol in (("wire_bytes", merged["wire_by_axis"], 0.5),
+                               ("model_state_bytes", merged["model_state_bytes"], 0)):
+        per_rank = pred.get(f"{key}_per_rank") or ([pred[key]] * world if pred.get(key) else None)
+        if not per_rank or any(m is None for m in measured):
+            out.append(None)
+            continue
+        ok = True
+        for m, p in zip(measured, per_rank):
+            for k in set(m) | set(p):
+                if abs(float(m.get(k, 0) or 0) - float(p.get(k, 0) or 0)) > tol:
+                    ok = False
+        out.append(ok)
+    return out[0], out[1]
 
 
 def _ledger_summary(records: list[dict]) -> dict:

@@ -13,12 +13,12 @@ from torch.nn.parallel import DistributedDataParallel
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
-from ..common import DataParallelScheme, optimizer_tensors
+from ..common import DataParallelScheme, ReplicaMixin, optimizer_tensors
 from ..data import ddp_prediction
 
 
 @register
-class TorchDDP(DataParallelScheme):
+class TorchDDP(ReplicaMixin, DataParallelScheme):
     name = "baseline.torch.ddp"
     family = "data"
     baseline_of = "data.ddp"
@@ -51,12 +51,6 @@ class TorchDDP(DataParallelScheme):
         with tl.span("optim"):
             self.opt.step()
         return self.reduce_loss(total / self.d, self.group)
-
-    def full_params(self):
-        return {n: p.detach() for n, p in self.model.named_parameters()}
-
-    def full_grads(self):
-        return {n: p.grad.detach() for n, p in self.model.named_parameters()}
 
     def state_tensors(self):
         return {"params": list(self.model.parameters()),
