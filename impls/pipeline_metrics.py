@@ -17,6 +17,8 @@ the same figures, so the results row is complete whichever rank it is read from.
 """
 from __future__ import annotations
 
+import statistics
+
 import socket
 from collections import defaultdict
 
@@ -124,16 +126,35 @@ def p2p_latency(schedule, times: dict) -> float:
     return max(0.0, samples[len(samples) // 2]) if samples else 0.0
 
 
-def _from_measurements(schedule, events: list[dict], one_host: bool) -> tuple[dict, dict]:
-    """Measured, replayed and mean-cost figures from the compute spans of every rank."""
-    costs = {_action(e): e["end"] - e["start"] for e in events}
-    if len(costs) != schedule.num_actions():
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tuple[dict, dict]:
+    """Measured, replayed and mean-cost figures from the compute spans of every rank.
+
+    ``steps`` holds each measured step's events (all ranks). With ranks sharing cores a
+    single op can stall for milliseconds when its process is descheduled, so the per-op cost
+    fed to the replay is the median of that action's duration over the measured steps; the
+    measured bubble and the p2p latency are medians over steps too.
+    """
+    per_step_costs, per_step_meas, per_step_lat = [], [], []
+    for events in steps:
+        costs = {_action(e): e["end"] - e["start"] for e in events}
+        if len(costs) != schedule.num_actions():
+            continue
+        per_step_costs.append(costs)
+        per_step_meas.append(bubble_ratio(events, ranks=schedule.p))
+        times = {_action(e): (e["start"], e["end"]) for e in events}
+        per_step_lat.append(p2p_latency(schedule, times) if one_host else 0.0)
+    if not per_step_costs:
         return ({"bubble_measured": None, "bubble_replayed": None,
                  "bubble_sim_mean_costs": None},
-                {"missing": f"{len(costs)} of {schedule.num_actions()} actions timed"})
-    meas = bubble_ratio(events, ranks=schedule.p)
-    times = {_action(e): (e["start"], e["end"]) for e in events}
-    latency = p2p_latency(schedule, times) if one_host else 0.0
+                {"missing": f"no step had all {schedule.num_actions()} actions timed"})
+    costs = {a: _median([c[a] for c in per_step_costs]) for a in per_step_costs[0]}
+    meas_bubble = _median([m["overall"] for m in per_step_meas])
+    meas = min(per_step_meas, key=lambda m: abs(m["overall"] - meas_bubble))
+    latency = _median(per_step_lat)
     replay = simulate(schedule, costs=costs, p2p=latency)
     replay0 = simulate(schedule, costs=costs)
     sums: dict = defaultdict(lambda: [0.0, 0])
@@ -145,38 +166,45 @@ def _from_measurements(schedule, events: list[dict], one_host: bool) -> tuple[di
     per_kind = defaultdict(list)
     for a, t in costs.items():
         per_kind[a.kind].append(t)
-    flat = {"bubble_measured": meas["overall"], "bubble_replayed": replay.bubble,
+    flat = {"bubble_measured": meas_bubble, "bubble_replayed": replay.bubble,
             "bubble_sim_mean_costs": mean_sim.bubble}
     detail = {
-        "measured": {"bubble": meas["overall"], "makespan_s": meas["makespan"],
-                     "per_rank": [meas["per_rank"].get(r) for r in range(schedule.p)]},
+        "steps_measured": len(per_step_costs),
+        "measured": {"bubble": meas_bubble, "makespan_s": meas["makespan"],
+                     "per_rank": [meas["per_rank"].get(r) for r in range(schedule.p)],
+                     "per_step": [m["overall"] for m in per_step_meas]},
         "replayed": {"bubble": replay.bubble, "makespan_s": replay.makespan,
                      "per_rank": replay.bubble_per_rank, "p2p_latency_s": latency},
         "replayed_zero_latency": {"bubble": replay0.bubble, "makespan_s": replay0.makespan},
         "sim_mean_costs": {"bubble": mean_sim.bubble, "makespan_s": mean_sim.makespan},
         "replayed_minus_sim_mean_costs_pp": 100 * (replay.bubble - mean_sim.bubble),
-        "measured_minus_replayed_pp": 100 * (meas["overall"] - replay.bubble),
+        "measured_minus_replayed_pp": 100 * (meas_bubble - replay.bubble),
         "mean_cost_s": {k: sum(v) / len(v) for k, v in per_kind.items()},
     }
     return flat, detail
 
 
-def bubble_metrics(schedule, events: list[dict], group, peak_inflight: int) -> dict:
-    """All bubble figures for the case (collective over the pp group)."""
-    mine = [e for e in events if e["cat"] == "compute" and e["kind"] in KINDS]
-    gathered = _gather({"host": socket.gethostname(), "events": mine,
+def bubble_metrics(schedule, steps: list[list[dict]], group, peak_inflight: int) -> dict:
+    """All bubble figures for the case (collective over the pp group); ``steps`` holds this
+    rank's compute events of each measured step."""
+    mine = [[e for e in events if e["cat"] == "compute" and e["kind"] in KINDS]
+            for events in steps]
+    gathered = _gather({"host": socket.gethostname(), "steps": mine,
                         "peak_inflight": peak_inflight}, group)
     one_host = len({g["host"] for g in gathered}) == 1
-    all_events = []
-    for rank, g in enumerate(gathered):
-        evs = g["events"]
-        t0 = 0.0 if one_host else min((e["start"] for e in evs), default=0.0)
-        all_events += [dict(e, rank=rank, start=e["start"] - t0, end=e["end"] - t0)
-                       for e in evs]
+    step_events = []
+    for i in range(min(len(g["steps"]) for g in gathered)):
+        all_events = []
+        for rank, g in enumerate(gathered):
+            evs = g["steps"][i]
+            t0 = 0.0 if one_host else min((e["start"] for e in evs), default=0.0)
+            all_events += [dict(e, rank=rank, start=e["start"] - t0, end=e["end"] - t0)
+                           for e in evs]
+        step_events.append(all_events)
     unit = simulate(schedule)
     meas_peaks = [g["peak_inflight"] for g in gathered]
     value, note, cf_costs = closed_form(schedule)
-    flat, detail = _from_measurements(schedule, all_events, one_host)
+    flat, detail = _from_measurements(schedule, step_events, one_host)
     detail.update({
         "unit": {"bubble": unit.bubble, "makespan": unit.makespan,
                  "per_rank": unit.bubble_per_rank},

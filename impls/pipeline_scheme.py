@@ -88,7 +88,8 @@ class PipelineScheme(Scheme):
         self.executor = Executor(self.schedule, self.me, self.group, self.group_ranks,
                                  self.slots, shape, torch.float32, ctx.device, ctx.timeline,
                                  self.weights)
-        self._last_events: list[dict] = []
+        # compute events of the last checked step and every timed step after it
+        self._step_events: list[list[dict]] = []
         # First use of the group by every member (NCCL creates communicators lazily).
         torch.distributed.barrier(group=self.group)
 
@@ -109,8 +110,8 @@ class PipelineScheme(Scheme):
                 self._sync_replicas()
         with tl.span("optim"):
             self.weights.step_end()
-        if step == self.ctx.run.steps - 1:
-            self._last_events = [e for e in tl.as_dicts() if e["cat"] == "compute"]
+        if step >= self.ctx.run.steps - 1:
+            self._step_events.append([e for e in tl.as_dicts() if e["cat"] == "compute"])
         return self.reduce_loss(res["loss_sum"], self.group)
 
     def _partner(self) -> int:
@@ -177,7 +178,7 @@ class PipelineScheme(Scheme):
         return self.weights.state_tensors()
 
     def extra_metrics(self):
-        return bubble_metrics(self.schedule, self._last_events, self.group,
+        return bubble_metrics(self.schedule, self._step_events, self.group,
                               self.executor.peak_inflight)
 
     # ---- before spawning ---------------------------------------------------------------
