@@ -165,6 +165,11 @@ def tables(rows: list[dict]) -> list[Table]:
             caption += (f"; tolerance rtol {uniform.get('rtol', 0):.0e}, atol "
                         f"{uniform.get('atol', 0):.0e}, params {uniform.get('param_atol', 0):.0e}"
                         " (tensor-wise)")
+        shared = [r for r in frows if r.get("host_cpus") and r["world_size"] > r["host_cpus"]]
+        if shared:
+            caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
+                        f"{shared[0]['host_cpus']} cores (marked *): their wall-clock times and "
+                        "measured/replayed bubbles include core sharing")
         t = Table(title=f"{fam} — {len(frows)} case(s)", caption=caption, show_lines=True)
         cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
                 "step ms", "tok/s", "peak/rank", "model states", "wire bytes", "ours / baseline"]
@@ -185,8 +190,9 @@ def tables(rows: list[dict]) -> list[Table]:
             tol_cell = [] if uniform else [
                 f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
                 f"param {tol.get('param_atol', 0):.0e}"]
+            star = "*" if r in shared else ""
             t.add_row(
-                r["scheme"], _degrees(r),
+                r["scheme"], _degrees(r) + star,
                 "[green]pass[/]" if r["equivalent"] else "[red]FAIL[/]",
                 "\n".join(fmt_sci(r.get(k)) for k in ("max_loss_abs", "max_grad_abs",
                                                       "max_param_abs")),

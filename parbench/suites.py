@@ -238,6 +238,7 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
         "extra": extra,
         "figures": [str(f) for f in figures],
         "trace": str(trace_dir / f"{safe}.json"),
+        "host_cpus": os.cpu_count(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 
 from parbench.launch import close_shared_pools, shared_pool
 
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
 settings.register_profile("thorough", max_examples=100, deadline=None,
