@@ -114,6 +114,9 @@ def _peaks(row: dict) -> str:
         return "—"
     if max(peaks) > 1.05 * min(peaks):
         return "\n".join(f"r{i} {fmt_bytes(p)}" for i, p in enumerate(peaks))
+    pred = row.get("peak_bytes_predicted")
+    if pred:
+        return f"{fmt_bytes(max(peaks))}\nanalytic {fmt_bytes(pred)}"
     return fmt_bytes(max(peaks))
 
 

@@ -194,6 +194,8 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
     axes = sorted({a for w in merged["wire_by_axis"] for a in w})
     wire_measured = {a: max(w.get(a, 0.0) for w in merged["wire_by_axis"]) for a in axes}
     wire_exact, states_exact = _exact_per_rank(pred, merged)
+    from .peak import predicted_peak
+    peak_pred = predicted_peak(case, cls.family, pred.get("model_state_bytes"))
     extra = {}
     for r in per_rank:
         for k, v in (r.get("extra") or {}).items():
@@ -220,6 +222,7 @@ def make_row(suite_name: str, case: CaseConfig, per_rank: list[dict], out_dir: P
         "step_time_s": merged["step_time_s"],
         "tokens_per_s": tokens / merged["step_time_s"] if merged["step_time_s"] else None,
         "peak_bytes": merged["peak_bytes"],
+        "peak_bytes_predicted": peak_pred,
         "model_state_bytes": merged["model_state_bytes"],
         # peak minus model states: activations, communication buffers, temporaries
         "other_peak_bytes": [(pk - sum(st.values())) if pk is not None and st else None

@@ -118,3 +118,21 @@ def test_list_and_golden(tmp_path):
     f.write_bytes(bytes(data))
     p, _ = parbench("golden", "check", f"dir={g}", "--json")
     assert p.returncode != 0
+
+
+def test_under_torchrun_each_process_is_one_rank(tmp_path):
+    suite = tmp_path / "two.yaml"
+    suite.write_text("name: two\ndefaults: {model: tiny, steps: 2}\ncases:\n"
+                     "  - {scheme: data.ddp, dp: 2}\n  - {scheme: pipeline.1f1b, pp: 2, "
+                     "num_microbatches: 2, micro_batch_size: 1}\n")
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--standalone", "-m", "parbench.cli", "run", f"suite={suite}",
+                        f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["scheme"] for r in rows] == ["data.ddp", "pipeline.1f1b"]
+    assert all(r["equivalent"] and r["wire_exact"] for r in rows)
