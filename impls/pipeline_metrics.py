@@ -133,14 +133,17 @@ def _median(values: list[float]) -> float:
 def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tuple[dict, dict]:
     """Measured, replayed and mean-cost figures from the compute spans of every rank.
 
-    ``steps`` holds each measured step's events (all ranks). With ranks sharing cores a
-    single op can stall for milliseconds when its process is descheduled, so the per-op cost
-    fed to the replay is the median of that action's duration over the measured steps; the
-    measured bubble and the p2p latency are medians over steps too.
+    ``steps`` holds each measured step's events (all ranks). The per-op cost fed to the
+    replay is the thread CPU time of the op (falling back to wall time where none was
+    recorded): with one thread per rank that is what the op costs on a core of its own, so
+    the replay stays honest when ranks share cores and a rank's wall-clock spans include
+    time it sat descheduled. Each action's cost is its median over the measured steps; the
+    measured bubble (wall clock) and the p2p latency are medians over steps too.
     """
     per_step_costs, per_step_meas, per_step_lat = [], [], []
     for events in steps:
-        costs = {_action(e): e["end"] - e["start"] for e in events}
+        costs = {_action(e): (e["cpu"] if e.get("cpu", -1.0) >= 0 else e["end"] - e["start"])
+                 for e in events}
         if len(costs) != schedule.num_actions():
             continue
         per_step_costs.append(costs)

@@ -21,6 +21,10 @@ class Event:
     mb: int = -1
     stage: int = -1
     meta: dict = field(default_factory=dict)
+    #: CPU seconds the recording thread spent inside the span (-1: not recorded). With one
+    #: thread per rank this is the op's cost on a core of its own: unlike the wall time it
+    #: leaves out the time the rank was descheduled while ranks share cores.
+    cpu: float = -1.0
 
 
 class Timeline:
@@ -34,12 +38,12 @@ class Timeline:
         if not self.enabled:
             yield
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.events.append(Event(self.rank, kind, t0, time.perf_counter(), "compute", mb,
-                                     stage, meta))
+                                     stage, meta, time.thread_time() - c0))
 
     def add(self, kind: str, start: float, end: float, cat: str = "compute", mb: int = -1,
             stage: int = -1, **meta) -> None:
