@@ -172,7 +172,7 @@ def tables(rows: list[dict]) -> list[Table]:
         if shared:
             caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
                         f"{shared[0]['host_cpus']} cores (marked *): their wall-clock times and "
-                        "measured/replayed bubbles include core sharing")
+                        "measured bubbles include core sharing")
         t = Table(title=f"{fam} — {len(frows)} case(s)", caption=caption, show_lines=True)
         cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
                 "step ms", "tok/s", "peak/rank", "model states", "wire bytes", "ours / baseline"]
