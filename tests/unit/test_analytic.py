@@ -67,13 +67,11 @@ def test_tiny_model_counted_tensor_by_tensor():
 
 
 def test_count_matches_the_reference_model():
-    torch = pytest.importorskip("torch")
-    try:
-        from parbench.config import ModelConfig
-        from parbench.model import build_model
-    except ImportError as exc:  # the reference model is written alongside
-        pytest.skip(f"reference model not importable: {exc}")
+    import torch
+
     from parbench.analytic import shape_from
+    from parbench.config import ModelConfig
+    from parbench.model import build_model
     for kw in ({}, {"tie_embeddings": True}, {"position_embeddings": False},
                {"ffn_hidden_size": 24}):
         cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=3, num_heads=4,
