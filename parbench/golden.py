@@ -17,6 +17,7 @@ import torch
 
 from .config import CaseConfig
 from .model import build_model, make_optimizer, synthetic_batch
+from .verdict import compare
 
 
 @dataclass
@@ -24,6 +25,8 @@ class GoldenRun:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: "live" (trained in this process) or "stored:<file>" (a committed golden file)
+    source: str = "live"
 
 
 def global_batch(case: CaseConfig, step: int):
@@ -35,28 +38,79 @@ def _named(model) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.named_parameters()}
 
 
-def _key(case: CaseConfig, steps: int) -> str:
+def golden_key(case: CaseConfig, steps: int) -> str:
+    """What a single-device reference run depends on: the model, the global batch, the seed,
+    the optimizer and the number of steps."""
     d = case.to_dict()
-    d.pop("id", None)
-    keep_par = {k: d["parallel"][k] for k in ("micro_batch_size", "num_microbatches", "dp")}
     keep_run = {k: d["run"][k] for k in ("seed", "optimizer", "lr", "weight_decay", "beta1",
                                          "beta2", "eps")}
-    return json.dumps([d["model"], keep_par, keep_run, steps], sort_keys=True)
+    return json.dumps([d["model"], case.parallel.global_batch_size, keep_run, steps],
+                      sort_keys=True)
+
+
+def golden_name(key: str) -> str:
+    return "g-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+#: the committed golden files: <repository>/golden (absent in a non-editable install)
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "golden")
 
 
 def reference_run(case: CaseConfig, steps: int) -> GoldenRun:
-    return _reference_cached(_key(case, steps), case, steps)
+    """The golden run of ``case``: the stored golden file when one was recorded for it with
+    this torch version (its sha256 checked), else trained here ("live")."""
+    key = golden_key(case, steps)
+    if key not in _CACHE:
+        if len(_CACHE) > 16:
+            _CACHE.clear()
+        _CACHE[key] = _stored(key, GOLDEN_DIR) or _train(case, steps)
+    return _CACHE[key]
 
 
 _CACHE: dict[str, GoldenRun] = {}
 
 
-def _reference_cached(key: str, case: CaseConfig, steps: int) -> GoldenRun:
-    if key not in _CACHE:
-        if len(_CACHE) > 16:
-            _CACHE.clear()
-        _CACHE[key] = _train(case, steps)
-    return _CACHE[key]
+def _manifest(directory: str) -> dict:
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _stored(key: str, directory: str) -> GoldenRun | None:
+    name = golden_name(key)
+    entry = _manifest(directory).get(name)
+    if not entry or entry.get("key") != key or entry.get("torch") != torch.__version__:
+        return None
+    path = os.path.join(directory, entry["file"])
+    if not os.path.exists(path) or _sha256(path) != entry["sha256"]:
+        return None
+    from safetensors.torch import load_file
+    run = from_tensors(load_file(path), entry["steps"])
+    run.source = f"stored:{entry['file']}"
+    return run
+
+
+def to_tensors(run: GoldenRun) -> dict[str, torch.Tensor]:
+    out = {}
+    for s in range(len(run.losses)):
+        out[f"loss/{s}"] = torch.tensor([run.losses[s]], dtype=torch.float64)
+        out.update({f"grad/{s}/{n}": t.contiguous() for n, t in run.grads[s].items()})
+        out.update({f"param/{s}/{n}": t.contiguous() for n, t in run.params[s].items()})
+    return out
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], steps: int) -> GoldenRun:
+    run = GoldenRun()
+    for s in range(steps):
+        run.losses.append(float(tensors[f"loss/{s}"].item()))
+        run.grads.append({k.split("/", 2)[2]: t for k, t in tensors.items()
+                          if k.startswith(f"grad/{s}/")})
+        run.params.append({k.split("/", 2)[2]: t for k, t in tensors.items()
+                           if k.startswith(f"param/{s}/")})
+    return run
 
 
 def _train(case: CaseConfig, steps: int) -> GoldenRun:
@@ -76,37 +130,6 @@ def _train(case: CaseConfig, steps: int) -> GoldenRun:
     return out
 
 
-# ---- comparisons ----------------------------------------------------------------------------
-
-
-def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float,
-            atol: float) -> dict:
-    """Max |difference| and pass/fail over the names in ``ours``.
-
-    The criterion is tensor-wise: max|a - b| <= atol + rtol * max|b| for each tensor. fp32
-    reduction-order noise scales with the magnitude of the summed terms, i.e. with the
-    tensor's scale rather than each element's (an element where terms cancel to ~0 carries
-    the noise of its large addends), so an elementwise rtol would reject correct runs.
-    """
-    max_abs, ok, missing = 0.0, True, []
-    for name, t in ours.items():
-        if name not in ref:
-            missing.append(name)
-            ok = False
-            continue
-        a = t.detach().to(torch.float64).cpu()
-        b = ref[name].detach().to(torch.float64).cpu()
-        if a.shape != b.shape:
-            raise ValueError(f"{name}: shape {tuple(a.shape)} != golden {tuple(b.shape)}")
-        if not a.numel():
-            continue
-        d = float((a - b).abs().max())
-        max_abs = max(max_abs, d)
-        if not d <= atol + rtol * float(b.abs().max()):
-            ok = False
-    return {"max_abs": max_abs, "ok": ok, "missing": missing, "names": sorted(ours)}
-
-
 # ---- golden files ---------------------------------------------------------------------------
 
 
@@ -118,53 +141,58 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def record(case: CaseConfig, steps: int, directory: str, name: str) -> dict:
-    """Write the golden run of ``case`` as ``name.safetensors`` and update the manifest."""
+def record(cases: list[CaseConfig], directory: str) -> list[dict]:
+    """Write the golden run of every distinct reference among ``cases`` (safetensors, one
+    file each) and their manifest entries (key, sha256, steps, torch version)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    run = reference_run(case, steps)
-    tensors = {}
-    for s in range(steps):
-        tensors[f"loss/{s}"] = torch.tensor([run.losses[s]], dtype=torch.float64)
-        for n, t in run.grads[s].items():
-            tensors[f"grad/{s}/{n}"] = t.contiguous()
-        for n, t in run.params[s].items():
-            tensors[f"param/{s}/{n}"] = t.contiguous()
-    path = os.path.join(directory, f"{name}.safetensors")
-    save_file(tensors, path)
-    manifest_path = os.path.join(directory, "manifest.json")
-    manifest = {}
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as fh:
-            manifest = json.load(fh)
-    manifest[name] = {"file": f"{name}.safetensors", "sha256": _sha256(path), "steps": steps,
-                      "case": case.to_dict(), "torch": torch.__version__}
-    with open(manifest_path, "w") as fh:
+    manifest = _manifest(directory)
+    written = []
+    for case in cases:
+        key = golden_key(case, case.run.steps)
+        name = golden_name(key)
+        if any(w["name"] == name for w in written):
+            continue
+        run = _train(case, case.run.steps)
+        path = os.path.join(directory, f"{name}.safetensors")
+        save_file(to_tensors(run), path)
+        manifest[name] = {"file": f"{name}.safetensors", "sha256": _sha256(path),
+                          "steps": case.run.steps, "key": key, "case": case.to_dict(),
+                          "torch": torch.__version__}
+        written.append({"name": name, **manifest[name]})
+    with open(os.path.join(directory, "manifest.json"), "w") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True)
-    return manifest[name]
+    return written
 
 
 def check(directory: str, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict]:
-    """Verify each golden file's sha256 and that a fresh reference run still matches it."""
+    """Each golden file against its manifest and against a fresh run: the sha256; tensors
+    stored but no longer produced (and produced but not stored); the largest difference;
+    and, when the file was recorded with another torch, whether that upgrade changed the
+    numbers."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(directory, "manifest.json")) as fh:
-        manifest = json.load(fh)
-    out = []
-    for name, entry in sorted(manifest.items()):
+    rows = []
+    for name, entry in sorted(_manifest(directory).items()):
         path = os.path.join(directory, entry["file"])
-        row = {"name": name, "sha256_ok": _sha256(path) == entry["sha256"]}
+        row = {"name": name, "file": entry["file"], "torch_recorded": entry.get("torch"),
+               "torch_now": torch.__version__, "exists": os.path.exists(path)}
+        if not row["exists"]:
+            rows.append({**row, "sha256_ok": False, "match": False, "ok": False,
+                         "max_abs": None, "stale": [], "new": []})
+            continue
+        row["sha256_ok"] = _sha256(path) == entry["sha256"]
         stored = load_file(path)
-        run = reference_run(CaseConfig.from_dict(entry["case"]), entry["steps"])
-        worst, ok = 0.0, True
-        for s in range(entry["steps"]):
-            fresh = {f"grad/{s}/{n}": t for n, t in run.grads[s].items()}
-            fresh.update({f"param/{s}/{n}": t for n, t in run.params[s].items()})
-            fresh[f"loss/{s}"] = torch.tensor([run.losses[s]], dtype=torch.float64)
-            res = compare(fresh, stored, rtol, atol)
-            worst = max(worst, res["max_abs"])
-            ok = ok and res["ok"]
-        row.update({"max_abs": worst, "match": ok, "ok": ok and row["sha256_ok"]})
-        out.append(row)
-    return out
+        fresh = to_tensors(_train(CaseConfig.from_dict(entry["case"]), entry["steps"]))
+        row["stale"] = sorted(set(stored) - set(fresh))  # stored, no longer produced
+        row["new"] = sorted(set(fresh) - set(stored))  # produced, not stored
+        shared = {k: fresh[k] for k in fresh if k in stored}
+        res = compare(shared, stored, rtol, atol)
+        row.update({"max_abs": res["max_abs"], "match": res["ok"],
+                    "bitwise": all(torch.equal(fresh[k], stored[k]) for k in shared)})
+        row["torch_changed_numbers"] = (row["torch_recorded"] != row["torch_now"]
+                                        and not row["bitwise"])
+        row["ok"] = row["sha256_ok"] and row["match"] and not row["stale"] and not row["new"]
+        rows.append(row)
+    return rows

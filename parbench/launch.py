@@ -5,10 +5,19 @@ rank, NCCL on CUDA with one device per rank) and runs any number of tasks on the
 one pool per world size for the whole session. A task is a picklable top-level function
 called on every rank as ``fn(ctx, *args)``; each rank's return value comes back.
 
-A rank that raises sends its traceback and the pool ends every rank at once (the others may
-be blocked in a collective), so the caller gets ``RankError`` within seconds; a rank that
-dies without a word (signal, hard exit) is noticed by polling. Under ``torchrun`` or Slurm
-(``WORLD_SIZE`` and ``RANK`` set) ``init_from_env`` joins the job as one rank instead.
+Failures end the task promptly, never as a silent wait:
+
+- a rank that raises sends its traceback; the pool ends every rank at once (the others may be
+  blocked in a collective) and the caller gets ``RankError`` within seconds;
+- a rank that dies without a word (signal, hard exit) is noticed by polling;
+- a rank that makes no progress for ``hang_timeout_s`` (progress: ``ctx.progress(...)``, which
+  the harness calls at every step boundary) is a hang: every rank's Python stack is dumped by
+  ``faulthandler`` (all threads), each rank's current collective is read from shared memory
+  (the ledger's wrappers post it), and the caller gets ``RankHang`` naming the rank that is
+  not waiting in a collective.
+
+Under ``torchrun`` or Slurm (``WORLD_SIZE`` and ``RANK`` set) ``init_from_env`` joins the job
+as one rank instead (hangs there end at the backend's collective timeout).
 """
 from __future__ import annotations
 
@@ -16,14 +25,18 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RankError(RuntimeError):
-    """A rank failed; ``rank`` and its ``traceback_text`` are attached."""
+    """A rank failed; ``rank``, its ``traceback_text`` and the failure ``kind`` are attached."""
+
+    kind = "crashed"
 
     def __init__(self, rank: int, traceback_text: str):
         self.rank = rank
@@ -32,12 +45,34 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed: {last}")
 
 
+class RankHang(RankError):
+    """No progress for ``hang_timeout_s``: every rank's stack and current collective."""
+
+    kind = "hung"
+
+    def __init__(self, rank: int, timeout_s: float, stacks: dict[int, str],
+                 status: dict[int, str], progress: dict[int, str]):
+        self.stacks, self.status, self.progress = stacks, status, progress
+        lines = []
+        for r in sorted(stacks):
+            where = status.get(r) or "not in a collective"
+            lines.append(f"--- rank {r}: {where}; last progress: {progress.get(r) or '-'}\n"
+                         f"{stacks[r].rstrip()}")
+        who = f"rank {rank}" if rank >= 0 else "no single rank (all wait in collectives)"
+        text = (f"no progress for {timeout_s:g} s; hung: {who}\n" + "\n".join(lines))
+        RuntimeError.__init__(self, f"hung: {who}, no progress for {timeout_s:g} s")
+        self.rank = rank
+        self.traceback_text = text
+
+
 @dataclass
 class WorkerContext:
     rank: int
     world_size: int
     device: str  # "cpu" or "cuda:N"
     backend: str
+    #: ``progress(text)``: this rank is alive and moving (a step began, a step ended, ...)
+    progress: object = field(default=lambda text: None, repr=False)
 
 
 def free_port() -> int:
@@ -91,7 +126,35 @@ def init_from_env(device: str = "cpu", timeout_s: float = 600.0) -> WorkerContex
     return init_process_group(rank, world, device, timeout_s)
 
 
-def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results):
+# ---- the shared memory a rank reports its state through ---------------------------------------
+
+_TEXT = 240  # bytes of each status / progress text
+
+
+class _Board:
+    """Per rank: the collective it is in, its last progress text and time (shared memory)."""
+
+    def __init__(self, ctx, world_size: int):
+        self.status = [ctx.Array("c", _TEXT, lock=False) for _ in range(world_size)]
+        self.progress = [ctx.Array("c", _TEXT, lock=False) for _ in range(world_size)]
+        self.when = ctx.Array("d", world_size, lock=False)
+
+    @staticmethod
+    def write(arr, text: str) -> None:
+        data = text.encode()[:_TEXT - 1]
+        arr[:len(data) + 1] = data + b"\0"
+
+    @staticmethod
+    def read(arr) -> str:
+        return bytes(arr[:]).split(b"\0", 1)[0].decode(errors="replace")
+
+    def touch(self, rank: int, text: str) -> None:
+        self.write(self.progress[rank], text)
+        self.when[rank] = time.time()
+
+
+def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results, board,
+                 stack_dir):
     if not os.environ.get("PARBENCH_VERBOSE"):
         # libraries print banners on stdout (DeepSpeed lists its layers); the parent's
         # progress and tables own stdout. stderr (warnings) stays; PARBENCH_VERBOSE=1 keeps all
@@ -100,17 +163,25 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "PARBENCH_POOL_WORKER": "1"})
+    import faulthandler
+    stack_file = open(os.path.join(stack_dir, f"rank{rank}.txt"), "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         ctx = init_process_group(rank, world_size, device, timeout_s, threads)
     except BaseException:
         results.put((rank, -1, "err", traceback.format_exc()))
         return
+    from . import comm
+    comm.set_status_sink(lambda text: _Board.write(board.status[rank], text))
+    ctx.progress = lambda text: board.touch(rank, text)
     results.put((rank, -1, "ready", None))
     while True:
         item = tasks.get()
         if item is None:
             break
         task_id, fn, args, kwargs = item
+        board.touch(rank, "task started")
         try:
             out = fn(ctx, *args, **kwargs)
             results.put((rank, task_id, "ok", out))
@@ -128,18 +199,22 @@ class WorkerPool:
     """N local ranks started once and reused for many tasks."""
 
     def __init__(self, world_size: int, device: str = "cpu", timeout_s: float = 120.0,
-                 threads: int = 1, start_timeout_s: float = 120.0):
+                 threads: int = 1, start_timeout_s: float = 120.0,
+                 hang_timeout_s: float = 60.0):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
         self.device = device
         self.timeout_s = timeout_s
+        self.hang_timeout_s = hang_timeout_s
         self.threads = threads
         self._ctx = mp.get_context("spawn")
         self._procs: list = []
         self._task_qs: list = []
         self._results = None
         self._next_id = 0
+        self._stack_dir = tempfile.mkdtemp(prefix="parbench-stacks-")
+        self._board = _Board(self._ctx, world_size)
         self._start(start_timeout_s)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -151,10 +226,11 @@ class WorkerPool:
         for r in range(self.world_size):
             p = self._ctx.Process(target=_worker_main, daemon=True,
                                   args=(r, self.world_size, port, self.device, self.timeout_s,
-                                        self.threads, self._task_qs[r], self._results))
+                                        self.threads, self._task_qs[r], self._results,
+                                        self._board, self._stack_dir))
             p.start()
             self._procs.append(p)
-        self._collect(-1, start_timeout_s, expect="ready")
+        self._collect(-1, start_timeout_s, hang_s=None)
 
     @property
     def alive(self) -> bool:
@@ -186,37 +262,37 @@ class WorkerPool:
         self.close(force=exc[0] is not None)
 
     # ---- tasks ----------------------------------------------------------------------------
-    def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
+    def run(self, fn, *args, timeout_s: float | None = None,
+            hang_timeout_s: float | None = None, **kwargs) -> list:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the per-rank results.
 
         Raises ``RankError`` (and ends the pool) if any rank raises, dies, or the task runs
-        past ``timeout_s``.
+        past ``timeout_s``; ``RankHang`` if a rank makes no progress for ``hang_timeout_s``
+        (default: the pool's).
         """
         if not self.alive:
             raise RuntimeError("the worker pool is not running (a previous task failed)")
         task_id = self._next_id
         self._next_id += 1
+        now = time.time()
+        for r in range(self.world_size):
+            self._board.when[r] = now
+            _Board.write(self._board.progress[r], "task queued")
         for q in self._task_qs:
             q.put((task_id, fn, args, kwargs))
-        return self._collect(task_id, timeout_s)
+        return self._collect(task_id, timeout_s,
+                             hang_s=self.hang_timeout_s if hang_timeout_s is None
+                             else hang_timeout_s)
 
-    def _collect(self, task_id: int, timeout_s: float | None, expect: str = "ok") -> list:
+    def _collect(self, task_id: int, timeout_s: float | None, hang_s: float | None) -> list:
         out: list = [None] * self.world_size
-        got = 0
+        done = [False] * self.world_size
         deadline = None if timeout_s is None else time.time() + timeout_s
-        while got < self.world_size:
+        while not all(done):
             try:
                 rank, tid, status, payload = self._results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    r = dead[0]
-                    code = self._procs[r].exitcode
-                    self.close(force=True)
-                    raise RankError(r, f"rank {r} exited with code {code} without a result")
-                if deadline is not None and time.time() > deadline:
-                    self.close(force=True)
-                    raise RankError(-1, f"task timed out after {timeout_s} s")
+                self._check(deadline, timeout_s, hang_s, done)
                 continue
             if status == "err":
                 self.close(force=True)
@@ -224,8 +300,47 @@ class WorkerPool:
             if tid != task_id:
                 continue
             out[rank] = payload
-            got += 1
+            done[rank] = True
         return out
+
+    def _check(self, deadline, timeout_s, hang_s, done) -> None:
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            r = dead[0]
+            code = self._procs[r].exitcode
+            self.close(force=True)
+            raise RankError(r, f"rank {r} exited with code {code} without a result")
+        if deadline is not None and time.time() > deadline:
+            self.close(force=True)
+            raise RankError(-1, f"task timed out after {timeout_s} s")
+        if hang_s is not None:
+            now = time.time()
+            stale = [r for r in range(self.world_size)
+                     if not done[r] and now - self._board.when[r] > hang_s]
+            if stale:
+                raise self._hang(hang_s, done)
+
+    def _hang(self, hang_s: float, done: list[bool]) -> RankHang:
+        """Dump every rank's stack, read where each rank is, end the pool."""
+        status = {r: _Board.read(self._board.status[r]) for r in range(self.world_size)}
+        progress = {r: _Board.read(self._board.progress[r]) for r in range(self.world_size)}
+        for p in self._procs:
+            if p.is_alive() and hasattr(signal, "SIGUSR1"):
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        stacks = {}
+        for r in range(self.world_size):
+            path = os.path.join(self._stack_dir, f"rank{r}.txt")
+            try:
+                with open(path) as fh:
+                    stacks[r] = fh.read() or "(no stack written)"
+            except OSError:
+                stacks[r] = "(no stack file)"
+        self.close(force=True)
+        # the rank to blame: running, not waiting in a collective, least recent progress
+        free = [r for r in range(self.world_size) if not done[r] and not status[r]]
+        blamed = min(free, key=lambda r: self._board.when[r]) if free else -1
+        return RankHang(blamed, hang_s, stacks, status, progress)
 
 
 _POOLS: dict[tuple, WorkerPool] = {}

@@ -8,6 +8,7 @@ reports, each storage once.
 """
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -95,3 +96,131 @@ class PeakMemory:
             self._mode.__exit__(*exc)
             self.peak = self.baseline + self._mode.peak
         return False
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's state (Adam moments and step counters)."""
+    out = []
+    for st in opt.state.values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+# ---- model states, measured from what the rank holds ----------------------------------------
+
+#: the categories the tracker attributes live storages to
+CATEGORIES = ("params", "grads", "optimizer", "other")
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType,
+          types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+          types.CodeType, types.FrameType, weakref.ref, torch.dtype, torch.device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage is what the rank holds); the tensor otherwise."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def reachable_tensors(root) -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
+    """Every tensor and optimizer reachable from ``root`` through containers, modules,
+    optimizers and instance attributes (not through functions, modules or C++ objects)."""
+    seen: set[int] = set()
+    tensors, optimizers = [], []
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _ATOMS):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            if obj.is_leaf and obj.grad is not None:
+                stack.append(obj.grad)
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            inner = getattr(obj, "_local_tensor", None)
+            if inner is not None:
+                stack.append(inner)
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            optimizers.append(obj)
+            stack.extend([obj.state, obj.param_groups])
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.append(attrs)
+            for slot in getattr(type(obj), "__slots__", ()):
+                if isinstance(slot, str) and hasattr(obj, slot):
+                    stack.append(getattr(obj, slot))
+    return tensors, optimizers
+
+
+def _storage_key(t: torch.Tensor):
+    st = _local(t).untyped_storage()
+    return (st.device.type, st.data_ptr() or id(st)), st.nbytes()
+
+
+def live_model_states(root, compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Bytes of the storages live on this rank and reachable from ``root`` (a scheme), by
+    category, attributed here and not by the scheme:
+
+    - params: storages behind ``nn.Parameter``s and the tensors an optimizer steps, unless
+      they are fp32 masters of a lower-precision run (a leaf that merely requires grad, such
+      as a pipeline's receive buffer, is not a parameter);
+    - grads: storages behind the ``.grad`` of a weight (a tensor whose storage is a
+      parameter's or an optimizer-stepped tensor's, such as a view of a flat parameter
+      buffer);
+    - optimizer: every tensor of an optimizer's state (moments, step counters) and, when the
+      model computes in a lower precision than fp32, the fp32 tensors the optimizer steps
+      (the master weights; the ZeRO paper's K = 12 counts them);
+    - other: every other reachable storage -- a leaked full copy shows here.
+
+    A storage is counted once, in the first category of that order that claims it.
+    """
+    tensors, optimizers = reachable_tensors(root)
+    claims: dict = {}
+    sizes: dict = {}
+
+    def claim(t, category):
+        if t is None or t.device.type == "meta":
+            return
+        key, nbytes = _storage_key(t)
+        if nbytes == 0:
+            return
+        sizes[key] = nbytes
+        prev = claims.get(key)
+        if prev is None or CATEGORIES.index(category) < CATEGORIES.index(prev):
+            claims[key] = category
+
+    mixed = compute_dtype != torch.float32
+    stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+    weights: set = set()  # storages of parameters (and of optimizer-stepped tensors)
+    for t in tensors:
+        if id(t) in stepped:
+            is_master = mixed and t.dtype == torch.float32
+            claim(t, "optimizer" if is_master else "params")
+            weights.add(_storage_key(t)[0])
+        elif isinstance(t, torch.nn.Parameter):
+            claim(t, "params")
+            weights.add(_storage_key(t)[0])
+    for t in tensors:
+        # a gradient is the .grad of a weight: of a tensor that is, or views, a parameter's
+        # storage (a receive buffer's .grad is an activation gradient: "other")
+        if t.is_leaf and t.grad is not None and _storage_key(t)[0] in weights:
+            claim(_local(t.grad), "grads")
+    for o in optimizers:
+        for state in o.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    claim(v, "optimizer")
+    for t in tensors:
+        claim(t, "other")
+    out = {c: 0 for c in CATEGORIES}
+    for key, category in claims.items():
+        out[category] += sizes[key]
+    return out

@@ -13,10 +13,47 @@ Process groups are built once per mesh and handed to schemes explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from itertools import product
 
+
+class Axis(str, Enum):
+    """A named process group of the mesh. ``Axis("tpp")`` raises ``ValueError`` listing the
+    valid names; members compare equal to their strings (``Axis.TP == "tp"``)."""
+
+    TP = "tp"
+    CP = "cp"
+    DP = "dp"
+    PP = "pp"
+    EP = "ep"
+    ETP = "etp"
+    EDP = "edp"
+    DP_CP = "dp_cp"
+    TP_CP = "tp_cp"
+    MP = "mp"
+    TP_DP_CP = "tp_dp_cp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"axis {value!r} is not a mesh axis (choose from "
+                         f"{', '.join(a.value for a in cls)})")
+
+
+#: the degrees a case sets, in Megatron-Core's order
+DEGREES = ("tp", "cp", "ep", "dp", "pp")
 DENSE_ORDER = ("tp", "cp", "dp", "pp")
 EXPERT_ORDER = ("etp", "ep", "edp", "pp")
+
+
+def check_expert_layout(*, tp: int, cp: int, dp: int, ep: int, error=ValueError) -> None:
+    """The one place the rule is stated: ep re-partitions the tp*cp*dp ranks of a stage as
+    expert-tp x ep x expert-dp with expert-tp = tp, so ep must divide cp*dp."""
+    if (cp * dp) % ep:
+        raise error(f"ep={ep} does not divide cp*dp={cp * dp} "
+                    "(expert parallelism re-partitions the tp*cp*dp ranks of a stage)")
 
 #: Groups built for every mesh: name -> (order, axes). Names follow Megatron where it has one.
 GROUP_SPECS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -34,6 +71,9 @@ GROUP_SPECS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+assert {a.value for a in Axis} == set(GROUP_SPECS), "Axis and GROUP_SPECS disagree"
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """Pure layout: which ranks form which group. No torch.distributed needed."""
@@ -49,8 +89,7 @@ class MeshLayout:
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"{name}={v} must be >= 1")
-        if (self.cp * self.dp) % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide cp*dp={self.cp * self.dp}")
+        check_expert_layout(tp=self.tp, cp=self.cp, dp=self.dp, ep=self.ep)
 
     @property
     def world_size(self) -> int:
@@ -130,19 +169,19 @@ class Mesh:
                     mesh._ranks[name] = members
         return mesh
 
-    def group(self, name: str):
-        """This rank's process group for an axis name (see ``GROUP_SPECS``)."""
-        return self._pgs[name]
+    def group(self, axis: Axis | str):
+        """This rank's process group for an axis (a typo raises, listing the valid axes)."""
+        return self._pgs[Axis(axis).value]
 
-    def ranks(self, name: str) -> list[int]:
-        return self._ranks[name]
+    def ranks(self, axis: Axis | str) -> list[int]:
+        return self._ranks[Axis(axis).value]
 
-    def size(self, name: str) -> int:
-        return len(self._ranks[name])
+    def size(self, axis: Axis | str) -> int:
+        return len(self.ranks(axis))
 
-    def index(self, name: str) -> int:
-        """This rank's position inside its group of that name."""
-        return self._ranks[name].index(self.rank)
+    def index(self, axis: Axis | str) -> int:
+        """This rank's position inside its group of that axis."""
+        return self.ranks(axis).index(self.rank)
 
     def axis_of_group(self, pg) -> str | None:
         for name, g in self._pgs.items():

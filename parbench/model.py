@@ -73,8 +73,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))

@@ -1,18 +1,24 @@
-"""The Scheme contract and the registry of native schemes and baselines.
+"""The Scheme contract, the prediction a scheme states, and the registry.
 
 A scheme builds its shard of the reference model from the same full weights (the seeded
 initialisation of ``parbench.model``), runs one optimizer step per ``train_step`` on the
 global batch, and hands back what it holds, unsharded, for comparison with the golden run.
 Process groups come from ``ctx.mesh`` explicitly; there is no global parallel state.
+
+Optional behaviour is a method of the base class with a neutral default (``check``,
+``predict``, ``reference``, ``metrics``, ``figures``), never an attribute probed with
+``hasattr``.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
 from .config import CaseConfig, ConfigError
 from .mesh import Mesh
@@ -21,6 +27,8 @@ from .timeline import Timeline
 
 @dataclass
 class SchemeContext:
+    """What a scheme is built with: the case, the mesh (process groups), device, timeline."""
+
     case: CaseConfig
     mesh: Mesh
     device: torch.device
@@ -43,42 +51,101 @@ class SchemeContext:
         return self.mesh.rank
 
 
-class Scheme:
-    """Base class. Subclasses set ``name`` and ``family`` and implement the four methods."""
+@dataclass
+class Prediction:
+    """What a scheme's closed forms say one rank measures in one step.
 
-    name: str = ""
-    family: str = ""
-    baseline_of: str | None = None  # for baselines: the native scheme they are compared with
-    description: str = ""
-    #: the degrees this scheme uses; others must be 1 (checked before spawning)
-    uses: tuple[str, ...] = ("dp",)
-    #: True for baselines that keep process-global state (DeepSpeed engines): the runner gives
-    #: each such case a fresh pool of ranks instead of the shared one
-    isolated: bool = False
+    ``wire_bytes[r]`` and ``model_state_bytes[r]`` are rank r's figures ({axis: bytes} and
+    {category: bytes}); ``wire_bytes_by_step[s][r]`` overrides ``wire_bytes`` for schemes
+    whose traffic changes from step to step (local SGD). ``figures`` holds further analytic
+    numbers for the report (the paper's accounting, parameter counts, ...).
+    """
+
+    wire_bytes: list[dict[str, float]] | None = None
+    model_state_bytes: list[dict[str, int]] | None = None
+    #: per rank, calls that carry bytes per axis (sends and collectives; not receives)
+    calls: list[dict[str, int]] | None = None
+    wire_bytes_by_step: list[list[dict[str, float]]] | None = None
+    calls_by_step: list[list[dict[str, int]]] | None = None
+    figures: dict = field(default_factory=dict)
+
+    @classmethod
+    def uniform(cls, world_size: int, wire: dict[str, float] | None = None,
+                states: dict[str, int] | None = None, calls: dict[str, int] | None = None,
+                **figures) -> "Prediction":
+        """The same figures on every rank (data parallelism)."""
+        def each(d):
+            return None if d is None else [dict(d) for _ in range(world_size)]
+        return cls(wire_bytes=each(wire), model_state_bytes=each(states), calls=each(calls),
+                   figures=figures)
+
+    @staticmethod
+    def _at(by_step, default, step: int):
+        if by_step is not None:
+            return by_step[min(step, len(by_step) - 1)]
+        return default
+
+    def wire_at(self, step: int) -> list[dict[str, float]] | None:
+        """Per-rank wire bytes predicted for checked step ``step``."""
+        return self._at(self.wire_bytes_by_step, self.wire_bytes, step)
+
+    def calls_at(self, step: int) -> list[dict[str, int]] | None:
+        return self._at(self.calls_by_step, self.calls, step)
+
+    def max_wire(self, step: int) -> dict[str, float] | None:
+        """Largest rank's bytes per axis at ``step``."""
+        per_rank = self.wire_at(step)
+        if not per_rank:
+            return None
+        axes = sorted({a for w in per_rank for a in w})
+        return {a: max(w.get(a, 0.0) for w in per_rank) for a in axes}
+
+
+class Scheme(ABC):
+    """Base class of every native scheme and baseline. Subclasses set the class attributes
+    and implement the three abstract methods."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    #: for baselines: the native scheme they are compared with
+    baseline_of: ClassVar[str | None] = None
+    description: ClassVar[str] = ""
+    #: the mesh axes this scheme uses; the other degrees must be 1 (checked before spawning)
+    uses: ClassVar[tuple[str, ...]] = ("dp",)
+    #: the option fields (``config.OPTION_FIELDS``, bare names) this scheme reads
+    options: ClassVar[tuple[str, ...]] = ()
+    #: True for baselines that keep process-global state (DeepSpeed engines): the runner
+    #: gives each such case a fresh pool of ranks instead of the shared one
+    isolated: ClassVar[bool] = False
+    #: each train_step applies the run's optimizer once to the gradients ``full_grads``
+    #: reports, so the verdict checks the update against a shadow optimizer
+    #: (``verdict.UpdateCheck``); False for schemes with another update rule (local SGD's
+    #: averaging, PipeDream's per-micro-batch updates), whose golden runs simulate the rule
+    checks_update: ClassVar[bool] = True
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
 
     # ---- the contract ---------------------------------------------------------------------
+    @abstractmethod
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> float | None:
         """One optimizer step on the *global* batch; returns the global mean loss (or None on
         ranks that do not hold it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def full_params(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters this rank can produce (name -> tensor); may be partial (a
         pipeline stage). May be collective: every rank calls it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients used by the last optimizer step, same naming."""
-        raise NotImplementedError
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's model states: {'params': [...], 'grads': [...], 'optimizer': [...]}."""
-        raise NotImplementedError
+        return {}
 
-    # ---- optional -------------------------------------------------------------------------
+    # ---- optional, with neutral defaults ----------------------------------------------------
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         """Reject a case before spawning (raise ConfigError naming field, value, rule)."""
@@ -89,10 +156,9 @@ class Scheme:
                                   f"{cls.name} (it uses {', '.join(cls.uses)}); set {axis}=1")
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
-        """Analytic figures for one step of this case: {'wire_bytes': {axis: bytes per rank},
-        'model_state_bytes': {category: bytes per rank}} (keys optional)."""
-        return {}
+    def predict(cls, case: CaseConfig) -> Prediction | None:
+        """Closed-form figures for one step of this case (None: no prediction)."""
+        return None
 
     @classmethod
     def reference(cls, case: CaseConfig, steps: int):
@@ -100,29 +166,36 @@ class Scheme:
         from .golden import reference_run
         return reference_run(case, steps)
 
-    def extra_metrics(self) -> dict:
+    def metrics(self) -> dict:
         """Scheme-specific measurements for the results row (e.g. bubble figures)."""
         return {}
 
+    @classmethod
+    def figures(cls, case: CaseConfig, per_rank: list, out_dir: Path) -> list[Path]:
+        """Scheme-specific figures written under ``out_dir`` (``per_rank``: RankResults)."""
+        return []
+
     # ---- helpers --------------------------------------------------------------------------
-    def reduce_loss(self, value: float | torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> float:
-        """All-reduce a loss for reporting, outside the ledger (not part of the scheme)."""
+    def reduce_loss(self, value: float | torch.Tensor, group=None) -> float:
+        """Sum a loss over ``group`` for reporting, outside the ledger (not the scheme's
+        traffic)."""
+        import torch.distributed as dist
+
         from . import comm
         t = torch.tensor([float(value)], dtype=torch.float64)
-        led = comm.active()
-        if led is not None:
-            with led.pause():
-                dist.all_reduce(t, op=op, group=group)
-        else:
-            dist.all_reduce(t, op=op, group=group)
+        with comm.unrecorded():
+            dist.all_reduce(t, group=group)
         return float(t.item())
 
+
+# ---- the registry -------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type[Scheme]] = {}
 _LOADED = False
 
 
 def register(cls: type[Scheme]) -> type[Scheme]:
+    """Class decorator: make ``cls`` available by its ``name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     _REGISTRY[cls.name] = cls
@@ -130,19 +203,21 @@ def register(cls: type[Scheme]) -> type[Scheme]:
 
 
 def _load_all() -> None:
+    """Import every module under ``impls/`` (each registers its schemes on import)."""
     global _LOADED
     if _LOADED:
         return
     import impls
-    for pkg in (impls, importlib.import_module("impls.baselines")):
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            if not mod.ispkg:
-                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    for mod in pkgutil.walk_packages(impls.__path__, prefix="impls."):
+        importlib.import_module(mod.name)
     _LOADED = True
 
 
 def get_scheme(name: str) -> type[Scheme]:
     _load_all()
+    if name.startswith("mutant.") and name not in _REGISTRY:
+        from .selftest.catalogue import load
+        load()
     if name not in _REGISTRY:
         raise ConfigError(f"scheme={name!r} is not registered (choose from "
                           f"{', '.join(sorted(_REGISTRY))})")
@@ -150,5 +225,6 @@ def get_scheme(name: str) -> type[Scheme]:
 
 
 def all_schemes() -> dict[str, type[Scheme]]:
+    """Every registered scheme but the self-test's mutants."""
     _load_all()
-    return dict(sorted(_REGISTRY.items()))
+    return dict(sorted((n, c) for n, c in _REGISTRY.items() if not n.startswith("mutant.")))

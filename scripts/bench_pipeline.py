@@ -20,10 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parbench.config import CaseConfig, apply_overrides, parse_overrides  # noqa: E402
-from parbench.harness import merge_ranks, run_case  # noqa: E402
+from parbench.config import CaseConfig  # noqa: E402
+from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 from parbench.launch import WorkerPool  # noqa: E402
+from parbench.runner import run_per_rank  # noqa: E402
 from parbench.scheme import get_scheme  # noqa: E402
+from parbench.verdict import merge_ranks  # noqa: E402
 
 #: (ours, torch's, vpp)
 PAIRS = [("pipeline.1f1b", "baseline.torch.pipelining.1f1b", 1),
@@ -35,15 +37,15 @@ DEFAULTS = {"model": "small", "num_layers": "8", "pp": "2", "steps": "1",
             "micro_batch_size": "1"}
 
 
-def run_one(pool: WorkerPool, case: CaseConfig) -> dict:
+def run_one(pool: WorkerPool, case: CaseConfig) -> tuple[bool, float, float]:
+    """(equivalent, step time in s, p2p bytes sent by all ranks in the checked step)."""
     cls = get_scheme(case.run.scheme)
     cls.check(case)
-    per_rank = pool.run(run_case, case.to_dict(), timeout_s=600)
+    per_rank = run_per_rank(case, pool)
     names = sorted(cls.reference(case, 1).params[0])
     merged = merge_ranks(per_rank, names)
-    merged["send_bytes"] = sum(x["wire_bytes"] for r in per_rank for x in r["ledger"]
-                               if x["op"] == "send")
-    return merged
+    sent = sum(x["wire_bytes"] for r in per_rank for x in r.ledger if x["op"] == "send")
+    return merged.equivalent, merged.step_time_s, sent
 
 
 def main(argv: list[str]) -> None:
@@ -61,14 +63,14 @@ def main(argv: list[str]) -> None:
             for ours, theirs, vpp in pairs:
                 for s in (ours, theirs) if rep % 2 == 0 else (theirs, ours):
                     case = apply_overrides(base, {"scheme": s, "vpp": vpp})
-                    merged = run_one(pool, case)
-                    times.setdefault(s, []).append(merged["step_time_s"])
-                    ok[s] = ok.get(s, True) and merged["equivalent"]
-                    sent[s] = merged["send_bytes"]
+                    equivalent, step_time_s, sent_bytes = run_one(pool, case)
+                    times.setdefault(s, []).append(step_time_s)
+                    ok[s] = ok.get(s, True) and equivalent
+                    sent[s] = sent_bytes
                     print(f"  repeat {rep + 1}/{repeats} {s:40s} "
-                          f"{merged['step_time_s'] * 1e3:8.2f} ms  p2p sent "
-                          f"{merged['send_bytes'] / 2**10:8.1f} KiB  "
-                          f"{'pass' if merged['equivalent'] else 'FAIL'}", flush=True)
+                          f"{step_time_s * 1e3:8.2f} ms  p2p sent "
+                          f"{sent_bytes / 2**10:8.1f} KiB  "
+                          f"{'pass' if equivalent else 'FAIL'}", flush=True)
     med = {s: statistics.median(v) for s, v in times.items()}
     m, p = base.model, base.parallel
     print(f"\ncase: model={m.name} (h={m.hidden_size}, layers={m.num_layers}, "

@@ -22,17 +22,3 @@ def pools():
     """``pools(world_size)`` -> a WorkerPool started once per session and reused."""
     yield lambda world_size: shared_pool(world_size)
     close_shared_pools()
-
-
-def run_on_pool(pools, case):
-    """Run a case on the session pool for its world size; return (merged, per_rank)."""
-    from parbench.harness import merge_ranks, run_case
-    from parbench.golden import reference_run
-    from parbench.scheme import get_scheme
-
-    pool = pools(case.parallel.world_size)
-    per_rank = pool.run(run_case, case.to_dict(), timeout_s=300)
-    cls = get_scheme(case.run.scheme)
-    names = sorted(cls.reference(case, 1).params[0])
-    del reference_run
-    return merge_ranks(per_rank, names), per_rank

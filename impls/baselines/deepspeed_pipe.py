@@ -27,7 +27,7 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Scheme, register
 
-from ..common import optimizer_tensors
+from parbench.memory import optimizer_tensors
 
 
 class EmbedLayer(nn.Module):
@@ -147,14 +147,18 @@ class DeepSpeedPipe(Scheme):
             raise ConfigError(f"dtype={case.run.dtype!r}: {cls.name} is compared in fp32")
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
-        """Our 1F1B's figures, with DeepSpeed's p2p on axis world and its loss broadcast."""
+    def predict(cls, case: CaseConfig):
+        """Our 1F1B's figures, with DeepSpeed's p2p on axis world and its 8-byte loss
+        broadcast from the last stage over the pipe group (a chain from the root: the rank
+        before the root sends nothing; ``analytic.comm.rooted_wire_factor``)."""
+        from parbench.analytic.comm import rooted_wire_factor
         from parbench.scheme import get_scheme
-        pred = dict(get_scheme(cls.baseline_of).predict(case))
-        pp = pred["wire_bytes"]["pp"]
-        pred["wire_bytes"] = {"world": pp, "other": 8.0}
-        pred["wire_bytes_per_rank"] = [{"world": w["pp"], "other": 8.0}
-                                       for w in pred["wire_bytes_per_rank"]]
+        pred = get_scheme(cls.baseline_of).predict(case)
+        pp = case.parallel.pp
+        pred.wire_bytes = [{"world": w["pp"],
+                            "other": float(8 * rooted_wire_factor("broadcast", pp, rank,
+                                                                  pp - 1))}
+                           for rank, w in enumerate(pred.wire_bytes)]
         return pred
 
 

@@ -22,11 +22,12 @@ import torch
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
+from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
-from ..common import DataParallelScheme, optimizer_tensors
-from ..zero_common import paper_prediction
+from impls.data.base import DataParallelScheme
+from impls.zero.prediction import paper_prediction
 
 
 def _import_deepspeed():
@@ -101,6 +102,7 @@ class _MeshMPU:
 class _DeepSpeedZero(DataParallelScheme):
     family = "data"
     uses = ("dp",)
+    options = ("bucket_mb",)
     isolated = True
     stage = 1
 
@@ -116,9 +118,6 @@ class _DeepSpeedZero(DataParallelScheme):
         super().__init__(ctx)
         ds = _import_deepspeed()
         self._ds = ds
-        self.group = ctx.mesh.group("dp")
-        self.d = ctx.mesh.size("dp")
-        self.r = ctx.mesh.index("dp")
         model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.names = [n for n, _ in model.named_parameters()]
         opt = make_optimizer(model.parameters(), ctx.run)
@@ -143,12 +142,10 @@ class _DeepSpeedZero(DataParallelScheme):
                 self._capture_grads()
             with tl.span("optim" if i == m - 1 else "step", mb=i):
                 self.engine.step()
-        return self.reduce_loss(total / self.d, self.group)
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     def _capture_grads(self) -> None:
-        led = comm.active()
-        ctxm = led.pause() if led is not None else _Null()
-        with ctxm:
+        with comm.unrecorded():
             self._grads = {}
             for n, p in zip(self.names, self.engine.module.parameters()):
                 g = self._ds.utils.safe_get_full_grad(p)
@@ -189,20 +186,12 @@ class _DeepSpeedZero(DataParallelScheme):
         return {"params": params, "grads": grads, "optimizer": opt}
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
+    def predict(cls, case: CaseConfig):
         return paper_prediction(case, cls.stage)
 
 
 def _shape(p) -> tuple:
     return tuple(getattr(p, "ds_shape", p.shape))
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _quiet:

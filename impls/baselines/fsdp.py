@@ -11,44 +11,30 @@ micro-batch and accumulate in the sharded ``.grad``. With ``dtype=bf16`` a
 ``MixedPrecisionPolicy`` gathers bf16 parameters and reduces bf16 gradients; the sharded fp32
 parameters are the master weights.
 
-FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; parbench's ledger
-wraps ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the same c10d ops), so the
-adapter installs FSDP2's public custom-collective hooks (``set_custom_all_gather`` /
-``set_custom_reduce_scatter``) with implementations that call those -- FSDP2's own buffers,
-sizes and order are unchanged, and its traffic lands in the ledger.
+FSDP2 runs stock: its default collectives call ``dist.all_gather_single`` /
+``dist.reduce_scatter_single``, which parbench's ledger wraps, so its traffic lands in the
+ledger with nothing installed in FSDP2.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
                                                                     DefaultReduceScatter)
 
 from parbench.config import CaseConfig
+from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
-from ..common import DataParallelScheme, optimizer_tensors
-from ..zero_common import paper_prediction
+from impls.data.base import DataParallelScheme
+from impls.zero.prediction import paper_prediction
 
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated")
-
-
-class _LedgerAllGather(DefaultAllGather):
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
-
-
-class _LedgerReduceScatter(DefaultReduceScatter):
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
 
 
 def _local(t):
@@ -72,9 +58,6 @@ class TorchFSDP2(DataParallelScheme):
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         units = [fully_shard(blk, mesh=mesh, mp_policy=mp) for blk in model.blocks.values()]
         units.append(fully_shard(model, mesh=mesh, mp_policy=mp))
-        for u in units:
-            u.set_custom_all_gather(_LedgerAllGather())
-            u.set_custom_reduce_scatter(_LedgerReduceScatter())
         self.model = model
         self.params = list(model.parameters())
         self.local = [p.to_local().detach() for p in self.params]
@@ -98,7 +81,7 @@ class TorchFSDP2(DataParallelScheme):
             self.opt.step()
             for loc in self.local:
                 loc.grad = None
-        return self.reduce_loss(total / self.d, self.group)
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     def full_params(self):
         return {n: p.full_tensor().detach().float() for n, p in self.model.named_parameters()}
@@ -114,5 +97,5 @@ class TorchFSDP2(DataParallelScheme):
         return {"params": params, "grads": grads, "optimizer": opt}
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
+    def predict(cls, case: CaseConfig):
         return paper_prediction(case, 3)

@@ -1,11 +1,19 @@
-"""torch.nn.parallel.DistributedDataParallel on the same case.
+"""torch.nn.parallel.DistributedDataParallel on the same case, timed stock.
 
-DDP's C++ reducer all-reduces buckets itself; registering the stock all-reduce
-communication hook (``default_hooks.allreduce_hook``, what DDP does by default, pre-dividing
-by the group size) routes those calls through ``torch.distributed.all_reduce`` so they land
-in parbench's ledger like ours.
+DDP's C++ reducer all-reduces its buckets by calling the process group directly, past the
+Python functions parbench's ledger wraps. In the *checked* steps the baseline registers the
+stock all-reduce communication hook (``default_hooks.allreduce_hook``: the reducer's own
+all-reduce with the same pre-division by the group size, issued through
+``torch.distributed.all_reduce``), so the ledger sees every bucket. Before the first *timed*
+step that wrapper is dropped (its reducer and autograd hooks go with it) and a fresh, stock
+``DistributedDataParallel`` without any Python hook wraps the same module: the timed steps
+(the first of which is a discarded warm-up step that absorbs the re-wrap) run torch's C++
+path unchanged.
 """
 from __future__ import annotations
+
+import contextlib
+import gc
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -13,27 +21,40 @@ from torch.nn.parallel import DistributedDataParallel
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
-from ..common import DataParallelScheme, ReplicaMixin, optimizer_tensors
-from ..data import ddp_prediction
+from impls.data.base import ReplicaScheme
+from impls.data.ddp import ddp_prediction
 
 
 @register
-class TorchDDP(ReplicaMixin, DataParallelScheme):
+class TorchDDP(ReplicaScheme):
     name = "baseline.torch.ddp"
     family = "data"
     baseline_of = "data.ddp"
-    description = "torch DistributedDataParallel (stock all-reduce hook)"
+    description = "torch DistributedDataParallel (stock; all-reduce hook in checked steps)"
     uses = ("dp",)
+    options = ("bucket_mb",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
-        self.ddp = DistributedDataParallel(self.model, process_group=self.group,
-                                           bucket_cap_mb=ctx.parallel.bucket_mb)
-        self.ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
+        self.ddp = None
+        self._wrap(accounted=True)
         self.opt = make_optimizer(self.model.parameters(), ctx.run)
 
+    def _wrap(self, accounted: bool) -> None:
+        """Wrap the module in a new DDP: with the ledger-visible hook, or stock."""
+        self.ddp = None
+        gc.collect()  # the old reducer's hooks go with it
+        self.ddp = DistributedDataParallel(self.model, process_group=self.group,
+                                           bucket_cap_mb=self.ctx.parallel.bucket_mb)
+        if accounted:
+            self.ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
+        self.accounted = accounted
+
     def train_step(self, inputs, targets, step):
+        checked = step < self.ctx.run.steps
+        if checked != self.accounted:
+            self._wrap(accounted=checked)
         m = self.ctx.parallel.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         self.opt.zero_grad(set_to_none=False)
@@ -41,8 +62,7 @@ class TorchDDP(ReplicaMixin, DataParallelScheme):
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
             last = i == m - 1
-            ctx = self.ddp.no_sync() if not last else _null()
-            with ctx:
+            with self.ddp.no_sync() if not last else contextlib.nullcontext():
                 with tl.span("F", mb=i):
                     loss = self.ddp(xm, ym) / m
                 with tl.span("B", mb=i):
@@ -50,21 +70,8 @@ class TorchDDP(ReplicaMixin, DataParallelScheme):
             total += float(loss.detach())
         with tl.span("optim"):
             self.opt.step()
-        return self.reduce_loss(total / self.d, self.group)
-
-    def state_tensors(self):
-        return {"params": list(self.model.parameters()),
-                "grads": [p.grad for p in self.model.parameters() if p.grad is not None],
-                "optimizer": optimizer_tensors(self.opt)}
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     @classmethod
     def predict(cls, case):
         return ddp_prediction(case)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

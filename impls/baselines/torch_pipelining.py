@@ -26,18 +26,18 @@ import torch.nn.functional as F
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_stage, make_optimizer
+from parbench.memory import optimizer_tensors
+from parbench.schedules import Placement
 from parbench.scheme import Scheme, register
 
-from ..common import optimizer_tensors
-
-#: our name -> (torch schedule class name, our matching scheme, placement style)
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "pipeline.gpipe", "single"),
-    "1f1b": ("Schedule1F1B", "pipeline.1f1b", "single"),
-    "interleaved": ("ScheduleInterleaved1F1B", "pipeline.interleaved", "loop"),
-    "zb-interleaved": ("ScheduleInterleavedZeroBubble", "pipeline.zb-h1", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "pipeline.zbv", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "pipeline.dualpipev", "v"),
+#: our name -> (torch schedule class name, our matching scheme, stage placement)
+TORCH_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "pipeline.gpipe", Placement.LINEAR),
+    "1f1b": ("Schedule1F1B", "pipeline.1f1b", Placement.LINEAR),
+    "interleaved": ("ScheduleInterleaved1F1B", "pipeline.interleaved", Placement.LOOPED),
+    "zb-interleaved": ("ScheduleInterleavedZeroBubble", "pipeline.zb-h1", Placement.LOOPED),
+    "zbv": ("ScheduleZBVZeroBubble", "pipeline.zbv", Placement.V),
+    "dualpipev": ("ScheduleDualPipeV", "pipeline.dualpipev", Placement.V),
 }
 
 
@@ -63,10 +63,10 @@ def _loss(logits, targets):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _stage_indices(style: str, p: int, v: int, rank: int) -> list[int]:
-    if style == "single":
+def _stage_indices(placement: Placement, p: int, v: int, rank: int) -> list[int]:
+    if placement is Placement.LINEAR:
         return [rank]
-    if style == "loop":
+    if placement is Placement.LOOPED:
         return [c * p + rank for c in range(v)]
     return [rank, 2 * p - 1 - rank]
 
@@ -80,14 +80,14 @@ class TorchPipelining(Scheme):
         super().__init__(ctx)
         from torch.distributed import pipelining as tpp
         cfg, par, run = ctx.model, ctx.parallel, ctx.run
-        cls_name, _, style = SCHEDULES[self.torch_name]
+        cls_name, _, placement = TORCH_SCHEDULES[self.torch_name]
         self.group = ctx.mesh.group("pp")
         p, rank = ctx.mesh.size("pp"), ctx.mesh.index("pp")
         v = self.num_chunks(ctx.case)
         S = p * v
         b, s, h = par.micro_batch_size, cfg.seq_length, cfg.hidden_size
         self.mods, stages = [], []
-        for idx in _stage_indices(style, p, v, rank):
+        for idx in _stage_indices(placement, p, v, rank):
             mod = _LogitsStage(build_stage(cfg, run.seed, idx, S)).to(ctx.device)
             first, last = idx == 0, idx == S - 1
             inp = torch.zeros(b, s, dtype=torch.long, device=ctx.device) if first else \
@@ -100,7 +100,8 @@ class TorchPipelining(Scheme):
             self._hook(mod, idx)
         sched_cls = getattr(tpp, cls_name)
         m = par.num_microbatches
-        self.sched = sched_cls(stages[0] if style == "single" else stages, m, loss_fn=_loss)
+        self.torch_schedule = sched_cls(stages[0] if placement is Placement.LINEAR else stages,
+                                        m, loss_fn=_loss)
         self.has_first = any(mod.gpt.first for mod in self.mods)
         self.has_last = any(mod.gpt.last for mod in self.mods)
         self.params = [p_ for mod in self.mods for p_ in mod.parameters()]
@@ -120,10 +121,10 @@ class TorchPipelining(Scheme):
 
     @classmethod
     def num_chunks(cls, case: CaseConfig) -> int:
-        style = SCHEDULES[cls.torch_name][2]
-        if style == "single":
+        placement = TORCH_SCHEDULES[cls.torch_name][2]
+        if placement is Placement.LINEAR:
             return 1
-        if style == "v":
+        if placement is Placement.V:
             return 2
         return case.parallel.vpp
 
@@ -133,7 +134,7 @@ class TorchPipelining(Scheme):
         losses: list = []
         args = (inputs.to(dev),) if self.has_first else ()
         kwargs = {"target": targets.to(dev), "losses": losses} if self.has_last else {}
-        self.sched.step(*args, **kwargs)
+        self.torch_schedule.step(*args, **kwargs)
         with self.ctx.timeline.span("optim"):
             self.opt.step()
         total = sum(float(x.detach()) for x in losses) / self.ctx.parallel.num_microbatches \
@@ -158,22 +159,22 @@ class TorchPipelining(Scheme):
         par = case.parallel
         if par.dp != 1:
             raise ConfigError(f"dp={par.dp}: pipeline baselines run one pipeline (set dp=1)")
-        style = SCHEDULES[cls.torch_name][2]
-        if style == "single" and par.vpp != 1:
+        placement = TORCH_SCHEDULES[cls.torch_name][2]
+        if placement is Placement.LINEAR and par.vpp != 1:
             raise ConfigError(f"vpp={par.vpp}: {cls.name} holds one stage per rank (set vpp=1)")
-        if style == "v" and par.vpp not in (1, 2):
+        if placement is Placement.V and par.vpp not in (1, 2):
             raise ConfigError(f"vpp={par.vpp}: {cls.name} always holds 2 stages per rank")
         S = par.pp * cls.num_chunks(case)
         if case.model.num_layers % S:
             raise ConfigError(f"num_layers={case.model.num_layers} is not divisible by the "
                               f"{S} stages of {cls.name}")
-        if style == "v" and par.num_microbatches < S:
+        if placement is Placement.V and par.num_microbatches < S:
             raise ConfigError(f"num_microbatches={par.num_microbatches}: {cls.name} needs "
                               f"m >= 2p = {S}")
         get_scheme(cls.baseline_of)  # registered
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
+    def predict(cls, case: CaseConfig):
         """The matching native schedule's figures (same stages, same transfers)."""
         from parbench.scheme import get_scheme
         return get_scheme(cls.baseline_of).predict(case)
@@ -181,11 +182,11 @@ class TorchPipelining(Scheme):
 
 def _register():
     out = {}
-    for name, (_, ours, _) in SCHEDULES.items():
+    for name, (torch_class, ours, _) in TORCH_SCHEDULES.items():
         cls = type(f"TorchPipelining_{name.replace('-', '_')}", (TorchPipelining,), {
             "name": f"baseline.torch.pipelining.{name}", "torch_name": name,
             "baseline_of": ours,
-            "description": f"torch.distributed.pipelining {SCHEDULES[name][0]}",
+            "description": f"torch.distributed.pipelining {torch_class}",
             "__module__": __name__})
         out[name] = register(cls)
         globals()[cls.__name__] = cls

@@ -24,7 +24,8 @@ from typing import Iterable, Sequence
 from .memory import shard_numel
 from .shape import require_nonneg_int, require_positive_int
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send",
+       "reduce", "gather", "scatter", "recv", "barrier")
 
 
 def as_number(x: Fraction) -> int | float:
@@ -46,7 +47,41 @@ def wire_factor(op: str, n: int) -> Fraction:
         return Fraction(1 if n > 1 else 0)
     if op == "send":
         return Fraction(1)
+    if op in ("reduce", "gather", "scatter"):  # a non-root rank's share; see rooted_wire_factor
+        return rooted_wire_factor(op, n, 1, 0) if n > 1 else Fraction(0)
+    if op in ("recv", "barrier"):
+        return Fraction(0)
     raise ValueError(f"op={op!r} must be one of {', '.join(OPS)}")
+
+
+#: the ops whose per-rank bytes depend on the rank's role (the root)
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+
+
+def rooted_wire_factor(op: str, n: int, group_rank: int, root: int) -> Fraction:
+    """Per-rank factor of a rooted op for rank ``group_rank`` of ``n`` with root ``root``.
+
+    - broadcast: a pipelined chain from the root (root, root+1, ..., root-1): every rank but the
+      last of the chain forwards the S-byte message once, S; the last sends nothing;
+    - reduce: the same chain towards the root: every rank but the root sends S (partial sums);
+    - gather: each non-root rank sends its S/n block to the root; the root sends nothing;
+    - scatter: the root sends the n-1 other blocks, (n-1)/n S; the others send nothing.
+
+    These are bandwidth-optimal for large messages (Thakur et al. 2005, Sec. 4) and sum over
+    the group to the bytes that must cross the network. Non-rooted ops use ``wire_factor``.
+    """
+    require_positive_int("group_size", n)
+    if n == 1:
+        return Fraction(0)
+    if op == "broadcast":
+        return Fraction(0 if group_rank == (root - 1) % n else 1)
+    if op == "reduce":
+        return Fraction(0 if group_rank == root else 1)
+    if op == "gather":
+        return Fraction(0 if group_rank == root else 1, n)
+    if op == "scatter":
+        return Fraction(n - 1, n) if group_rank == root else Fraction(0)
+    return wire_factor(op, n)
 
 
 def wire_bytes(op: str, n: int, message_bytes: float) -> int | float:

@@ -1,5 +1,8 @@
 """Pipeline schedules as data, one validator, one discrete-event simulator.
 
+Each schedule is one generator registered with its metadata (`ScheduleSpec`, see
+``spec.py``); ``SCHEDULES`` maps names to specs.
+
     >>> from parbench.schedules import make_schedule, validate, simulate
     >>> s = validate(make_schedule("1f1b", p=4, m=8))
     >>> round(simulate(s).bubble, 4)   # (p-1)/(m+p-1)
@@ -8,14 +11,29 @@
 from .actions import (
     KINDS,
     Action,
+    P2PTransfer,
     Schedule,
     ScheduleError,
-    Transfer,
 )
-from .closed_forms import predict, ratio_from_fraction, ratio_from_size
-from .registry import SCHEDULES, make_schedule
-from .render import Event, events_from_sim, grid_text, plot_timeline, summary
+from .closed_forms import ClosedForm, ratio_from_fraction, ratio_from_size
+from .registry import (
+    SCHEDULES,
+    closed_form,
+    get_spec,
+    make_schedule,
+    max_inflight,
+    paper_closed_form,
+)
+from .render import (
+    GridEvent,
+    TimelinePanel,
+    events_from_sim,
+    grid_text,
+    plot_timeline,
+    summary,
+)
 from .simulate import SimResult, make_cost, simulate
+from .spec import UNIT_COSTS, ChunkRule, Costs, Placement, ScheduleSpec, schedule_spec
 from .validate import fifo_violations, validate
 
 __all__ = [
@@ -23,18 +41,29 @@ __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
-    "Transfer",
+    "P2PTransfer",
     "SCHEDULES",
+    "ScheduleSpec",
+    "ChunkRule",
+    "Placement",
+    "Costs",
+    "UNIT_COSTS",
+    "schedule_spec",
+    "get_spec",
     "make_schedule",
     "SimResult",
     "make_cost",
     "simulate",
     "validate",
     "fifo_violations",
-    "predict",
+    "ClosedForm",
+    "closed_form",
+    "paper_closed_form",
+    "max_inflight",
     "ratio_from_size",
     "ratio_from_fraction",
-    "Event",
+    "GridEvent",
+    "TimelinePanel",
     "events_from_sim",
     "grid_text",
     "plot_timeline",

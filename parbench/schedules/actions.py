@@ -58,8 +58,8 @@ class Action:
         return text + (f"p{self.pipe}" if self.pipe else "")
 
 
-@dataclass(frozen=True)
-class Transfer:
+@dataclass(frozen=True, kw_only=True)
+class P2PTransfer:
     """A point-to-point transfer implied by a cross-rank dependency.
 
     kind ``'act'``: the output activation of ``F(mb, src_stage)`` sent to
@@ -77,7 +77,7 @@ class Transfer:
     dst_rank: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Schedule:
     """A pipeline schedule: per-rank ordered compute actions plus placement.
 
@@ -177,17 +177,19 @@ class Schedule:
             deps.append(Action(kind, a.mb, a.stage + 1, a.pipe))
         return deps
 
-    def comm(self) -> list[Transfer]:
+    def comm(self) -> list[P2PTransfer]:
         """Cross-rank transfers implied by the dependencies, in the receivers' order."""
         kinds = self.backward_kinds()
-        out: list[Transfer] = []
+        out: list[P2PTransfer] = []
         for rank, _, a in self.iter_actions():
             for dep in self.dependencies(a, kinds):
                 src = self.rank_of(dep)
                 if src == rank:
                     continue
                 kind = "act" if a.kind == FORWARD else "grad"
-                out.append(Transfer(kind, a.mb, dep.stage, a.stage, a.pipe, src, rank))
+                out.append(P2PTransfer(kind=kind, mb=a.mb, src_stage=dep.stage,
+                                       dst_stage=a.stage, pipe=a.pipe, src_rank=src,
+                                       dst_rank=rank))
         return out
 
     def work(self) -> dict[str, int]:

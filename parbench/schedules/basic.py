@@ -21,11 +21,47 @@ always split).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ._common import need_positive, no_extra, resolve_v
 from .actions import BACKWARD_FULL, FORWARD, Action, Schedule, linear_placement, split_fused
+from .closed_forms import (
+    ClosedForm,
+    gpipe_max_inflight,
+    one_f_one_b_max_inflight,
+    pipeline_flush_size,
+    ptdp_bubble_fraction,
+)
+from .spec import ChunkRule, Placement, schedule_spec
 
 
-def _finish(name, p, m, rows, split_backward, asynchronous=False, notes="") -> Schedule:
+def flush_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                      overlap: bool) -> ClosedForm:
+    """GPipe / 1F1B: idle (p-1)(T_F+T_B+T_W) per rank, ratio (p-1)/(m+p-1), exact for any
+    uniform costs (Huang et al. 2019 §2.3; Narayanan et al. 2021 §2.2.1)."""
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=pipeline_flush_size(p, tf, tb, tw),
+        formula="(p-1)/(m+p-1)", source="Huang et al. 2019; Narayanan et al. 2021 §2.2.1",
+        exact=True, conditions="uniform stage costs, p2p=0",
+        ptdp_fraction=ptdp_bubble_fraction(p, m))
+
+
+def async_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                      overlap: bool) -> ClosedForm:
+    """PipeDream / 2BW: the 1F1B bubble of one iteration started from a flush.
+
+    The two dispatchers this replaced said "per step: the harness flushes between steps"
+    and "without flushes the fill/drain is amortised"; both hold, so the note says both:
+    the papers' steady state has no flush (Narayanan et al. 2019 §3; 2021 §3), parbench's
+    harness drains the pipeline at every step boundary, so a step pays one fill and drain.
+    """
+    return replace(flush_closed_form(p, m, v, tf, tb, tw, overlap),
+                   note="one iteration from a flush (the harness flushes between steps); "
+                        "without flushes the fill/drain is amortised")
+
+
+def _finish(name: str, p: int, m: int, rows, split_backward: bool, *,
+            asynchronous: bool = False, notes: str = "") -> Schedule:
     if split_backward:
         rows = [split_fused(row) for row in rows]
     return Schedule(
@@ -43,6 +79,10 @@ def _finish(name, p, m, rows, split_backward, asynchronous=False, notes="") -> S
     )
 
 
+@schedule_spec(
+    "gpipe", description="GPipe (Huang et al. 2019): all forwards, then all backwards",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=flush_closed_form,
+    max_inflight=gpipe_max_inflight)
 def gpipe(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """GPipe: every rank runs F0..F(m-1), then BW0..BW(m-1)."""
     need_positive("gpipe", p=p, m=m)
@@ -70,6 +110,11 @@ def one_f_one_b_rows(p: int, m: int) -> list[list[Action]]:
     return rows
 
 
+@schedule_spec(
+    "1f1b",
+    description="1F1B / PipeDream-Flush (Narayanan et al. 2021), DAPPLE (Fan et al. 2021)",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=flush_closed_form,
+    max_inflight=one_f_one_b_max_inflight)
 def one_f_one_b(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """1F1B (PipeDream-Flush / DAPPLE), synchronous with a flush at the end."""
     need_positive("1f1b", p=p, m=m)
@@ -78,19 +123,31 @@ def one_f_one_b(p: int, m: int, v: int | None = None, split_backward: bool = Fal
     return _finish("1f1b", p, m, one_f_one_b_rows(p, m), split_backward)
 
 
+@schedule_spec(
+    "pipedream",
+    description="PipeDream (Narayanan et al. 2019): async 1F1B, weight stashing",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, asynchronous=True,
+    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight)
 def pipedream(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """PipeDream: 1F1B order, no flush, weight stashing (``asynchronous=True``)."""
     need_positive("pipedream", p=p, m=m)
     resolve_v("pipedream", v, 1, allowed=(1,))
     no_extra("pipedream", kw)
     notes = "asynchronous: weight stashing, no flush between iterations"
-    return _finish("pipedream", p, m, one_f_one_b_rows(p, m), split_backward, True, notes)
+    return _finish("pipedream", p, m, one_f_one_b_rows(p, m), split_backward,
+                   asynchronous=True, notes=notes)
 
 
+@schedule_spec(
+    "2bw",
+    description="PipeDream-2BW (Narayanan et al. 2021): double-buffered weights, 1-step delay",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, asynchronous=True,
+    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight)
 def pipedream_2bw(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """PipeDream-2BW: 1F1B order, two weight versions, one-step-delayed update."""
     need_positive("2bw", p=p, m=m)
     resolve_v("2bw", v, 1, allowed=(1,))
     no_extra("2bw", kw)
     notes = "asynchronous: W(t+1) = W(t) - lr * grad f(W(t-1)) (double-buffered weights)"
-    return _finish("2bw", p, m, one_f_one_b_rows(p, m), split_backward, True, notes)
+    return _finish("2bw", p, m, one_f_one_b_rows(p, m), split_backward,
+                   asynchronous=True, notes=notes)

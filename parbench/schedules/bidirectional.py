@@ -45,10 +45,49 @@ from .actions import (
     v_placement,
 )
 from .basic import one_f_one_b_rows
+from .closed_forms import ClosedForm, dualpipe_table2
 from .listsched import list_schedule
 from .simulate import make_cost, run_times
+from .spec import ChunkRule, Costs, Placement, schedule_spec
 
 
+def chimera_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                        overlap: bool) -> ClosedForm:
+    """Li & Hoefler 2021 Table 2: (D-2)/(2N+D-2), D-2 idle slots per worker.
+
+    The paper counts time in equal forward and backward slots, i.e. T_F equals the fused
+    backward T_B + T_W; the closed form claims exactness only there, and the pipeline table
+    evaluates it at those costs (``paper_costs``: T_F = T_B = 1, T_W = 0).  The two
+    dispatchers this replaced disagreed: one reported the ratio whatever the costs.
+    """
+    equal_slots = tf == tb + tw
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=(p - 2) * tf if equal_slots else None,
+        formula="(D-2)/(2N+D-2)", source="Li & Hoefler 2021, Table 2", exact=equal_slots,
+        conditions="T_F = T_B + T_W (equal F and B slots)")
+
+
+def dualpipe_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                         overlap: bool) -> ClosedForm:
+    """DeepSeek-V3 report Table 2: (PP/2-1)(F&B+B-3W) with B = T_B+T_W, W = T_W, F&B = F+B.
+
+    PP is the number of stages: p for DualPipe (v=1), 2p for DualPipeV (v=2).  The table
+    assumes each F&B pair runs as one overlapped unit (``overlap=True`` in the simulator,
+    ``paper_costs`` here); parbench's executor runs the pair back to back.
+    """
+    row = dualpipe_table2(p * v, tf, tb + tw, tw)["dualpipe"]
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=row.bubble, formula="(PP/2-1)(F&B+B-3W)",
+        source=row.source, exact=overlap and tf <= tb and tw <= tb,
+        conditions="overlap=True (F&B pairs as units), T_F <= T_B, T_W <= T_B",
+        note="parbench's executor runs each F&B pair back to back")
+
+
+@schedule_spec(
+    "chimera",
+    description="Chimera (Li & Hoefler 2021): two bidirectional replicas, grads synced",
+    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, closed_form=chimera_closed_form,
+    paper_costs=Costs(tf=1.0, tb=1.0, tw=0.0))
 def chimera(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """Chimera: down and up 1F1B pipelines merged slot by slot, units concatenated."""
     need_positive("chimera", p=p, m=m)
@@ -59,8 +98,9 @@ def chimera(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         raise ScheduleError(f"chimera needs m to be a multiple of p (got m={m}, p={p})")
     half, units = p // 2, m // p
     # Slot of every action of one direction's 1F1B over D/2 micro-batches, unit costs.
-    one_dir = Schedule("1f1b", p, half, 1, p, linear_placement(p), [0] * half,
-                       one_f_one_b_rows(p, half), False)
+    one_dir = Schedule(name="1f1b", p=p, m=half, v=1, num_stages=p,
+                       placement=linear_placement(p), mb_pipe=[0] * half,
+                       actions=one_f_one_b_rows(p, half), split_backward=False)
     slot = run_times(one_dir, make_cost(1, 1, 0))
     tasks, key = [], {}
     for u in range(units):
@@ -69,8 +109,10 @@ def chimera(p: int, m: int, v: int | None = None, **kw) -> Schedule:
                 act = Action(a.kind, first + u * half + a.mb, a.stage, pipe)
                 tasks.append(act)
                 key[act] = (u, start, -a.stage)
-    template = Schedule("chimera", p, m, 1, p, bidirectional_placement(p),
-                        [0] * (m // 2) + [1] * (m // 2), [], False)
+    template = Schedule(name="chimera", p=p, m=m, v=1, num_stages=p,
+                        placement=bidirectional_placement(p),
+                        mb_pipe=[0] * (m // 2) + [1] * (m // 2), actions=[],
+                        split_backward=False)
     template.actions = list_schedule(template, tasks, key.__getitem__, lambda a: 1.0)
     template.notes = f"{units} basic unit(s) of {p} micro-batches"
     return template
@@ -154,6 +196,10 @@ def _eight_phases(prog: _Program, half_ranks: int, depth: int, per_pipe: int) ->
     return prog
 
 
+@schedule_spec(
+    "dualpipe", description="DualPipe (DeepSeek-V3 report): two replicas fed from both ends",
+    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, closed_form=dualpipe_closed_form,
+    paper_costs=Costs(overlap=True))
 def dualpipe(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """DualPipe (DeepSeek-V3): two replicas fed from both ends, eight-phase program."""
     need_positive("dualpipe", p=p, m=m)
@@ -176,11 +222,16 @@ def dualpipe(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         _eight_phases(prog, half, depth, m // 2)
         rows.append(prog.row)
         pairs += prog.pairs
-    return Schedule("dualpipe", p, m, 1, p, bidirectional_placement(p),
-                    [0] * (m // 2) + [1] * (m // 2), rows, True, overlapped=pairs,
-                    notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")
+    return Schedule(name="dualpipe", p=p, m=m, v=1, num_stages=p,
+                    placement=bidirectional_placement(p),
+                    mb_pipe=[0] * (m // 2) + [1] * (m // 2), actions=rows,
+                    split_backward=True, overlapped=pairs, notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")
 
 
+@schedule_spec(
+    "dualpipev", description="DualPipeV: DualPipe cut in half, V placement",
+    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=dualpipe_closed_form,
+    paper_costs=Costs(overlap=True))
 def dualpipev(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """DualPipeV: DualPipe cut in half, one replica of 2p stages in a V."""
     need_positive("dualpipev", p=p, m=m)
@@ -194,6 +245,6 @@ def dualpipev(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         _eight_phases(prog, p, r, m)
         rows.append(prog.row)
         pairs += prog.pairs
-    return Schedule("dualpipev", p, m, 2, 2 * p, v_placement(p), [0] * m, rows, True,
-                    overlapped=pairs,
-                    notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")
+    return Schedule(name="dualpipev", p=p, m=m, v=2, num_stages=2 * p,
+                    placement=v_placement(p), mb_pipe=[0] * m, actions=rows,
+                    split_backward=True, overlapped=pairs, notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")

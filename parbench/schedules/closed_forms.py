@@ -19,6 +19,10 @@ of a forward, a backward-for-inputs and a backward-for-weights of one stage
 point-to-point latency is zero.  Each formula's docstring says under which
 conditions parbench's generators reproduce it exactly (checked in
 tests/unit/test_schedules_closed_forms.py).
+
+This module holds the papers' formulas and the :class:`ClosedForm` record.  Which formula
+belongs to which schedule is stated once, next to the generator (its ``schedule_spec``'s
+``closed_form``); ``registry.closed_form(schedule, ...)`` is the one dispatch.
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ def pipeline_flush_size(p: int, tf: float, tb: float, tw: float = 0.0) -> float:
 
 
 # -- Zero Bubble (Qi et al. 2024) ---------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TableRow:
     """One row of a paper's comparison table."""
 
@@ -115,9 +119,12 @@ def zero_bubble_table2(p: int, tf: float, tb: float, tw: float) -> dict[str, Tab
     """
     src = "Qi et al. 2024, Table 2"
     return {
-        "1f1b": TableRow("1f1b", (p - 1) * (tf + tb + tw), p, "M_B", 1.0, src),
-        "zb-h1": TableRow("zb-h1", (p - 1) * (tf + tb - tw), p, "M_B", 1.0, src),
-        "zb-h2": TableRow("zb-h2", (p - 1) * (tf + tb - 2 * tw), 2 * p - 1, "M_B", 1.0, src),
+        "1f1b": TableRow(schedule="1f1b", bubble=(p - 1) * (tf + tb + tw), memory=p,
+                         memory_unit="M_B", source=src),
+        "zb-h1": TableRow(schedule="zb-h1", bubble=(p - 1) * (tf + tb - tw), memory=p,
+                          memory_unit="M_B", source=src),
+        "zb-h2": TableRow(schedule="zb-h2", bubble=(p - 1) * (tf + tb - 2 * tw),
+                          memory=2 * p - 1, memory_unit="M_B", source=src),
     }
 
 
@@ -167,9 +174,13 @@ def dualpipe_table2(pp: int, F: float, B: float, W: float, FB: float | None = No
     fb = F + B if FB is None else FB
     src = "DeepSeek-V3 report, Table 2"
     return {
-        "1f1b": TableRow("1f1b", (pp - 1) * (F + B), pp, "micro-batches", 1.0, src),
-        "zb1p": TableRow("zb1p", (pp - 1) * (F + B - 2 * W), pp, "micro-batches", 1.0, src),
-        "dualpipe": TableRow("dualpipe", (pp / 2 - 1) * (fb + B - 3 * W), pp + 1, "micro-batches", 2.0, src),
+        "1f1b": TableRow(schedule="1f1b", bubble=(pp - 1) * (F + B), memory=pp,
+                         memory_unit="micro-batches", source=src),
+        "zb1p": TableRow(schedule="zb1p", bubble=(pp - 1) * (F + B - 2 * W), memory=pp,
+                         memory_unit="micro-batches", source=src),
+        "dualpipe": TableRow(schedule="dualpipe", bubble=(pp / 2 - 1) * (fb + B - 3 * W),
+                             memory=pp + 1, memory_unit="micro-batches", params=2.0,
+                             source=src),
     }
 
 
@@ -186,78 +197,62 @@ def chimera_bubble_ratio(D: int, N: int) -> float:
 
 
 # -- in-flight limits -------------------------------------------------------------
-def max_inflight(schedule: str, p: int, m: int, rank: int = 0) -> int | None:
-    """Peak micro-batches in flight (forward done, backward-for-inputs not) on `rank`.
+def gpipe_max_inflight(p: int, m: int, rank: int) -> int:
+    """GPipe: m micro-batches in flight (all forwards before any backward; Huang et al. 2019)."""
+    return m
 
-    GPipe: m (all forwards before any backward; Huang et al. 2019).  1F1B /
-    PipeDream-Flush: min(p - rank, m), at most p on rank 0 (Narayanan et al.
-    2021, §2.2.1).  ZB-H1: as 1F1B; ZB-H2: min(2(p-1-rank)+1, m) (Qi et al. 2024).
+
+def one_f_one_b_max_inflight(p: int, m: int, rank: int) -> int:
+    """1F1B / PipeDream-Flush: min(p - rank, m), at most p on rank 0 (Narayanan et al. 2021,
+    §2.2.1); ZB-H1 keeps the same bound (Qi et al. 2024 Table 2, p·M_B)."""
+    return min(p - rank, m)
+
+
+def zb_h2_max_inflight(p: int, m: int, rank: int) -> int:
+    """ZB-H2: min(2(p-1-rank)+1, m), (2p-1)·M_B on rank 0 (Qi et al. 2024 Table 2)."""
+    return min(2 * (p - 1 - rank) + 1, m)
+
+
+# -- the record a schedule's closed form returns --------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ClosedForm:
+    """A paper's bubble for one generated schedule at scalar costs, in parbench's terms.
+
+    bubble_size: idle time per rank from a common start (None when the paper makes no claim
+    for these costs); bubble_ratio: parbench's ratio (:func:`ratio_from_size`);
+    exact: whether the generator reproduces it exactly under these conditions (checked in
+    tests/unit/test_schedules_closed_forms.py); work_per_rank: m·v·(T_F+T_B+T_W);
+    paper_bubble_size: the paper's own metric where it differs; ptdp_fraction: PTD-P's
+    bubble over ideal time; note: free text.
     """
-    if schedule == "gpipe":
-        return m
-    if schedule in ("1f1b", "pipedream", "2bw", "zb-h1"):
-        return min(p - rank, m)
-    if schedule == "zb-h2":
-        return min(2 * (p - 1 - rank) + 1, m)
-    return None
 
+    formula: str
+    source: str
+    bubble_size: float | None
+    exact: bool
+    conditions: str
+    work_per_rank: float
+    bubble_ratio: float | None
+    paper_bubble_size: float | None = None
+    ptdp_fraction: float | None = None
+    note: str = ""
 
-# -- the prediction for a generated schedule ---------------------------------------
-def predict(schedule, tf: float = 1.0, tb: float = 1.0, tw: float = 1.0,
-            overlap: bool = False) -> dict | None:
-    """Closed-form bubble of `schedule` (a `Schedule`) for scalar costs, in parbench's terms.
+    @classmethod
+    def of(cls, *, m: int, v: int, tf: float, tb: float, tw: float,
+           bubble_size: float | None, **fields) -> "ClosedForm":
+        """Fill in the work per rank (every rank runs m·v forwards and backwards) and the
+        ratio from ``bubble_size``."""
+        work = m * v * (tf + tb + tw)
+        ratio = None if bubble_size is None else ratio_from_size(bubble_size, work)
+        return cls(bubble_size=bubble_size, work_per_rank=work, bubble_ratio=ratio, **fields)
 
-    Returns None for schedules without a published closed form.  Keys: formula,
-    source, bubble_size (idle time per rank from a common start, or None when the
-    paper makes no claim for these costs), bubble_ratio (parbench's definition),
-    exact (whether this generator reproduces it exactly under these conditions —
-    checked by the unit tests), conditions; optionally paper_bubble_size (the
-    paper's own metric, where it differs) and ptdp_fraction.
-    """
-    name, p, m, v = schedule.name, schedule.p, schedule.m, schedule.v
-    per_op = tf + tb + tw
-    work = m * schedule.num_stages / p * per_op
-    out: dict = {"schedule": name}
-    if name in ("gpipe", "1f1b", "pipedream", "2bw"):
-        out.update(formula="(p-1)/(m+p-1)", source="Huang et al. 2019; Narayanan et al. 2021 §2.2.1",
-                   bubble_size=pipeline_flush_size(p, tf, tb, tw), exact=True,
-                   conditions="uniform stage costs, p2p=0", ptdp_fraction=ptdp_bubble_fraction(p, m))
-        if schedule.asynchronous:
-            out["note"] = "one iteration from a flush; without flushes the fill/drain is amortised"
-    elif name in ("interleaved", "bfs"):
-        out.update(formula="(p-1)/(v*m+p-1)", source="Narayanan et al. 2021 §2.2.2",
-                   bubble_size=pipeline_flush_size(p, tf, tb, tw), exact=m >= p,
-                   conditions="m >= p", ptdp_fraction=ptdp_bubble_fraction(p, m, v))
-    elif name == "zb-h1":
-        row = zero_bubble_table2(p, tf, tb, tw)["zb-h1"]
-        out.update(formula="(p-1)(T_F+T_B-T_W)", source=row.source, bubble_size=row.bubble,
-                   exact=m >= p and tw <= min(tf, tb), conditions="m >= p, T_W <= min(T_F, T_B)")
-    elif name == "zb-h2":
-        row = zero_bubble_table2(p, tf, tb, tw)["zb-h2"]
-        out.update(formula="(p-1)(T_F+T_B-2T_W) per parallelogram; (p-1)max(T_F, T_F+T_B-2T_W) from start",
-                   source=row.source, bubble_size=zb_h2_size_from_start(p, tf, tb, tw),
-                   paper_bubble_size=row.bubble,
-                   exact=m >= 2 * p - 1 and tw <= tf and 2 * tw <= tf + tb,
-                   conditions="m >= 2p-1, T_W <= T_F, 2T_W <= T_F+T_B")
-    elif name == "zbv":
-        equal = zbv_span_bubble(p, tf, tb, tw) == 0.0
-        out.update(formula="zero bubble per parallelogram when T_F=T_B=T_W",
-                   source="Qi et al. 2024 §6", bubble_size=(p - 1) * tf if equal else None,
-                   paper_bubble_size=0.0 if equal else None, exact=equal and m >= 2 * p - 1,
-                   conditions="T_F = T_B = T_W, m >= 2p-1")
-    elif name == "chimera":
-        out.update(formula="(D-2)/(2N+D-2)", source="Li & Hoefler 2021, Table 2",
-                   bubble_size=(p - 2) * tf if tf == tb + tw else None,
-                   exact=tf == tb + tw, conditions="T_F = T_B + T_W (equal F and B slots)")
-    elif name in ("dualpipe", "dualpipev"):
-        pp = p if name == "dualpipe" else 2 * p
-        row = dualpipe_table2(pp, tf, tb + tw, tw)["dualpipe"]
-        out.update(formula="(PP/2-1)(F&B+B-3W)", source=row.source, bubble_size=row.bubble,
-                   exact=overlap and tf <= tb and tw <= tb,
-                   conditions="overlap=True (F&B pairs as units), T_F <= T_B, T_W <= T_B")
-    else:
-        return None
-    size = out.get("bubble_size")
-    out["bubble_ratio"] = None if size is None else ratio_from_size(size, work)
-    out["work_per_rank"] = work
-    return out
+    def to_dict(self) -> dict:
+        """JSON-ready; the optional fields only where set."""
+        out = {"formula": self.formula, "source": self.source, "bubble_size": self.bubble_size,
+               "bubble_ratio": self.bubble_ratio, "exact": self.exact,
+               "conditions": self.conditions, "work_per_rank": self.work_per_rank}
+        for key in ("paper_bubble_size", "ptdp_fraction", "note"):
+            value = getattr(self, key)
+            if value is not None and value != "":
+                out[key] = value
+        return out

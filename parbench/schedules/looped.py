@@ -26,6 +26,18 @@ from .actions import (
     looped_placement,
     split_fused,
 )
+from .closed_forms import ClosedForm, pipeline_flush_size, ptdp_bubble_fraction
+from .spec import ChunkRule, Placement, schedule_spec
+
+
+def looped_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                       overlap: bool) -> ClosedForm:
+    """PTD-P §2.2.2: idle (p-1)(T_F+T_B+T_W) with per-chunk costs, ratio (p-1)/(v·m+p-1);
+    exact for m >= p (interleaved and looped BFS alike)."""
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=pipeline_flush_size(p, tf, tb, tw),
+        formula="(p-1)/(v*m+p-1)", source="Narayanan et al. 2021 §2.2.2", exact=m >= p,
+        conditions="m >= p", ptdp_fraction=ptdp_bubble_fraction(p, m, v))
 
 
 def interleaved_group(p: int, m: int) -> int:
@@ -39,6 +51,10 @@ def interleaved_group(p: int, m: int) -> int:
     return m // rounds
 
 
+@schedule_spec(
+    "interleaved",
+    description="interleaved 1F1B, v chunks per rank (Narayanan et al. 2021, PTD-P)",
+    chunks=ChunkRule.ANY, placement=Placement.LOOPED, closed_form=looped_closed_form)
 def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """Megatron interleaved 1F1B with v chunks per rank (stage s on rank s % p)."""
     need_positive("interleaved", p=p, m=m)
@@ -89,6 +105,9 @@ def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = Fal
     )
 
 
+@schedule_spec(
+    "bfs", description="looped breadth-first (Lamy-Poirier 2023)",
+    chunks=ChunkRule.ANY, placement=Placement.LOOPED, closed_form=looped_closed_form)
 def looped_bfs(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
     """Looped breadth-first: all forwards chunk by chunk, then all backwards in reverse."""
     need_positive("bfs", p=p, m=m)

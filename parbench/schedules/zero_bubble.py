@@ -40,12 +40,61 @@ from .actions import (
     linear_placement,
     v_placement,
 )
+from .closed_forms import (
+    ClosedForm,
+    one_f_one_b_max_inflight,
+    zb_h2_max_inflight,
+    zb_h2_size_from_start,
+    zbv_span_bubble,
+    zero_bubble_table2,
+)
+from .spec import ChunkRule, Placement, schedule_spec
+
+
+def zb_h1_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                      overlap: bool) -> ClosedForm:
+    """Qi et al. 2024 Table 2, ZB-H1 row: (p-1)(T_F+T_B-T_W)."""
+    row = zero_bubble_table2(p, tf, tb, tw)["zb-h1"]
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=row.bubble, formula="(p-1)(T_F+T_B-T_W)",
+        source=row.source, exact=m >= p and tw <= min(tf, tb),
+        conditions="m >= p, T_W <= min(T_F, T_B)")
+
+
+def zb_h2_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                      overlap: bool) -> ClosedForm:
+    """Qi et al. 2024 Table 2, ZB-H2 row (the parallelogram) and its size from a common
+    start, (p-1)·max(T_F, T_F+T_B-2T_W)."""
+    row = zero_bubble_table2(p, tf, tb, tw)["zb-h2"]
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=zb_h2_size_from_start(p, tf, tb, tw),
+        formula="(p-1)(T_F+T_B-2T_W) per parallelogram; (p-1)max(T_F, T_F+T_B-2T_W) from start",
+        source=row.source, paper_bubble_size=row.bubble,
+        exact=m >= 2 * p - 1 and tw <= tf and 2 * tw <= tf + tb,
+        conditions="m >= 2p-1, T_W <= T_F, 2T_W <= T_F+T_B")
+
+
+def zbv_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
+                    overlap: bool) -> ClosedForm:
+    """Qi et al. 2024 §6: zero bubble per parallelogram when T_F = T_B = T_W; from a common
+    start the (p-1)·T_F ramp remains."""
+    equal = zbv_span_bubble(p, tf, tb, tw) == 0.0
+    return ClosedForm.of(
+        m=m, v=v, tf=tf, tb=tb, tw=tw, bubble_size=(p - 1) * tf if equal else None,
+        formula="zero bubble per parallelogram when T_F=T_B=T_W", source="Qi et al. 2024 §6",
+        paper_bubble_size=0.0 if equal else None, exact=equal and m >= 2 * p - 1,
+        conditions="T_F = T_B = T_W, m >= 2p-1")
 
 
 def _linear(name: str, p: int, m: int, rows) -> Schedule:
-    return Schedule(name, p, m, 1, p, linear_placement(p), [0] * m, rows, True)
+    return Schedule(name=name, p=p, m=m, v=1, num_stages=p, placement=linear_placement(p),
+                    mb_pipe=[0] * m, actions=rows, split_backward=True)
 
 
+@schedule_spec(
+    "zb-h1", description="ZB-H1 (Qi et al. 2024): split B/W, W passes delayed",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=zb_h1_closed_form,
+    max_inflight=one_f_one_b_max_inflight)
 def zb_h1(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """ZB-H1: 1F1B with the W passes of rank i delayed by i steps."""
     need_positive("zb-h1", p=p, m=m)
@@ -68,6 +117,10 @@ def zb_h1(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     return _linear("zb-h1", p, m, rows)
 
 
+@schedule_spec(
+    "zb-h2", description="ZB-H2 (Qi et al. 2024): extra warm-up forwards, parallelogram",
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=zb_h2_closed_form,
+    max_inflight=zb_h2_max_inflight)
 def zb_h2(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """ZB-H2: extra warm-up forwards and a W-reordered tail (parallelogram)."""
     need_positive("zb-h2", p=p, m=m)
@@ -120,6 +173,9 @@ class _Counters:
         return self.next.get((kind, stage), 0)
 
 
+@schedule_spec(
+    "zbv", description="ZB-V (Qi et al. 2024): V placement, two stages per rank, split B/W",
+    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=zbv_closed_form)
 def zbv(p: int, m: int, v: int | None = None, **kw) -> Schedule:
     """ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r)."""
     need_positive("zbv", p=p, m=m)
@@ -160,4 +216,5 @@ def zbv(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         while ctr.count(W, c0) < ctr.count(B, c0):
             ctr.emit(W, c0)
         rows.append([a for a in row if a.mb < m])
-    return Schedule("zbv", p, m, 2, 2 * p, v_placement(p), [0] * m, rows, True)
+    return Schedule(name="zbv", p=p, m=m, v=2, num_stages=2 * p, placement=v_placement(p),
+                    mb_pipe=[0] * m, actions=rows, split_backward=True)

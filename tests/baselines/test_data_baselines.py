@@ -12,11 +12,10 @@ from collections import Counter
 
 import pytest
 
-from parbench.config import CaseConfig, apply_overrides
-from parbench.harness import merge_ranks, run_case
-from parbench.launch import WorkerPool
+from parbench.config import CaseConfig
+from parbench.overrides import apply_overrides
 from parbench.scheme import get_scheme
-from tests.conftest import run_on_pool
+from tests.helpers import run_on_pool
 
 # param_atol 1e-4: see FP32_PARAM_ATOL in tests/equivalence/test_data.py
 BASE = {"model": "tiny", "dp": "2", "num_microbatches": "2", "steps": "3",
@@ -32,24 +31,24 @@ def case_for(scheme: str) -> CaseConfig:
 
 def traffic(per_rank) -> dict:
     c = Counter()
-    for r in per_rank[0]["ledger"]:
+    for r in per_rank[0].ledger:
         c[(r["op"], r["message_bytes"])] += 1
     return dict(c)
 
 
-def agree(ours: dict, theirs: dict) -> None:
-    assert ours["equivalent"] and theirs["equivalent"], (ours, theirs)
-    for a, b in zip(ours["losses"], theirs["losses"]):
-        assert abs(a - b) <= LOSS_AGREE * abs(a), (ours["losses"], theirs["losses"])
+def agree(ours, theirs) -> None:
+    assert ours.equivalent and theirs.equivalent, (ours, theirs)
+    for a, b in zip(ours.losses, theirs.losses):
+        assert abs(a - b) <= LOSS_AGREE * abs(a), (ours.losses, theirs.losses)
 
 
 def test_fsdp2_equals_golden_and_native_zero3(pools):
     ours, _ = run_on_pool(pools, case_for("zero.3"))
     theirs, per_rank = run_on_pool(pools, case_for("baseline.torch.fsdp2"))
     agree(ours, theirs)
-    assert theirs["wire_by_axis"][0].get("dp", 0) > 0, "FSDP2's collectives must be in the ledger"
-    print("fsdp2 traffic per step:", traffic(per_rank), "wire", theirs["wire_by_axis"][0],
-          "ours", ours["wire_by_axis"][0])
+    assert theirs.wire_by_axis[0].get("dp", 0) > 0, "FSDP2's collectives must be in the ledger"
+    print("fsdp2 traffic per step:", traffic(per_rank), "wire", theirs.wire_by_axis[0],
+          "ours", ours.wire_by_axis[0])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -58,12 +57,9 @@ def test_deepspeed_zero_equals_golden_and_native(pools, stage):
     scheme = f"baseline.deepspeed.zero{stage}"
     assert get_scheme(scheme).isolated
     case = case_for(scheme)
-    names = sorted(get_scheme(scheme).reference(case, 1).params[0])
-    with WorkerPool(case.parallel.world_size) as pool:  # fresh ranks: DeepSpeed's globals
-        per_rank = pool.run(run_case, case.to_dict(), timeout_s=300)
-    theirs = merge_ranks(per_rank, names)
+    theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks for DeepSpeed
     ours, _ = run_on_pool(pools, case_for(f"zero.{stage}"))
     agree(ours, theirs)
-    assert theirs["wire_by_axis"][0].get("dp", 0) > 0, "DeepSpeed's collectives must be booked"
+    assert theirs.wire_by_axis[0].get("dp", 0) > 0, "DeepSpeed's collectives must be booked"
     print(f"deepspeed zero{stage} traffic per step:", traffic(per_rank), "wire",
-          theirs["wire_by_axis"][0], "ours", ours["wire_by_axis"][0])
+          theirs.wire_by_axis[0], "ours", ours.wire_by_axis[0])

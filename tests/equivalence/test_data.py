@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parbench.config import CaseConfig, apply_overrides, validate_case
+from parbench.config import CaseConfig, validate_case
+from parbench.overrides import apply_overrides
 from parbench.scheme import get_scheme
-from tests.conftest import run_on_pool
+from tests.helpers import run_on_pool
 
 # bucket sizes in MiB: ~1 layer per unit, a few layers per unit, the whole model in one unit
 BUCKETS = (0.002, 0.02, 1.0)
@@ -52,17 +53,22 @@ def make_case(scheme: str, shape: dict, world: int, bucket_mb: float, m: int,
 
 
 def assert_bytes_exact(case, merged, per_rank):
+    """Every rank's model states (as the tracker attributes them, nothing 'other'), wire
+    bytes and calls equal the closed form's, on every checked step."""
     pred = get_scheme(case.run.scheme).predict(case)
     for r in per_rank:
-        assert r["model_state_bytes"] == pred["model_state_bytes"], (r["rank"], pred)
-    for w in merged["wire_by_axis"]:
-        assert w.get("dp", 0.0) == pred["wire_bytes"]["dp"]
+        for states in r.model_states_per_step:
+            assert states == pred.model_state_bytes[r.rank], (r.rank, states, pred)
+        for step, (wire, calls) in enumerate(zip(r.wire_by_axis_per_step,
+                                                 r.calls_by_axis_per_step)):
+            assert wire.get("dp", 0.0) == pred.wire_at(step)[r.rank]["dp"], (step, wire)
+            assert calls.get("dp", 0) == pred.calls_at(step)[r.rank]["dp"], (step, calls)
     return pred
 
 
 def summary(merged) -> str:
-    return (f"loss {merged['max_loss_abs']:.3g} grad {merged['max_grad_abs']:.3g} "
-            f"param {merged['max_param_abs']:.3g} uncovered {merged['uncovered'][:3]}")
+    return (f"loss {merged.max_loss_abs:.3g} grad {merged.max_grad_abs:.3g} "
+            f"param {merged.max_param_abs:.3g} uncovered {merged.uncovered[:3]}")
 
 
 # ---- ZeRO ----------------------------------------------------------------------------------
@@ -73,12 +79,13 @@ def summary(merged) -> str:
 def test_zero_matches_golden_with_exact_bytes(pools, shape, world, bucket, m, stage):
     case = make_case(f"zero.{stage}", shape, world, bucket, m)
     merged, per_rank = run_on_pool(pools, case)
-    assert merged["equivalent"], summary(merged)
+    assert merged.equivalent, summary(merged)
     pred = assert_bytes_exact(case, merged, per_rank)
     # every collective is one whole padded unit, issued as the prediction lists it
-    led = per_rank[0]["ledger"]
-    assert len(led) == pred["collectives"]["dp"]
-    assert sum(r["message_bytes"] for r in led) == pred["message_bytes"]["dp"]
+    led = [r for r in per_rank[0].ledger if r["group_size"] > 1]
+    assert len(led) == pred.calls[0]["dp"]
+    if world > 1:
+        assert sum(r["message_bytes"] for r in led) == pred.figures["message_bytes"]["dp"]
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -91,10 +98,11 @@ def test_zero3_moves_one_and_a_half_times_zero12(pools, m):
     for scheme in ("zero.1", "zero.2", "zero.3", "data.ddp"):
         case = make_case(scheme, shape, 3, 0.002, m)
         merged, per_rank = run_on_pool(pools, case)
-        assert merged["equivalent"], (scheme, summary(merged))
-        wire[scheme] = Fraction(merged["wire_by_axis"][0]["dp"])
-        peak[scheme] = max(merged["peak_bytes"])
+        assert merged.equivalent, (scheme, summary(merged))
+        wire[scheme] = Fraction(merged.wire_by_axis[0]["dp"])
+        peak[scheme] = max(merged.peak_bytes)
     z = get_scheme("zero.1").predict(case)
+    z = z.figures
     assert z["padded_params"] % 3 == 0 and z["padded_params"] > z["params"]
     assert wire["zero.3"] == Fraction(3 * m, 2) * wire["zero.1"]
     assert wire["zero.2"] == Fraction(m + 1, 2) * wire["zero.1"]
@@ -121,11 +129,11 @@ def test_zero_bf16_mixed_precision(pools, stage):
     case = make_case(f"zero.{stage}", shape, 2, 0.002, 2, dtype="bf16",
                      **bf16_tolerances(1e-3, 3))
     merged, per_rank = run_on_pool(pools, case)
-    assert merged["equivalent"], summary(merged)
+    assert merged.equivalent, summary(merged)
     pred = assert_bytes_exact(case, merged, per_rank)
     # bf16 parameters and gradients, fp32 master + moments: the paper's 2 + 2 + 12
-    s = pred["shard_params"]
-    assert pred["model_state_bytes"]["optimizer"] == 12 * s + 4 * pred["units"]
+    s = pred.figures["shard_params"]
+    assert pred.model_state_bytes[0]["optimizer"] == 12 * s + 4 * pred.figures["units"]
 
 
 def test_zero3_rejects_tied_embeddings():
@@ -153,10 +161,10 @@ def test_local_sgd_matches_simulated_workers(pools, world, period, m, steps):
     case = make_case("data.local_sgd", shape, world, 1.0, m, local_sgd_period=period,
                      steps=steps)
     merged, per_rank = run_on_pool(pools, case)
-    assert merged["equivalent"], summary(merged)
-    assert not merged["uncovered"]
+    assert merged.equivalent, summary(merged)
+    assert not merged.uncovered
     pred = get_scheme("data.local_sgd").predict(case)
     for r in per_rank:
-        assert r["model_state_bytes"] == pred["model_state_bytes"]
-        got = [w.get("dp", 0.0) for w in r["wire_by_axis_per_step"]]
-        assert got == pred["wire_bytes_per_step"]["dp"]
+        assert r.model_state_bytes == pred.model_state_bytes[r.rank]
+        got = [w.get("dp", 0.0) for w in r.wire_by_axis_per_step[:steps]]
+        assert got == [w[r.rank]["dp"] for w in pred.wire_bytes_by_step]

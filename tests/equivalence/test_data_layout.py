@@ -1,5 +1,5 @@
-"""The ZeRO unit layout and its prediction, without ranks: padding, shards and the paper's
-per-stage figures."""
+"""The ZeRO unit layout against the closed-form unit rule, without ranks: padding, shards and
+the paper's per-stage figures."""
 from __future__ import annotations
 
 from fractions import Fraction
@@ -7,7 +7,9 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impls.zero_common import build_layout, paper_figures, zero_transfers
+from impls.zero.layout import build_layout
+from impls.zero.prediction import paper_figures
+from parbench.analytic import data_parallel, shape_from
 from parbench.config import ModelConfig
 from parbench.model import build_model
 
@@ -29,17 +31,21 @@ def test_units_cover_the_model_once_padded_to_multiples_of_d(cfg, d, bucket):
     assert lay.padded_total == d * lay.shard_total
     if bucket >= 1.0:  # one unit: the whole flat buffer, ceil(Psi / d) per rank
         assert len(lay.units) == 1 and lay.shard_total == -(-lay.psi // d)
+    # the implementation follows the closed-form unit rule the predictions use
+    assert [u.numel for u in lay.units] == data_parallel.zero_units(shape_from(cfg), d, bucket, 4)
 
 
 @given(cfg=configs, d=st.integers(2, 5), m=st.integers(1, 3))
 def test_stage3_is_one_and_a_half_times_stage1_per_microbatch(cfg, d, m):
-    lay = build_layout(build_model(cfg, 0), d, 0.002, 4)
+    shape = shape_from(cfg)
 
     def total(stage):
-        return sum(Fraction(t.total_wire_bytes) for t in zero_transfers(lay, stage, 4, m))
+        return sum(Fraction(t.total_wire_bytes) for t in
+                   data_parallel.zero(shape, d, stage, 0.002, m).transfers)
 
+    padded = data_parallel.zero(shape, d, 1, 0.002, m).figures["padded_params"]
     assert total(3) == Fraction(3 * m, 2) * total(1)
-    assert total(1) == Fraction(2 * (d - 1), d) * lay.padded_total * 4
+    assert total(1) == Fraction(2 * (d - 1), d) * padded * 4
 
 
 def test_paper_figures_reproduce_zero_figure_1():

@@ -4,9 +4,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parbench.config import CaseConfig, apply_overrides
-from tests.conftest import run_on_pool
-from impls.data import NativeDDP
+from parbench.config import CaseConfig
+from parbench.overrides import apply_overrides
+from tests.helpers import run_on_pool
+from impls.data.ddp import NativeDDP
 
 
 @st.composite
@@ -25,12 +26,12 @@ def ddp_cases(draw):
 @given(ddp_cases())
 def test_ddp_equals_golden_and_bytes_are_exact(pools, case):
     merged, per_rank = run_on_pool(pools, case)
-    assert merged["equivalent"], merged
-    assert merged["max_loss_abs"] <= 1e-5
+    assert merged.equivalent, merged
+    assert merged.max_loss_abs <= 1e-5
     pred = NativeDDP.predict(case)
     for r, res in enumerate(per_rank):
-        assert res["model_state_bytes"] == pred["model_state_bytes"], r
-        assert merged["wire_by_axis"][r].get("dp", 0.0) == pred["wire_bytes"]["dp"], r
+        assert res.model_state_bytes == pred.model_state_bytes[r], r
+        assert merged.wire_by_axis[r].get("dp", 0.0) == pred.wire_bytes[r]["dp"], r
 
 
 def test_first_bucket_all_reduce_starts_before_backward_ends(pools):
@@ -38,9 +39,9 @@ def test_first_bucket_all_reduce_starts_before_backward_ends(pools):
                                           "num_microbatches": 1, "steps": 3,
                                           "scheme": "data.ddp"})
     merged, per_rank = run_on_pool(pools, case)
-    assert merged["equivalent"]
+    assert merged.equivalent
     for res in per_rank:
-        events = res["timeline"]
+        events = res.timeline
         backward = [e for e in events if e["cat"] == "compute" and e["kind"] == "B"]
         comms = sorted((e for e in events if e["cat"] == "comm" and e["kind"] == "all_reduce"),
                        key=lambda e: e["start"])
@@ -53,6 +54,6 @@ def test_torch_ddp_lands_in_the_same_ledger_with_the_same_bytes(pools):
     ours, _ = run_on_pool(pools, apply_overrides(CaseConfig(), {**base, "scheme": "data.ddp"}))
     theirs, per_rank = run_on_pool(pools, apply_overrides(
         CaseConfig(), {**base, "scheme": "baseline.torch.ddp"}))
-    assert ours["equivalent"] and theirs["equivalent"]
-    assert theirs["wire_by_axis"] == ours["wire_by_axis"]
-    assert all(r["op"] == "all_reduce" for r in per_rank[0]["ledger"])
+    assert ours.equivalent and theirs.equivalent
+    assert theirs.wire_by_axis == ours.wire_by_axis
+    assert all(r["op"] == "all_reduce" for r in per_rank[0].ledger)

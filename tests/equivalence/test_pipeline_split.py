@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from parbench.config import ModelConfig
 from parbench.model import build_stage
 
-from impls.pipeline_split import SplitBackward, fused_grads
+from impls.pipeline.split_backward import SplitBackward, fused_grads
 
 
 def _forward(stage, tokens, targets, x0):

@@ -3,6 +3,7 @@ paper's printed values."""
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from parbench.analytic import (Shape, UBMeshMoE2T, compare_with_published, ddp_t
                                pipeline_total_sends, published_ubmesh_table,
                                ring_attention_traffic, summarize, tp_traffic, traffic_table,
                                ulysses_paper_per_link, ulysses_traffic, wire_bytes, zero_traffic)
+from parbench.analytic.comm import rooted_wire_factor
 from parbench.analytic.shape import GiB, MiB
 
 
@@ -25,8 +27,14 @@ def test_ring_wire_bytes_by_hand():
     assert wire_bytes("send", 2, 100) == 100
     assert wire_bytes("all_reduce", 1, 100) == 0
     assert wire_bytes("all_reduce", 3, 10) == pytest.approx(40 / 3)
-    with pytest.raises(ValueError, match="op='gather'"):
-        wire_bytes("gather", 2, 1)
+    assert wire_bytes("reduce", 4, 100) == 100              # a non-root rank of the chain
+    assert rooted_wire_factor("reduce", 4, 0, 0) == 0       # the root sends nothing
+    assert rooted_wire_factor("broadcast", 4, 3, 0) == 0    # the chain's last rank
+    assert rooted_wire_factor("broadcast", 4, 0, 0) == 1
+    assert rooted_wire_factor("scatter", 4, 2, 2) == Fraction(3, 4)
+    assert rooted_wire_factor("gather", 4, 1, 2) == Fraction(1, 4)
+    with pytest.raises(ValueError, match="op='gossip'"):
+        wire_bytes("gossip", 2, 1)
 
 
 def test_ddp_and_zero_volumes():

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from parbench.comm import wire_bytes
+from parbench.comm import record_wire as wire_bytes
 
 
 @pytest.mark.parametrize("op, s, n, expected", [

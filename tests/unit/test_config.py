@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from parbench.config import (CaseConfig, ConfigError, apply_overrides, from_deepspeed_json,
-                             from_megatron_args, model_preset, validate_case)
+from parbench.config import CaseConfig, ConfigError, model_preset, validate_case
+from parbench.imports import from_deepspeed_json, from_megatron_args
+from parbench.overrides import apply_overrides
 
 
 def test_overrides_bare_and_dotted_keys():

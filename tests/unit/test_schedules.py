@@ -18,13 +18,20 @@ from hypothesis import strategies as st
 from parbench.schedules import (
     SCHEDULES,
     Action,
+    ChunkRule,
+    Placement,
     Schedule,
     ScheduleError,
     make_schedule,
     simulate,
     validate,
 )
-from parbench.schedules.actions import linear_placement
+from parbench.schedules.actions import (
+    bidirectional_placement,
+    linear_placement,
+    looped_placement,
+    v_placement,
+)
 
 settings.register_profile("schedules-ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -82,10 +89,37 @@ def test_every_schedule_validates_at_a_common_shape(name):
     p, m = 4, 8
     schedule = validate(make_schedule(name, p, m))
     pipes = set(schedule.mb_pipe)
-    assert pipes == ({0, 1} if name in ("chimera", "dualpipe") else {0})
+    two_replicas = SCHEDULES[name].placement is Placement.BIDIRECTIONAL
+    assert pipes == ({0, 1} if two_replicas else {0})
     # every rank holds v stages of each replica
     for rank in range(p):
         assert len(schedule.stages_of(rank)) == schedule.v * len(pipes)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_spec_metadata_matches_what_the_generator_builds(name):
+    """A schedule's spec (placement kind, chunks, asynchronous) is what its generator does."""
+    spec = SCHEDULES[name]
+    assert spec.name == name and spec.description
+    p, m = 4, 8
+    schedule = make_schedule(name, p, m)
+    assert schedule.asynchronous == spec.asynchronous
+    expected = {Placement.LINEAR: lambda: linear_placement(p),
+                Placement.LOOPED: lambda: looped_placement(p, schedule.v),
+                Placement.V: lambda: v_placement(p),
+                Placement.BIDIRECTIONAL: lambda: bidirectional_placement(p)}[spec.placement]()
+    assert schedule.placement == expected
+    if spec.chunks is ChunkRule.ONE:
+        assert schedule.v == 1 and spec.v_for(1) is None
+        with pytest.raises(ScheduleError, match=f"vpp=2: {name} holds one stage per rank"):
+            spec.v_for(2)
+    elif spec.chunks is ChunkRule.TWO:
+        assert schedule.v == 2 and spec.v_for(1) is None and spec.v_for(2) is None
+        with pytest.raises(ScheduleError, match=f"vpp=3: {name} always holds 2 stages"):
+            spec.v_for(3)
+    else:
+        assert spec.v_for(1) is None and spec.v_for(3) == 3
+        assert make_schedule(name, p, m, spec.v_for(3)).v == 3
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "bfs", "pipedream", "2bw"])
@@ -295,7 +329,8 @@ def test_validator_detects_cross_rank_deadlock():
         [Action(F, 0, 0), Action(BW, 0, 0), Action(F, 1, 0), Action(BW, 1, 0)],
         [Action(F, 0, 1), Action(F, 1, 1), Action(BW, 0, 1), Action(BW, 1, 1)],
     ]
-    s = Schedule("broken", 2, 2, 1, 2, linear_placement(2), [0, 0], rows, False)
+    s = Schedule(name="broken", p=2, m=2, v=1, num_stages=2, placement=linear_placement(2),
+                 mb_pipe=[0, 0], actions=rows, split_backward=False)
     with pytest.raises(ScheduleError, match=r"deadlock.*rank 0 at BW0s0 waits for BW0s1 \(rank 1\)"):
         validate(s)
     with pytest.raises(ScheduleError, match="deadlock"):

@@ -1,7 +1,8 @@
 """The simulator reproduces the papers' closed forms exactly where the papers claim them.
 
 Every expected value is computed from the published formula (parbench.schedules.
-closed_forms or written out here), never copied from simulator output.
+closed_forms or written out here), never copied from simulator output.  Which formula a
+schedule claims, and at which costs its paper states it, comes from its `ScheduleSpec`.
 """
 from __future__ import annotations
 
@@ -9,13 +10,21 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from parbench.schedules import make_schedule, predict, simulate, validate
+from parbench.schedules import (
+    SCHEDULES,
+    ChunkRule,
+    closed_form,
+    make_schedule,
+    max_inflight,
+    paper_closed_form,
+    simulate,
+    validate,
+)
 from parbench.schedules.closed_forms import (
     chimera_bubble_ratio,
     dualpipe_table2,
     gpipe_bubble_ratio,
     interleaved_bubble_ratio,
-    max_inflight,
     one_f_one_b_bubble_ratio,
     ptdp_bubble_fraction,
     ratio_from_fraction,
@@ -222,22 +231,42 @@ def test_dualpipe_sequential_pairs_are_not_the_table_row():
     assert idle_per_rank(sim) < row.bubble
 
 
-# -- predict(): every "exact" prediction is reproduced ------------------------------------------
+# -- closed_form(): every "exact" claim is reproduced -------------------------------------------
 @PROFILE
-@given(st.sampled_from(["gpipe", "1f1b", "interleaved", "bfs", "zb-h1", "zb-h2", "zbv", "chimera",
-                        "dualpipe", "dualpipev", "pipedream", "2bw"]),
-       st.integers(1, 8), st.integers(1, 20), st.sampled_from([None, 2, 3]), cost, cost, cost,
-       st.booleans())
-def test_predict_exact_claims_hold(name, p, m, v, tf, tb, tw, overlap):
-    if name in ("gpipe", "1f1b", "zb-h1", "zb-h2", "chimera", "dualpipe", "pipedream", "2bw", "zbv",
-                "dualpipev"):
-        v = None
+@given(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.integers(1, 20),
+       st.sampled_from([None, 2, 3]), cost, cost, cost, st.booleans())
+def test_closed_form_exact_claims_hold(name, p, m, v, tf, tb, tw, overlap):
+    if SCHEDULES[name].chunks is not ChunkRule.ANY:
+        v = None                    # only the looped schedules take a v of their own
     if name == "chimera":
         tb, tw = tf, 0.0            # Chimera's formula counts equal F and B slots
     assume(supported(name, p, m, v))
     schedule = make_schedule(name, p, m, v)
-    claim = predict(schedule, tf, tb, tw, overlap=overlap)
-    assume(claim is not None and claim["exact"])
+    claim = closed_form(schedule, tf, tb, tw, overlap=overlap)
+    assume(claim is not None and claim.exact)
     sim = simulate(schedule, tf, tb, tw, overlap=overlap)
-    assert idle_per_rank(sim) == pytest.approx(claim["bubble_size"])
-    assert sim.bubble == pytest.approx(claim["bubble_ratio"])
+    assert idle_per_rank(sim) == pytest.approx(claim.bubble_size)
+    assert sim.bubble == pytest.approx(claim.bubble_ratio)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_closed_form_is_exact_at_its_papers_costs(name):
+    """The pipeline table's closed form: at the paper's costs it is the simulated bubble."""
+    schedule = make_schedule(name, 4, 8)
+    claim, costs = paper_closed_form(schedule)
+    assert claim is not None and claim.exact, name
+    assert costs == SCHEDULES[name].paper_costs
+    sim = simulate(schedule, **costs.as_kwargs())
+    assert sim.bubble == pytest.approx(claim.bubble_ratio)
+    assert idle_per_rank(sim) == pytest.approx(claim.bubble_size)
+
+
+def test_paper_costs_where_the_paper_differs_from_unit_costs():
+    assert SCHEDULES["chimera"].paper_costs.as_kwargs() == \
+        {"tf": 1.0, "tb": 1.0, "tw": 0.0, "overlap": False}   # T_F = fused backward
+    for name in ("dualpipe", "dualpipev"):
+        assert SCHEDULES[name].paper_costs.overlap            # F&B pairs as units
+    # at unit costs Chimera's paper makes no claim; interleaved with m < p is not exact
+    chimera = make_schedule("chimera", 4, 8)
+    assert not closed_form(chimera).exact and closed_form(chimera).bubble_ratio is None
+    assert closed_form(make_schedule("interleaved", 4, 2, 2)).exact is False

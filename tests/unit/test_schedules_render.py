@@ -6,7 +6,8 @@ import json
 import pytest
 
 from parbench.schedules import (
-    Event,
+    GridEvent,
+    TimelinePanel,
     events_from_sim,
     grid_text,
     make_schedule,
@@ -61,14 +62,20 @@ def test_events_and_plot(tmp_path):
     sim = simulate(schedule)
     events = events_from_sim(sim)
     assert len(events) == schedule.num_actions()
-    assert all(isinstance(e, Event) and e.end > e.start for e in events)
-    path = plot_timeline(events, tmp_path / "zbh2.png", "zb-h2 p=4 m=8")
+    assert all(isinstance(e, GridEvent) and e.end > e.start for e in events)
+    path = plot_timeline(TimelinePanel(events, "zb-h2 p=4 m=8"), tmp_path / "zbh2.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # measured timelines arrive as dicts and may hold other kinds (e.g. communication)
     measured = [{"rank": 0, "kind": "F", "mb": 0, "stage": 0, "start": 0.0, "end": 1.0},
                 {"rank": 1, "kind": "send", "mb": 0, "stage": 0, "start": 1.0, "end": 1.2}]
-    other = plot_timeline(measured, tmp_path / "measured.png")
+    other = plot_timeline(TimelinePanel(measured), tmp_path / "measured.png")
     assert other.stat().st_size > 0
+    # the pipeline figure: simulated above, measured below, in one file and one legend
+    both = plot_timeline([TimelinePanel(events, "simulated", "time (T_F units)"),
+                          TimelinePanel(measured, "measured", "time (ms)")],
+                         tmp_path / "sub" / "both.png", ranks=4,
+                         label=lambda e: f"mb{e.mb}")
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_summary_is_json_and_carries_the_closed_form():

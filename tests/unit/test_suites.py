@@ -6,7 +6,7 @@ import json
 import pytest
 
 from parbench.config import ConfigError
-from parbench.results import append_row, load_rows
+from parbench.results import Row, append_row, load_rows
 from parbench.suites import available_suites, check_suite, expand, load_suite
 
 
@@ -40,9 +40,13 @@ def test_unknown_suite_and_bad_world():
 
 def test_results_are_appended_and_a_torn_line_is_skipped(tmp_path):
     p = tmp_path / "results.jsonl"
-    append_row(p, {"id": "a", "x": 1})
-    append_row(p, {"id": "b", "x": 2})
+    def row(i, t):
+        return Row(id=i, suite="s", scheme="data.ddp", family="data", baseline_of=None,
+                   world_size=2, degrees={"dp": 2}, model="tiny", case={}, step_time_s=t)
+    append_row(p, row("a", 1.0))
+    append_row(p, row("b", 2.0))
     with open(p, "a") as fh:
         fh.write('{"id": "c", "x"')  # a run killed mid-write
-    assert [r["id"] for r in load_rows(p)] == ["a", "b"]
-    assert json.loads(p.read_text().splitlines()[0])["x"] == 1
+    rows = load_rows(p)
+    assert [r.id for r in rows] == ["a", "b"] and rows[1].step_time_s == 2.0
+    assert json.loads(p.read_text().splitlines()[0])["step_time_s"] == 1.0

@@ -21,18 +21,18 @@ measures) and the per-step list.
 """
 from __future__ import annotations
 
-from fractions import Fraction
-
 import torch
 import torch.distributed as dist
 
+from parbench.analytic import data_parallel, shape_from
+from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.golden import GoldenRun, global_batch
+from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import register
+from parbench.scheme import Prediction, register
 
-from .common import (DataParallelScheme, dp_slice, microbatches, optimizer_state_bytes,
-                     optimizer_tensors)
+from .base import DataParallelScheme
 
 
 def is_sync_step(step: int, period: int) -> bool:
@@ -53,7 +53,7 @@ def _flat_params(model, device):
     return params, flat, grads
 
 
-def _local_step(model, opt, grads, mbs) -> float:
+def local_step(model, opt, grads, mbs) -> float:
     """One worker's step: m micro-batches, each loss scaled 1/m, then the optimizer."""
     grads.zero_()
     total = 0.0
@@ -71,7 +71,9 @@ class LocalSGD(DataParallelScheme):
     name = "data.local_sgd"
     family = "data"
     uses = ("dp",)
+    options = ("local_sgd_period",)
     description = "local SGD: independent workers, parameters averaged every H steps"
+    checks_update = False  # the update averages the workers on sync steps
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -91,18 +93,18 @@ class LocalSGD(DataParallelScheme):
         mbs = self.local_microbatches(inputs, targets)
         tl = self.ctx.timeline
         with tl.span("BW", mb=-1):
-            total = _local_step(self.model, self.opt, self.grads, mbs)
+            total = local_step(self.model, self.opt, self.grads, mbs)
         if is_sync_step(step, self.ctx.parallel.local_sgd_period):
             with tl.span("average"):
                 dist.all_reduce(self.flat, group=self.group)
-                self.flat.div_(self.d)
-        return self.reduce_loss(total / self.d, self.group)
+                self.flat.div_(self.dp_size)
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     def full_params(self):
-        return {f"w{self.r}/{n}": p.detach() for n, p in zip(self.names, self.params)}
+        return {f"w{self.dp_rank}/{n}": p.detach() for n, p in zip(self.names, self.params)}
 
     def full_grads(self):
-        return {f"w{self.r}/{n}": p.grad.detach() for n, p in zip(self.names, self.params)}
+        return {f"w{self.dp_rank}/{n}": p.grad.detach() for n, p in zip(self.names, self.params)}
 
     def state_tensors(self):
         return {"params": [self.flat], "grads": [self.grads],
@@ -121,21 +123,19 @@ class LocalSGD(DataParallelScheme):
         return _CACHE[key]
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
-        model = build_model(case.model, case.run.seed)
-        psi = sum(p.numel() for p in model.parameters())
-        n_tensors = len(list(model.parameters()))
-        d, period = case.parallel.dp, case.parallel.local_sgd_period
-        sync = float(Fraction(2 * (d - 1), d) * 4 * psi)
-        per_step = [sync if is_sync_step(s, period) else 0.0 for s in range(case.run.steps)]
-        return {"wire_bytes": {"dp": per_step[-1]},
-                "wire_bytes_per_step": {"dp": per_step},
-                "wire_bytes_per_sync": {"dp": sync},
-                "wire_bytes_mean_per_step": {"dp": sync / period},
-                "model_state_bytes": {"params": 4 * psi, "grads": 4 * psi,
-                                      "optimizer": optimizer_state_bytes(psi, n_tensors,
-                                                                         case.run.optimizer)},
-                "params": psi}
+    def predict(cls, case: CaseConfig) -> Prediction:
+        """All fp32 parameters all-reduced on sync steps only
+        (``parbench.analytic.data_parallel.local_sgd``)."""
+        shape, d = shape_from(case.model), case.parallel.dp
+        period = case.parallel.local_sgd_period
+        pred = data_parallel.local_sgd(shape, d, case.run.optimizer)
+        per_step = [data_parallel.local_sgd_wire(shape, d, period, s)
+                    for s in range(case.run.steps)]
+        out = Prediction.uniform(d, {"dp": per_step[-1]}, pred.states, **pred.figures,
+                                 wire_bytes_per_sync={"dp": max(per_step + [0.0])})
+        out.wire_bytes_by_step = [[{"dp": w} for _ in range(d)] for w in per_step]
+        out.calls_by_step = [[{"dp": int(w > 0)} for _ in range(d)] for w in per_step]
+        return out
 
 
 _CACHE: dict = {}
@@ -156,7 +156,7 @@ def simulate_workers(case: CaseConfig, steps: int) -> GoldenRun:
         losses, grads_s = [], {}
         for r, (model, params, flat, grads, opt) in enumerate(workers):
             mbs = microbatches(dp_slice(x, r, d), dp_slice(y, r, d), m)
-            losses.append(_local_step(model, opt, grads, mbs))
+            losses.append(local_step(model, opt, grads, mbs))
             grads_s.update({f"w{r}/{n}": p.grad.detach().clone() for n, p in zip(names, params)})
         if is_sync_step(step, case.parallel.local_sgd_period):
             mean = torch.stack([w[2] for w in workers]).sum(0) / d

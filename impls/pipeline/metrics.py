@@ -9,90 +9,30 @@
   measured durations -- the "same costs" in per-kind form; its gap to *replayed* shows how
   much per-action variation matters;
 * unit: the simulator with T_F = T_B = T_W = 1 (a fused backward costs 2);
-* closed form: the paper's formula for the same unit costs where one is exact for the
-  generator (``parbench.schedules.closed_forms``).
+* closed form: the paper's formula at the costs the paper states it for (the schedule's
+  ``paper_costs``: unit costs, except Chimera's T_F = fused backward and DualPipe's
+  overlapped F&B pairs), reported where it is exact for the generator
+  (``parbench.schedules.paper_closed_form``, the same dispatch ``parbench schedule`` uses).
 
 Every rank gathers the per-op records of the pp group once (outside the ledger) and returns
 the same figures, so the results row is complete whichever rank it is read from.
 """
 from __future__ import annotations
 
-import statistics
-
 import socket
+import statistics
 from collections import defaultdict
+from dataclasses import asdict
 
-import torch
-
-from parbench.schedules import Action, simulate
-from parbench.schedules import closed_forms as cf
+from parbench.schedules import KINDS, Action, Schedule, paper_closed_form, simulate
 from parbench.timeline import bubble_ratio
-
-KINDS = ("F", "B", "W", "BW")
-
-
-def stage_counts(cfg, stage: int, num_stages: int) -> tuple[int, int]:
-    """(parameter elements, parameter tensors) of one stage, without allocating weights."""
-    from parbench.model import Block, Embedding, Head, stage_layers
-    lo, hi = stage_layers(cfg.num_layers, num_stages, stage)
-    with torch.device("meta"):
-        parts = [Block(cfg) for _ in range(lo, hi)]
-        if stage == 0:
-            parts.append(Embedding(cfg))
-        if stage == num_stages - 1:
-            parts.append(Head(cfg))
-    tensors = [p for mod in parts for p in mod.parameters()]
-    return sum(p.numel() for p in tensors), len(tensors)
-
-
-def closed_form(schedule) -> tuple[float | None, str, dict]:
-    """The paper's bubble ratio, its source, and the simulator costs it holds for.
-
-    Unit costs are T_F = T_B = T_W = 1 (fused backward 2) unless the paper's own cost model
-    differs (Chimera: T_F = fused backward; DualPipe: overlapped F&B pairs).
-    """
-    p, m, v, name = schedule.p, schedule.m, schedule.v, schedule.name
-    unit: dict = {}
-    if name in ("gpipe", "1f1b", "pipedream", "2bw"):
-        note = "(p-1)/(m+p-1), GPipe Sec. 2.3 / PTD-P Sec. 2.2.1"
-        if name in ("pipedream", "2bw"):
-            note += " (per step: the harness flushes between steps)"
-        return cf.gpipe_bubble_ratio(p, m), note, unit
-    if name in ("interleaved", "bfs") and m >= p:
-        return cf.interleaved_bubble_ratio(p, m, v), "(p-1)/(v*m+p-1), PTD-P Sec. 2.2.2", unit
-    if name == "zb-h1" and m >= p:
-        size = cf.zero_bubble_table2(p, 1, 1, 1)["zb-h1"].bubble
-        return cf.ratio_from_size(size, 3 * m), \
-            "(p-1)(T_F+T_B-T_W), Qi et al. 2024 Table 2", unit
-    if name == "zb-h2" and m >= 2 * p - 1:
-        return cf.ratio_from_size(cf.zb_h2_size_from_start(p, 1, 1, 1), 3 * m), \
-            "(p-1)max(T_F, T_F+T_B-2T_W) from a common start, Qi et al. 2024 Table 2", unit
-    if name == "zbv" and m >= 2 * p - 1:
-        return cf.ratio_from_size((p - 1) * 1.0, 6 * m), \
-            "zero bubble after the (p-1)T_F ramp, Qi et al. 2024 Sec. 6", unit
-    if name == "chimera":
-        return cf.chimera_bubble_ratio(p, m), \
-            "(D-2)/(2N+D-2), Li & Hoefler 2021 Table 2 (T_F = fused backward)", \
-            {"tf": 1.0, "tb": 1.0, "tw": 0.0}
-    if name in ("dualpipe", "dualpipev"):
-        stages = p if name == "dualpipe" else 2 * p
-        size = cf.dualpipe_table2(stages, 1, 2, 1)["dualpipe"].bubble
-        work = 3 * m if name == "dualpipe" else 6 * m
-        return cf.ratio_from_size(size, work), \
-            "(PP/2-1)(F&B+B-3W), DeepSeek-V3 Table 2, F&B pairs overlapped as units " \
-            "(our executor runs them back to back)", {"overlap": True}
-    return None, "", unit
 
 
 def _gather(obj, group):
     import torch.distributed as dist
     from parbench import comm
     out = [None] * dist.get_world_size(group)
-    led = comm.active()
-    if led is not None:
-        with led.pause():
-            dist.all_gather_object(out, obj, group=group)
-    else:
+    with comm.unrecorded():
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -187,7 +127,7 @@ def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tup
     return flat, detail
 
 
-def bubble_metrics(schedule, steps: list[list[dict]], group, peak_inflight: int) -> dict:
+def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, peak_inflight: int) -> dict:
     """All bubble figures for the case (collective over the pp group); ``steps`` holds this
     rank's compute events of each measured step."""
     mine = [[e for e in events if e["cat"] == "compute" and e["kind"] in KINDS]
@@ -206,13 +146,16 @@ def bubble_metrics(schedule, steps: list[list[dict]], group, peak_inflight: int)
         step_events.append(all_events)
     unit = simulate(schedule)
     meas_peaks = [g["peak_inflight"] for g in gathered]
-    value, note, cf_costs = closed_form(schedule)
+    form, paper_costs = paper_closed_form(schedule)
+    value = form.bubble_ratio if form is not None and form.exact else None
+    note = "" if form is None else f"{form.formula}, {form.source}" + \
+        (f" ({form.note})" if form.note else "")
     flat, detail = _from_measurements(schedule, step_events, one_host)
     detail.update({
         "unit": {"bubble": unit.bubble, "makespan": unit.makespan,
                  "per_rank": unit.bubble_per_rank},
-        "closed_form_note": note, "closed_form_costs": cf_costs,
-        "sim_at_closed_form_costs": simulate(schedule, **cf_costs).bubble,
+        "closed_form_note": note, "closed_form_costs": asdict(paper_costs),
+        "sim_at_closed_form_costs": simulate(schedule, **paper_costs.as_kwargs()).bubble,
         "peak_inflight_measured": meas_peaks, "peak_inflight_simulated": unit.peak_inflight})
     return {"schedule": f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}",
             "peak_inflight": f"{_fmt(meas_peaks)} (sim {_fmt(unit.peak_inflight)})",

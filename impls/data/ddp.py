@@ -10,67 +10,43 @@ are pre-divided by the data-parallel size. Traffic per step: 2(d-1)/d * Psi * by
 """
 from __future__ import annotations
 
-from fractions import Fraction
-
 import torch
 import torch.distributed as dist
 
+from parbench.analytic import data_parallel, shape_from
 from parbench.config import CaseConfig
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import register
+from parbench.scheme import Prediction, register
 
-from .common import DataParallelScheme, ReplicaMixin, optimizer_state_bytes, optimizer_tensors
-
-
-def bucket_assignment(sizes: list[int], cap_elems: int) -> list[list[int]]:
-    """Indices (in reverse order) grouped into buckets of at least ``cap_elems`` elements,
-    the last bucket taking the remainder."""
-    buckets, cur, cur_n = [], [], 0
-    for i in reversed(range(len(sizes))):
-        cur.append(i)
-        cur_n += sizes[i]
-        if cur_n >= cap_elems:
-            buckets.append(cur)
-            cur, cur_n = [], 0
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], dtype, device):
-        self.params = params
-        n = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(n, dtype=dtype, device=device)
-        off = 0
-        for p in params:
-            p.grad = self.buffer[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        self.ready = 0
-        self.work = None
+from .base import ReplicaScheme
+from .buckets import Bucket, bucket_assignment
 
 
 @register
-class NativeDDP(ReplicaMixin, DataParallelScheme):
+class NativeDDP(ReplicaScheme):
     name = "data.ddp"
     family = "data"
     description = "DDP: bucketed gradient all-reduce overlapping backward"
     uses = ("dp",)
+    options = ("bucket_mb",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         cap = max(1, int(ctx.parallel.bucket_mb * 2**20 / self.params[0].element_size()))
-        self.buckets = [_Bucket([self.params[i] for i in idx], self.params[0].dtype, ctx.device)
+        self.buckets = [Bucket([self.params[i] for i in idx], self.params[0].dtype, ctx.device)
                         for idx in bucket_assignment([p.numel() for p in self.params], cap)]
         self._bucket_of = {}
         for b in self.buckets:
             for p in b.params:
                 self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self.opt = make_optimizer(self.params, ctx.run)
+        self.opt = self.make_optimizer(self.params)
         self._sync = False
+
+    def make_optimizer(self, params):
+        return make_optimizer(params, self.ctx.run)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync:
@@ -78,15 +54,14 @@ class NativeDDP(ReplicaMixin, DataParallelScheme):
         b = self._bucket_of[p]
         b.ready += 1
         if b.ready == len(b.params):
-            b.buffer.div_(self.d)
+            b.buffer.div_(self.dp_size)
             b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         for b in self.buckets:
-            b.buffer.zero_()
-            b.ready, b.work = 0, None
+            b.reset()
         tl = self.ctx.timeline
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
@@ -102,27 +77,17 @@ class NativeDDP(ReplicaMixin, DataParallelScheme):
                     b.work.wait()
         with tl.span("optim"):
             self.opt.step()
-        return self.reduce_loss(total / self.d, self.group)
-
-    def state_tensors(self):
-        return {"params": list(self.params), "grads": [b.buffer for b in self.buckets],
-                "optimizer": optimizer_tensors(self.opt)}
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
+    def predict(cls, case: CaseConfig) -> Prediction:
         return ddp_prediction(case)
 
 
-def ddp_prediction(case: CaseConfig, elem_bytes: int = 4) -> dict:
-    """Model states of a full replica and the ring all-reduce of every gradient once."""
-    from parbench.model import build_model as _bm
-    model = _bm(case.model, case.run.seed)
-    psi = sum(p.numel() for p in model.parameters())
-    n_tensors = len(list(model.parameters()))
-    d = case.parallel.dp
-    wire = Fraction(2 * (d - 1), d) * psi * elem_bytes if d > 1 else 0
-    return {"wire_bytes": {"dp": float(wire)},
-            "model_state_bytes": {"params": psi * elem_bytes, "grads": psi * elem_bytes,
-                                  "optimizer": optimizer_state_bytes(psi, n_tensors,
-                                                                     case.run.optimizer)},
-            "params": psi}
+def ddp_prediction(case: CaseConfig) -> Prediction:
+    """The bucket rule's all-reduces and a full replica's states
+    (``parbench.analytic.data_parallel.ddp``)."""
+    par = case.parallel
+    pred = data_parallel.ddp(shape_from(case.model), par.dp, par.bucket_mb, 4,
+                             case.run.optimizer)
+    return Prediction.uniform(par.dp, pred.wire_bytes, pred.states, pred.calls, **pred.figures)

@@ -24,12 +24,10 @@ import torch
 from torch.func import functional_call
 
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import build_model, compute_dtype, make_optimizer
 from parbench.scheme import register
 
-from .common import DataParallelScheme, optimizer_tensors
-from .zero_common import (all_gather_into, build_layout, model_layers, reduce_scatter_into,
-                          split_units, step_masters, unit_views, zero_prediction)
+from .base import ZeroScheme, all_gather_into, split_units, unit_views
+from .layout import model_layers
 
 
 class _Saved:
@@ -46,17 +44,16 @@ class _UnitParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, owner, i):
         ctx.owner, ctx.i = owner, i
-        u = owner.layout.units[i]
-        return tuple(unit_views(owner._full[i], u))
+        return tuple(unit_views(owner._full[i], owner.units[i]))
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.owner._reduce_unit(ctx.i, grads)
+        ctx.owner._reduce_grads(ctx.i, grads)
         return None, None, None
 
 
 @register
-class Zero3(DataParallelScheme):
+class Zero3(ZeroScheme):
     name = "zero.3"
     family = "data"
     uses = ("dp",)
@@ -73,32 +70,28 @@ class Zero3(DataParallelScheme):
     def __init__(self, ctx):
         super().__init__(ctx)
         dev = ctx.device
-        self.dtype = compute_dtype(ctx.run)
-        self.mixed = self.dtype != torch.float32
-        model = build_model(ctx.model, ctx.run.seed).to(dev)
-        e = torch.empty(0, dtype=self.dtype).element_size()
-        self.layout = build_layout(model, self.d, ctx.parallel.bucket_mb, e)
-        units = self.layout.units
+        model = self.model
         layers = dict(model_layers(model))
         named = dict(model.named_parameters())
-        self.shards, self.masters = [], []
-        for u in units:
+        self.shards = []
+        for u in self.units:
             full = torch.zeros(u.padded, dtype=torch.float32, device=dev)
-            for n, v in zip(u.names, unit_views(full, u)):
-                v.copy_(named[n].detach())
-            own = full[self.r * u.shard:(self.r + 1) * u.shard].clone()
+            for n, view in zip(u.names, unit_views(full, u)):
+                view.copy_(named[n].detach())
+            own = self.own_slice(full, u).clone()
             shard = own.to(self.dtype) if self.mixed else own
-            self.shards.append(shard.requires_grad_(True))
+            self.shards.append(torch.nn.Parameter(shard))  # this rank's shard of the weights
             if self.mixed:
                 self.masters.append(own)
         if not self.mixed:
             self.masters = self.shards
+        self.owned = self.shards
         # the layers keep only their structure: their own parameters are emptied
         for p in model.parameters():
             p.data = torch.empty(0, dtype=self.dtype, device=dev)
-        self.unit_layers = [[(ln, layers[ln]) for ln in u.layers] for u in units]
+        self.unit_layers = [[(ln, layers[ln]) for ln in u.layers] for u in self.units]
         self.rel_names = []  # per unit, per layer: (relative names, index range in unit)
-        for u in units:
+        for u in self.units:
             per, k = [], 0
             for ln in u.layers:
                 names = [n[len(ln) + 1:] for n in u.names if n.startswith(ln + ".")]
@@ -107,19 +100,17 @@ class Zero3(DataParallelScheme):
             self.rel_names.append(per)
         self.model = model.to(self.dtype)
         self.gbuf = torch.zeros(self.layout.shard_total, dtype=self.dtype, device=dev)
-        self.gshard = split_units(self.gbuf, [u.shard for u in units])
-        self.opt = make_optimizer(self.masters, ctx.run)
+        self.gshard = split_units(self.gbuf, [u.shard for u in self.units])
+        self.make_optimizer()
         self._full: dict[int, torch.Tensor] = {}
         self._gathering: dict[int, tuple] = {}
         self._live: dict[int, int] = {}  # data_ptr of a gathered buffer -> unit
-        self._pending: list = []
-        self._mb = 0
 
     # ---- gathering and freeing ------------------------------------------------------------
     def _launch(self, i: int) -> None:
         if i in self._full or i in self._gathering or not 0 <= i < len(self.shards):
             return
-        u = self.layout.units[i]
+        u = self.units[i]
         full = torch.empty(u.padded, dtype=self.dtype, device=self.ctx.device)
         work = all_gather_into(full, self.shards[i].detach(), self.group, True)
         self._gathering[i] = (full, work)
@@ -155,23 +146,15 @@ class Zero3(DataParallelScheme):
         self._launch(i - 1)
         return None
 
-    def _reduce_unit(self, i: int, grads) -> None:
-        u = self.layout.units[i]
+    def _reduce_grads(self, i: int, grads) -> None:
+        """Unit i's backward is done: flatten its gradients, reduce-scatter, free the unit."""
+        u = self.units[i]
         flat = torch.empty(u.padded, dtype=self.dtype, device=self.ctx.device)
         for g, o, n in zip(grads, u.offsets, u.sizes()):
             flat[o:o + n].copy_(g.reshape(-1))
         flat[u.numel:].zero_()
-        out = self.gshard[i] if self._mb == 0 else torch.empty_like(self.gshard[i])
-        work = reduce_scatter_into(out, flat, self.group, True)
-        self._pending.append((work, flat, out, i))
+        self.reduce_unit(i, flat)
         self._free(i)
-
-    def _wait_reductions(self) -> None:
-        for work, _flat, out, i in self._pending:
-            work.wait()
-            if out is not self.gshard[i]:
-                self.gshard[i].add_(out)
-        self._pending.clear()
 
     # ---- the step -------------------------------------------------------------------------
     def _run_unit(self, i: int, views, h, targets):
@@ -213,33 +196,17 @@ class Zero3(DataParallelScheme):
                 loss.backward()
             total += float(loss.detach())
             with tl.span("wait", mb=i):
-                self._wait_reductions()
+                self.wait_reductions()
             self._full.clear()
             self._live.clear()
         with tl.span("optim"):
-            self.gbuf.div_(self.d)
-            step_masters(self.opt, self.masters, self.gshard, self.mixed, self.shards)
-        return self.reduce_loss(total / self.d, self.group)
+            self.step_masters()
+        return self.reduce_loss(total / self.dp_size, self.group)
 
     # ---- comparison and accounting ---------------------------------------------------------
-    def _gather(self, shards) -> dict[str, torch.Tensor]:
-        out = {}
-        for u, s in zip(self.layout.units, shards):
-            full = torch.empty(u.padded, dtype=s.dtype, device=s.device)
-            all_gather_into(full, s.detach().contiguous(), self.group)
-            out.update(zip(u.names, unit_views(full.float(), u)))
-        return out
-
     def full_params(self):
-        return self._gather(self.masters)
-
-    def full_grads(self):
-        return self._gather(self.gshard)
+        return self.gather(self.masters)
 
     def state_tensors(self):
-        opt = optimizer_tensors(self.opt) + (list(self.masters) if self.mixed else [])
-        return {"params": list(self.shards), "grads": [self.gbuf], "optimizer": opt}
-
-    @classmethod
-    def predict(cls, case: CaseConfig) -> dict:
-        return zero_prediction(case, 3)
+        return {"params": list(self.shards), "grads": [self.gbuf],
+                "optimizer": self.optimizer_states()}

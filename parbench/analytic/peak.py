@@ -1,5 +1,7 @@
 """The analytic peak memory of a rank: model states plus the activations alive at peak.
 
+``case`` is any object with ``model``, ``parallel`` and ``run`` sections (a ``CaseConfig``).
+
 Activations per layer follow Korthikanti et al. 2022 (Eqs. 1-2, Table 2) adapted to the
 reference model (``analytic.reference_layer_activation_bytes``: fp32, no dropout, fused
 attention, LayerNorm statistics); the embedding output and, on the rank holding the head, the
@@ -10,17 +12,17 @@ and allocator rounding -- the measured peak is expected above this figure.
 """
 from __future__ import annotations
 
-from .analytic import reference_layer_activation_bytes
-from .config import CaseConfig
+from .activations import reference_layer_activation_bytes
+from .shape import shape_from
 
 
-def activation_bytes(case: CaseConfig, layers: int, microbatches: int = 1,
+def activation_bytes(case, layers: int, microbatches: int = 1,
                      embedding: bool = True, head: bool = True) -> float:
     m, p = case.model, case.parallel
     e = 2 if case.run.dtype == "bf16" else 4
     b, s, h = p.micro_batch_size, m.seq_length, m.hidden_size
     per_layer = reference_layer_activation_bytes(s, b, h, m.num_heads,
-                                                 ffn_hidden=m.ffn_hidden_size,
+                                                 ffn_hidden=shape_from(m).f,
                                                  bytes_per_element=e)
     total = per_layer * layers
     if embedding:
@@ -30,7 +32,7 @@ def activation_bytes(case: CaseConfig, layers: int, microbatches: int = 1,
     return total * microbatches
 
 
-def predicted_peak(case: CaseConfig, family: str, model_states: dict | None) -> float | None:
+def predicted_peak(case, family: str, model_states: dict | None) -> float | None:
     """Per-rank analytic peak for the data-parallel family (None where not modelled)."""
     if family != "data" or not model_states:
         return None

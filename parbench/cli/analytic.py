@@ -1,33 +1,20 @@
-"""The analytic verbs of the command line: ``estimate``, ``traffic`` and ``schedule``.
+"""The analytic verbs of the command line: ``estimate`` and ``traffic``.
 
 Each turns ``key=value`` arguments into a call of the pure functions in
-``parbench.analytic`` / ``parbench.schedules`` and renders the result (rich tables, or JSON
+``parbench.analytic`` and renders the result (rich tables, or JSON
 with ``--json``). Nothing here spawns a rank.
 """
 from __future__ import annotations
 
 import json
 
-from rich.console import Console
+
 from rich.table import Table
 
-from .config import ConfigError, parse_overrides
-from .report import fmt_bytes
-
-_INT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "micro_batch_size",
-             "global_batch_size", "num_microbatches", "bytes_per_element")
-
-
-def _num(key: str, value: str, integer: bool = False):
-    try:
-        f = float(value)
-    except ValueError:
-        raise ConfigError(f"{key}={value!r} is not a number") from None
-    if integer:
-        if f != int(f):
-            raise ConfigError(f"{key}={value!r} is not an integer")
-        return int(f)
-    return f
+from ..config import ConfigError
+from ..overrides import coerce, number, parse_overrides
+from ..report import fmt_bytes
+from .output import console as make_console
 
 
 def _walk(d: dict, prefix: str = ""):
@@ -51,7 +38,7 @@ def _fmt(key: str, v) -> str:
 
 
 def _render_sections(data: dict, title: str) -> None:
-    console = Console(width=160)
+    console = make_console()
     for section, body in data.items():
         t = Table(title=f"{title}: {section}", show_header=False)
         t.add_column("quantity", style="cyan")
@@ -66,50 +53,92 @@ def _render_sections(data: dict, title: str) -> None:
 
 # ---- estimate -------------------------------------------------------------------------------
 
+#: estimate's own keys: name -> (keyword of analytic.estimate, integer, minimum)
+_ESTIMATE_INTS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp",
+                  "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
+                  "num_microbatches": "num_microbatches"}
+_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                 "seq_length", "num_experts", "moe_top_k", "tie_embeddings",
+                 "position_embeddings")
+_CHOICES = {"recompute": ("none", "selective", "full"), "cp_algorithm": ("ring", "ulysses",
+                                                                         "allgather")}
 
-def estimate_command(args: list[str], as_json: bool) -> int:
-    from . import analytic
-    from .config import model_preset
+
+def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from .. import analytic
+    from ..analytic.memory import ACCOUNTINGS
+    from ..config import CaseConfig, ModelConfig, validate_model
+    from ..imports import megatron_overrides
+    from ..overrides import apply_overrides
 
     ov = parse_overrides(args)
     kwargs: dict = {}
     shape = None
+    megatron = ov.pop("megatron_args", None)
+    if megatron:
+        imported = megatron_overrides(megatron)
+        for key, value in imported.items():
+            sec, name = key.split(".", 1)
+            if sec == "parallel" and name in ("tp", "pp", "cp", "ep", "vpp", "micro_batch_size",
+                                              "num_microbatches", "sp"):
+                ov.setdefault(name, value)
+            elif sec == "model":
+                ov.setdefault(name, value)
+        ov.setdefault("model", "custom")
     if "params" in ov:
-        kwargs["params"] = _num("params", ov.pop("params"))
+        kwargs["params"] = number("params", ov.pop("params"), minimum=0, strict=True)
         if "model" in ov:
             raise ConfigError("give model=PRESET or params=N, not both")
+        bad = [k for k in ov if k in _MODEL_FIELDS]
+        if bad:
+            raise ConfigError(f"{bad[0]}={ov[bad[0]]} has no meaning with params= (give "
+                              "model=PRESET instead)")
     else:
-        model = model_preset(ov.pop("model", "gpt3-175b"))
-        for k in list(ov):
-            if hasattr(model, k) and k not in ("name",):
-                setattr(model, k, _num(k, ov.pop(k), integer=True))
-        if "hidden_size" in args and model.ffn_hidden_size:
-            pass
-        shape = analytic.shape_from(model)
+        preset = ov.pop("model", "gpt3-175b")
+        model_ov = {k: ov.pop(k) for k in list(ov) if k in _MODEL_FIELDS}
+        case = CaseConfig(model=ModelConfig()) if preset == "custom" else None
+        case = apply_overrides(case or CaseConfig(),
+                               ({} if preset == "custom" else {"model": preset}) | model_ov)
+        validate_model(case.model)
+        shape = analytic.shape_from(case.model)
     device_gb = ov.pop("device_gb", None)
-    rename = {"micro_batch_size": "micro_batch", "global_batch_size": "global_batch"}
     for k in list(ov):
         v = ov.pop(k)
-        if k in _INT_KEYS:
-            kwargs[rename.get(k, k)] = _num(k, v, integer=True)
+        if k in _ESTIMATE_INTS:
+            kwargs[_ESTIMATE_INTS[k]] = number(k, v, integer=True, minimum=1)
+        elif k == "zero_stage":
+            kwargs[k] = number(k, v, integer=True, minimum=0)
+            if kwargs[k] > 3:
+                raise ConfigError(f"zero_stage={v} must be 0, 1, 2 or 3")
         elif k == "sp":
-            kwargs["sp"] = v.lower() in ("1", "true", "yes")
-        elif k in ("recompute", "accounting", "cp_algorithm"):
+            kwargs["sp"] = coerce(v, bool, "sp")
+        elif k in _CHOICES:
+            if v not in _CHOICES[k]:
+                raise ConfigError(f"{k}={v!r} must be one of {', '.join(_CHOICES[k])}")
+            kwargs[k] = v
+        elif k == "accounting":
+            if v not in ACCOUNTINGS:
+                raise ConfigError(f"accounting={v!r} must be one of {', '.join(ACCOUNTINGS)}")
             kwargs[k] = v
         elif k == "dtype":
             kwargs["bytes_per_element"] = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v)
             if kwargs["bytes_per_element"] is None:
                 raise ConfigError(f"dtype={v!r} must be fp32, bf16 or fp16")
+        elif k == "bytes_per_element":
+            kwargs[k] = number(k, v, integer=True, minimum=1)
         else:
-            raise ConfigError(f"unknown key {k!r} for estimate (model=, params=, tp=, pp=, dp=, "
-                              "cp=, ep=, vpp=, zero_stage=, micro_batch_size=, "
-                              "global_batch_size=, sp=, recompute=, dtype=, device_gb=)")
+            raise ConfigError(f"unknown key {k!r} for estimate (model=, params=, "
+                              f"megatron_args=, {', '.join(_MODEL_FIELDS)}, "
+                              f"{', '.join(_ESTIMATE_INTS)}, zero_stage=, sp=, recompute=, "
+                              "cp_algorithm=, accounting=, dtype=, device_gb=)")
+    if device_gb is not None:
+        device_gb = number("device_gb", device_gb, minimum=0, strict=True)
     try:
         result = analytic.estimate(shape, **kwargs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if device_gb is not None:
-        dev = _num("device_gb", device_gb) * 1e9
+        dev = device_gb * 1e9
         dp = kwargs.get("dp", 1)
         mp = kwargs.get("tp", 1) * kwargs.get("pp", 1)
         result["largest_model_fits"] = {
@@ -128,8 +157,8 @@ def estimate_command(args: list[str], as_json: bool) -> int:
 # ---- traffic --------------------------------------------------------------------------------
 
 
-def traffic_command(args: list[str], as_json: bool) -> int:
-    from .analytic import (TRAFFIC_PRESETS, compare_with_published, field_sources,
+def cmd_traffic(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..analytic import (TRAFFIC_PRESETS, compare_with_published, field_sources,
                            traffic_table)
 
     ov = parse_overrides(args)
@@ -149,9 +178,13 @@ def traffic_command(args: list[str], as_json: bool) -> int:
                 raise ConfigError(f"unknown key {k!r} for preset {name} (fields: "
                                   f"{', '.join(fields)})")
             cur = getattr(cfg, k)
-            changes[k] = type(cur)(_num(k, v, integer=isinstance(cur, int)))
+            changes[k] = type(cur)(number(k, v, integer=isinstance(cur, int), minimum=0,
+                                          strict=True))
         cfg = dataclasses.replace(cfg, **changes)
-    rows = traffic_table(cfg)
+    try:
+        rows = traffic_table(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     checks = compare_with_published(rows) if not ov else []
     data = {"preset": name, "rows": [r.as_dict() for r in rows],
             "sources": field_sources(cfg),
@@ -159,7 +192,7 @@ def traffic_command(args: list[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return 0
-    console = Console(width=160)
+    console = make_console()
     t = Table(title=f"Traffic per parallelism, one iteration of {name} (MB = 2^20 B, "
                     "GB = 2^30 B, wire bytes per rank)")
     for col in ("parallelism", "pattern", "per transfer (MB)", "transfers", "total (GB)",
@@ -184,44 +217,4 @@ def traffic_command(args: list[str], as_json: bool) -> int:
     for k, v in data["sources"].items():
         src.add_row(k, v)
     console.print(src)
-    return 0
-
-
-# ---- schedule -------------------------------------------------------------------------------
-
-
-def schedule_command(args: list[str], as_json: bool) -> int:
-    from .schedules import SCHEDULES, ScheduleError, simulate, validate
-    from .schedules.render import grid_text, summary
-
-    if not args or "=" in args[0]:
-        raise ConfigError(f"schedule needs a NAME first (choose from {', '.join(SCHEDULES)})")
-    name, rest = args[0], parse_overrides(args[1:])
-    if name not in SCHEDULES:
-        raise ConfigError(f"schedule={name!r} is not known (choose from "
-                          f"{', '.join(SCHEDULES)})")
-    ints = {k: _num(k, rest.pop(k), integer=True) for k in ("p", "m", "v") if k in rest}
-    costs = {k: _num(k, rest.pop(k)) for k in ("tf", "tb", "tw", "p2p") if k in rest}
-    if "overlap" in rest:  # DualPipe: run each F&B pair as one unit (DeepSeek-V3 Table 2)
-        costs["overlap"] = rest.pop("overlap").lower() in ("1", "true", "yes")
-    if rest:
-        raise ConfigError(f"unknown key {next(iter(rest))!r} for schedule (p, m, v, tf, tb, tw, "
-                          "p2p, overlap)")
-    try:
-        sched = SCHEDULES[name](ints.get("p", 4), ints.get("m", 8), ints.get("v", 1)) \
-            if "v" in ints else SCHEDULES[name](ints.get("p", 4), ints.get("m", 8))
-        validate(sched)
-        sim = simulate(sched, **costs)
-    except ScheduleError as e:
-        raise ConfigError(str(e)) from None
-    data = summary(sched, sim)
-    if as_json:
-        print(json.dumps(data, indent=2, default=str))
-    else:
-        print(grid_text(sched, sim))
-        for k, v in data.items():
-            if not isinstance(v, (list, dict)):
-                print(f"{k}: {v}")
-            else:
-                print(f"{k}: {json.dumps(v, default=str)}")
     return 0

@@ -16,84 +16,42 @@ validator use, so a validated schedule cannot deadlock here):
 * a transfer between two stages on the same rank is a local hand-off (no traffic).
 
 Compute actions: ``F`` (forward of one micro-batch through one stage), ``BW`` (fused
-backward), ``B`` and ``W`` (split backward, see ``pipeline_split``; on the first stage, whose
+backward), ``B`` and ``W`` (split backward, see ``split_backward``; on the first stage, whose
 input gradient nobody needs, B is empty and W is the whole backward). Every action is a
 timeline span ``F/B/W/BW`` with its micro-batch, stage and pipe. The loss of each
 micro-batch is divided by m so that accumulated gradients equal the full-batch mean (the
 weight rule decides: ``loss_divisor``; PipeDream, which updates after every micro-batch,
-uses 1). Weight rules (``SyncWeights`` here, the asynchronous ones in ``pipeline_async``)
-choose the parameters a forward runs on and receive the gradients of every backward.
+uses 1). The weight rule (a ``weights.WeightRule``) chooses the parameters a forward runs on
+and receives the gradients of every backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from parbench.model import make_optimizer
 from parbench.schedules import Schedule
+from parbench.schedules.actions import (
+    BACKWARD_FULL,
+    BACKWARD_INPUT,
+    FORWARD,
+    INPUT_GRAD_KINDS,
+)
 
-from .common import optimizer_tensors
-from .pipeline_split import SplitBackward, fused_backward_into_grad, fused_grads
-
-
-@dataclass
-class StageSlot:
-    """One (pipe, stage) held by this rank: its module and parameter list."""
-
-    pipe: int
-    stage: int
-    module: torch.nn.Module
-    names: list[str] = field(default_factory=list)
-    params: list[torch.Tensor] = field(default_factory=list)
-
-    def __post_init__(self):
-        pairs = list(self.module.named_parameters())
-        self.names = [n for n, _ in pairs]
-        self.params = [p for _, p in pairs]
+from .split_backward import SplitBackward, fused_backward_into_grad, fused_grads
+from .weights import StageSlot, WeightRule
 
 
-class SyncWeights:
-    """Synchronous semantics: one weight version; gradients accumulate into ``p.grad``;
-    one optimizer step per step. The hooks below are what the asynchronous rules
-    (``pipeline_async``) replace."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step of the executor returns on one rank."""
 
-    #: fused backward may accumulate straight into ``p.grad`` of the module's parameters
-    accumulates_in_grad = True
-
-    def __init__(self, slots: list[StageSlot], run_cfg):
-        self.slots = slots
-        self.opt = make_optimizer([p for s in slots for p in s.params], run_cfg)
-
-    def loss_divisor(self, m: int) -> int:
-        """Each micro-batch loss is divided by m: accumulated gradients = full-batch mean."""
-        return m
-
-    def forward_params(self, slot: StageSlot, mb: int):
-        return None  # the module's own parameters
-
-    def on_grads(self, slot: StageSlot, mb: int, params, grads) -> None:
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad.add_(g)
-
-    def step_begin(self, slots) -> None:
-        for slot in slots:
-            for p in slot.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    p.grad.zero_()
-
-    def step_end(self) -> None:
-        self.opt.step()
-
-    def state_tensors(self) -> dict:
-        params = [p for s in self.slots for p in s.params]
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.opt)}
+    #: mean over the m micro-batches of the loss of this rank's last stages (0 elsewhere)
+    loss: float
+    #: most micro-batches whose forward ran and whose backward-for-inputs did not
+    peak_inflight: int
 
 
 def stage_forward(module, inp, targets, param_dict=None):
@@ -112,14 +70,14 @@ def stage_forward(module, inp, targets, param_dict=None):
 
 def _produced(schedule: Schedule, rank: int):
     """(transfer key, destination rank) produced by each action of ``rank``, in order."""
-    S = schedule.num_stages
+    last_stage = schedule.num_stages - 1
     out = []
     for a in schedule.actions[rank]:
         key = dst = None
-        if a.kind == "F" and a.stage < S - 1:
+        if a.kind == FORWARD and a.stage < last_stage:
             dst = schedule.placement[(a.pipe, a.stage + 1)]
             key = ("act", a.mb, a.stage, a.pipe)
-        elif a.kind in ("B", "BW") and a.stage > 0:
+        elif a.kind in INPUT_GRAD_KINDS and a.stage > 0:
             dst = schedule.placement[(a.pipe, a.stage - 1)]
             key = ("grad", a.mb, a.stage, a.pipe)
         out.append((key, dst if dst != rank else None))
@@ -128,25 +86,25 @@ def _produced(schedule: Schedule, rank: int):
 
 def needed_key(schedule: Schedule, a) -> tuple | None:
     """The transfer key an action consumes (activation or output gradient), if any."""
-    if a.kind == "F" and a.stage > 0:
+    if a.kind == FORWARD and a.stage > 0:
         return ("act", a.mb, a.stage - 1, a.pipe)
-    if a.kind in ("B", "BW") and a.stage < schedule.num_stages - 1:
+    if a.kind in INPUT_GRAD_KINDS and a.stage < schedule.num_stages - 1:
         return ("grad", a.mb, a.stage + 1, a.pipe)
     return None
 
 
 class Executor:
-    """Runs ``schedule`` for this rank (``me`` = index in the pp group)."""
+    """Runs ``schedule`` for the rank at index ``pp_rank`` of the pp group."""
 
-    def __init__(self, schedule: Schedule, me: int, group, group_ranks: list[int],
-                 slots: dict[tuple[int, int], StageSlot], act_shape, dtype, device,
-                 timeline, weights=None):
-        self.s = schedule
-        self.me = me
+    def __init__(self, *, schedule: Schedule, pp_rank: int, group, group_ranks: list[int],
+                 slots: dict[tuple[int, int], StageSlot], act_shape, dtype, device, timeline,
+                 weights: WeightRule):
+        self.schedule = schedule
+        self.pp_rank = pp_rank
         self.group = group
-        self.global_rank = list(group_ranks)
+        self.global_ranks = list(group_ranks)
         self.slots = slots
-        self.shape = tuple(act_shape)
+        self.act_shape = tuple(act_shape)
         self.dtype = dtype
         self.device = device
         self.timeline = timeline
@@ -158,16 +116,15 @@ class Executor:
         # later sends on the communicator's stream, so there each receive is posted just
         # in time (batched with the pending send).
         self.lookahead = 1 if device.type == "cpu" else 0
-        produced = _produced(schedule, me)
-        self.row = schedule.actions[me]
-        self.sends = [(k, d) for k, d in produced]
+        self.row = schedule.actions[pp_rank]
+        self.sends = _produced(schedule, pp_rank)
         # receive queues: per source rank, keys addressed to me in the source's order
         self.recv_order: dict[int, list[tuple]] = {}
         self.recv_src: dict[tuple, int] = {}
         for src in range(schedule.p):
-            if src == me:
+            if src == pp_rank:
                 continue
-            keys = [k for k, d in _produced(schedule, src) if d == me]
+            keys = [k for k, d in _produced(schedule, src) if d == pp_rank]
             if keys:
                 self.recv_order[src] = keys
                 for k in keys:
@@ -200,9 +157,9 @@ class Executor:
         while self._next_recv[src] < len(queue):
             k = queue[self._next_recv[src]]
             self._next_recv[src] += 1
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
             self._recv_buf[k] = buf
-            ops.append((dist.P2POp(dist.irecv, buf, self.global_rank[src], self.group), k))
+            ops.append((dist.P2POp(dist.irecv, buf, self.global_ranks[src], self.group), k))
             if k == key:
                 break
         return ops
@@ -216,85 +173,87 @@ class Executor:
             w.wait()
         return self._recv_buf.pop(key)
 
-    def _fused(self, slot, a, c: dict, grad_out):
+    def _fused(self, slot: StageSlot, a, saved: dict, grad_out):
         """The whole backward of one (micro-batch, stage); returns the input gradient."""
-        boundary = c["boundary"] if a.stage > 0 else None
-        if getattr(self.weights, "accumulates_in_grad", False):
-            return fused_backward_into_grad(c["out"], boundary, c["params"], grad_out)
-        dx, grads = fused_grads(c["out"], boundary, c["params"], grad_out)
-        self.weights.on_grads(slot, a.mb, c["params"], grads)
+        boundary = saved["boundary"] if a.stage > 0 else None
+        if self.weights.accumulates_in_grad:
+            return fused_backward_into_grad(saved["out"], boundary, saved["params"], grad_out)
+        dx, grads = fused_grads(saved["out"], boundary, saved["params"], grad_out)
+        self.weights.on_grads(slot, a.mb, saved["params"], grads)
         return dx
 
     # ---- one step ----------------------------------------------------------------------
-    def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> dict:
-        """Run every action of this rank for one step; returns the summed micro-batch losses
-        (scaled by 1/m, last stages only) and peak in-flight micro-batches."""
-        m = self.s.m
+    def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> StepOutcome:
+        """Run every action of this rank for one step; returns the mean micro-batch loss
+        (last stages only) and the peak in-flight micro-batches."""
+        schedule, weights, timeline = self.schedule, self.weights, self.timeline
+        m = schedule.m
         self._local, self._recv_buf, self._recv_work = {}, {}, {}
         self._send_works, self._coalesced = [], []
         self._next_recv = {src: 0 for src in self.recv_order}
-        ctx: dict[tuple, dict] = {}
+        # per (mb, stage, pipe): what the forward saved for the backward (and B for W)
+        saved_for_backward: dict[tuple, dict] = {}
         pending: list = []
         loss_sum = torch.zeros((), dtype=torch.float64)
         inflight = peak = 0
-        tl = self.timeline
         for k, (a, (out_key, dst)) in enumerate(zip(self.row, self.sends)):
-            need = needed_key(self.s, a)
+            need = needed_key(schedule, a)
             ops = pending + self._recv_ops(need)
             for nxt in self.row[k + 1:k + 1 + self.lookahead]:
-                ops += self._recv_ops(needed_key(self.s, nxt))
+                ops += self._recv_ops(needed_key(schedule, nxt))
             pending = []
             self._post(ops)
             received = self._take(need)
             slot = self.slots[(a.pipe, a.stage)]
             key = (a.mb, a.stage, a.pipe)
-            with tl.span(a.kind, mb=a.mb, stage=a.stage, pipe=a.pipe):
-                if a.kind == "F":
+            with timeline.span(a.kind, mb=a.mb, stage=a.stage, pipe=a.pipe):
+                if a.kind == FORWARD:
                     inp = xs[a.mb] if slot.module.first else received.requires_grad_(True)
-                    pdict = self.weights.forward_params(slot, a.mb)
-                    boundary, out = stage_forward(slot.module, inp, ys[a.mb], pdict)
-                    params = slot.params if pdict is None else list(pdict.values())
+                    param_dict = weights.forward_params(slot, a.mb)
+                    boundary, out = stage_forward(slot.module, inp, ys[a.mb], param_dict)
+                    params = slot.params if param_dict is None else list(param_dict.values())
                     if slot.module.last:
                         loss_sum += float(out.detach())
-                        out = out / self.weights.loss_divisor(m)
-                    ctx[key] = {"boundary": boundary, "out": out, "params": params}
+                        out = out / weights.loss_divisor(m)
+                    saved_for_backward[key] = {"boundary": boundary, "out": out,
+                                               "params": params}
                     inflight += 1
                     peak = max(peak, inflight)
                     produced = None if slot.module.last else out.detach()
-                elif a.kind == "BW":
-                    produced = self._fused(slot, a, ctx.pop(key), received)
+                elif a.kind == BACKWARD_FULL:
+                    produced = self._fused(slot, a, saved_for_backward.pop(key), received)
                     inflight -= 1
-                elif a.kind == "B":
-                    c = ctx[key]
+                elif a.kind == BACKWARD_INPUT:
+                    saved = saved_for_backward[key]
                     if a.stage == 0:
                         # nothing waits for the first stage's input gradient (its input is
                         # tokens): B only keeps the output gradient, W runs the stage's whole
                         # backward in one pass (torch.distributed.pipelining does the same)
-                        c["grad_out"] = received
+                        saved["grad_out"] = received
                         produced = None
                     else:
-                        split = SplitBackward(c["out"], c["boundary"], c["params"])
+                        split = SplitBackward(saved["out"], saved["boundary"], saved["params"])
                         produced = split.input_grad(received)
-                        c.clear()
-                        c["split"], c["params"] = split, split.params
+                        saved.clear()
+                        saved["split"], saved["params"] = split, split.params
                     inflight -= 1
-                else:  # W
-                    c = ctx.pop(key)
-                    if "split" in c:
-                        grads = c["split"].weight_grads()
-                        self.weights.on_grads(slot, a.mb, c["params"], grads)
+                else:  # BACKWARD_WEIGHT
+                    saved = saved_for_backward.pop(key)
+                    if "split" in saved:
+                        grads = saved["split"].weight_grads()
+                        weights.on_grads(slot, a.mb, saved["params"], grads)
                     else:
-                        self._fused(slot, a, c, c["grad_out"])
+                        self._fused(slot, a, saved, saved["grad_out"])
                     produced = None
                 if self.sync_cuda:
                     torch.cuda.synchronize(self.device)
             if out_key is not None:
-                t = produced.detach()
+                tensor = produced.detach()
                 if dst is None:
-                    self._local[out_key] = t
+                    self._local[out_key] = tensor
                 else:
-                    t = t.contiguous()
-                    pending.append((dist.P2POp(dist.isend, t, self.global_rank[dst],
+                    tensor = tensor.contiguous()
+                    pending.append((dist.P2POp(dist.isend, tensor, self.global_ranks[dst],
                                                self.group), None))
         self._post(pending)
         for w, _ in self._send_works:
@@ -302,11 +261,11 @@ class Executor:
                 w.wait()
         for w in self._coalesced:
             w.wait()
-        leftover = [k for k in self._recv_buf]
-        if ctx or leftover or self._local:
-            raise RuntimeError(f"pipeline executor: rank {self.me} ended the step with "
-                               f"unfinished work: {sorted(ctx)[:4]} {leftover[:4]} "
-                               f"{sorted(self._local)[:4]}")
+        leftover = list(self._recv_buf)
+        if saved_for_backward or leftover or self._local:
+            raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step with "
+                               f"unfinished work: {sorted(saved_for_backward)[:4]} "
+                               f"{leftover[:4]} {sorted(self._local)[:4]}")
         self._send_works, self._coalesced = [], []
         self.peak_inflight = peak
-        return {"loss_sum": float(loss_sum) / m, "peak_inflight": peak}
+        return StepOutcome(loss=float(loss_sum) / m, peak_inflight=peak)

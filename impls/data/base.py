@@ -1,0 +1,40 @@
+"""The base of the data-parallel family: the dp group, this rank's place in it, and its
+micro-batches of the global batch (each replica trains on an equal slice)."""
+from __future__ import annotations
+
+import torch
+
+from parbench.batching import dp_slice, microbatches
+from parbench.scheme import Scheme
+
+
+class DataParallelScheme(Scheme):
+    """Holds ``group`` (the dp process group), ``dp_size`` and ``dp_rank``."""
+
+    family = "data"
+    uses = ("dp",)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.group = ctx.mesh.group("dp")
+        self.dp_size = ctx.mesh.size("dp")
+        self.dp_rank = ctx.mesh.index("dp")
+
+    def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
+        dev = self.ctx.device
+        x = dp_slice(inputs, self.dp_rank, self.dp_size).to(dev)
+        y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
+        return microbatches(x, y, self.ctx.parallel.num_microbatches)
+
+
+class ReplicaScheme(DataParallelScheme):
+    """A data-parallel scheme whose rank holds a whole ``self.model`` with ordinary
+    ``.grad``s: the full parameters and gradients are its own."""
+
+    model: torch.nn.Module
+
+    def full_params(self):
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def full_grads(self):
+        return {n: p.grad.detach() for n, p in self.model.named_parameters()}

@@ -1,0 +1,243 @@
+"""Pipeline parallelism: every schedule of ``parbench.schedules`` run by one executor.
+
+Schemes ``pipeline.<name>`` for gpipe, 1f1b, interleaved, zb-h1, zb-h2, zbv, chimera,
+dualpipe, dualpipev, bfs, pipedream and 2bw. The model is cut into S consecutive stages
+(``parbench.model.build_stage``; S = p for one-stage-per-rank and bidirectional schedules,
+p*v for interleaved / looped BFS, 2p for the V shapes); a rank holds the stages the
+schedule's placement gives it (two model replicas for Chimera and DualPipe).
+
+Synchronous schedules equal the golden run: each micro-batch loss is scaled by 1/m, so the
+gradients accumulated over the m micro-batches are the full-batch mean gradient; one AdamW
+step follows. Chimera and DualPipe hold each stage twice (pipe 0 on rank s, pipe 1 on rank
+p-1-s, Li & Hoefler 2021 Sec. 3; DeepSeek-V3 report Sec. 3.2.1): after the schedule, the two
+ranks holding a stage add their gradients -- an all-reduce on two ranks, done as one
+exchange of each rank's flat gradients over the pp group (S bytes sent per rank =
+2(n-1)/n * S at n = 2, the ring all-reduce volume) and summed in the same order on both
+ranks, so the replicas stay bit-identical. PipeDream and PipeDream-2BW follow their own
+delayed-update rules and are checked against a single-device run of the same rule
+(``asynchronous``). The per-rank traffic and model states a case must measure are stated in
+``prediction``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parbench.batching import microbatches
+from parbench.config import CaseConfig, ConfigError
+from parbench.model import build_stage
+from parbench.scheme import Prediction, Scheme
+from parbench.schedules import (
+    KINDS,
+    Action,
+    GridEvent,
+    Schedule,
+    ScheduleError,
+    TimelinePanel,
+    events_from_sim,
+    get_spec,
+    make_schedule,
+    plot_timeline,
+    simulate,
+    validate,
+)
+
+from .executor import Executor
+from .metrics import bubble_metrics
+from .prediction import pipeline_prediction
+from .weights import StageSlot, SyncWeights, WeightRule
+
+
+def schedule_for(case: CaseConfig, name: str) -> Schedule:
+    """The schedule of a case (p = pp, m = num_microbatches, v from vpp), validated.
+
+    The schedule's spec says how vpp maps to the generator's v (``ScheduleSpec.v_for``).
+    """
+    par = case.parallel
+    try:
+        v = get_spec(name).v_for(par.vpp)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return validate(make_schedule(name, par.pp, par.num_microbatches, v))
+    except ScheduleError as e:
+        raise ConfigError(f"pp={par.pp}, num_microbatches={par.num_microbatches}, "
+                          f"vpp={par.vpp}: {e}") from None
+
+
+class PipelineScheme(Scheme):
+    family = "pipeline"
+    uses = ("pp",)
+    schedule_name = ""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg, run = ctx.model, ctx.run
+        self.schedule = schedule_for(ctx.case, self.schedule_name)
+        self.group = ctx.mesh.group("pp")
+        self.group_ranks = ctx.mesh.ranks("pp")
+        self.pp_rank = ctx.mesh.index("pp")
+        num_stages = self.schedule.num_stages
+        self.slots = {key: StageSlot(key[0], key[1],
+                                     build_stage(cfg, run.seed, key[1], num_stages).to(ctx.device))
+                      for key in self.schedule.stages_of(self.pp_rank)}
+        self.weights = self.make_weights()
+        act_shape = (ctx.parallel.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+        self.executor = Executor(schedule=self.schedule, pp_rank=self.pp_rank,
+                                 group=self.group, group_ranks=self.group_ranks,
+                                 slots=self.slots, act_shape=act_shape, dtype=torch.float32,
+                                 device=ctx.device, timeline=ctx.timeline,
+                                 weights=self.weights)
+        # compute events of the last checked step and every timed step after it
+        self._step_events: list[list[dict]] = []
+        # First use of the group by every member (NCCL creates communicators lazily).
+        torch.distributed.barrier(group=self.group)
+
+    def make_weights(self) -> WeightRule:
+        """The weight rule of this scheme (synchronous; the asynchronous schemes override)."""
+        return SyncWeights(list(self.slots.values()), self.ctx.run)
+
+    # ---- step --------------------------------------------------------------------------
+    def train_step(self, inputs, targets, step):
+        device, timeline = self.ctx.device, self.ctx.timeline
+        mbs = microbatches(inputs.to(device), targets.to(device), self.schedule.m)
+        xs, ys = [x for x, _ in mbs], [y for _, y in mbs]
+        self.weights.step_begin()
+        outcome = self.executor.run(xs, ys)
+        if len(self.schedule.pipes) > 1:
+            with timeline.span("sync"):
+                self._sync_replicas()
+        with timeline.span("optim"):
+            self.weights.step_end()
+        if step >= self.ctx.run.steps - 1:
+            self._step_events.append([e for e in timeline.as_dicts() if e["cat"] == "compute"])
+        return self.reduce_loss(outcome.loss, self.group)
+
+    def _partner(self) -> int:
+        return self.schedule.p - 1 - self.pp_rank
+
+    def _replica_slots(self) -> list[StageSlot]:
+        """This rank's slots in exchange order: (pipe 0, r), (pipe 1, p-1-r)."""
+        return [self.slots[k] for k in sorted(self.slots)]
+
+    def _exchange(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Send the concatenation of ``tensors`` to the partner rank and receive its own."""
+        dist = torch.distributed
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        other = torch.empty_like(flat)
+        peer = self.group_ranks[self._partner()]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, self.group),
+                                        dist.P2POp(dist.irecv, other, peer, self.group)])
+        for w in works:
+            w.wait()
+        return other
+
+    def _sync_replicas(self):
+        """Add the two replicas' gradients of every stage (pipe 0 + pipe 1 on both ranks)."""
+        mine = self._replica_slots()  # [(0, r), (1, p-1-r)]
+        other = self._exchange([p.grad for s in mine for p in s.params])
+        # partner sent [(0, p-1-r), (1, r)]: its first part pairs with my (1, p-1-r)
+        n_far = sum(p.numel() for p in mine[1].params)
+        theirs = {mine[1].stage: other[:n_far], mine[0].stage: other[n_far:]}
+        for slot in mine:
+            offset, buf = 0, theirs[slot.stage]
+            for p in slot.params:
+                g = buf[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                p.grad.copy_(p.grad + g if slot.pipe == 0 else g + p.grad)
+
+    # ---- results -----------------------------------------------------------------------
+    def _reported_slots(self, check_replicas: bool) -> list[StageSlot]:
+        """The slots compared with the reference: all of them, or the pipe-0 copy of a
+        two-replica schedule (after checking, if asked, that the pipe-1 copies agree)."""
+        if len(self.schedule.pipes) == 1:
+            return list(self.slots.values())
+        mine = self._replica_slots()
+        if check_replicas:
+            from parbench import comm
+            with comm.unrecorded():
+                other = self._exchange([p.detach() for s in mine for p in s.params])
+            n_far = sum(p.numel() for p in mine[1].params)
+            far = torch.cat([p.detach().reshape(-1) for p in mine[1].params])
+            if not torch.equal(far, other[:n_far]):
+                raise RuntimeError(f"rank {self.pp_rank}: the two replicas of stage "
+                                   f"{mine[1].stage} differ after the gradient "
+                                   "synchronisation")
+        return [mine[0]]
+
+    def full_params(self):
+        return {n: p.detach() for s in self._reported_slots(check_replicas=True)
+                for n, p in zip(s.names, self.weights.reported_params(s))}
+
+    def full_grads(self):
+        return {n: g.detach() for s in self._reported_slots(check_replicas=False)
+                for n, g in zip(s.names, self.weights.reported_grads(s))}
+
+    def state_tensors(self):
+        return self.weights.state_tensors()
+
+    def metrics(self):
+        return bubble_metrics(self.schedule, self._step_events, self.group,
+                              self.executor.peak_inflight)
+
+    # ---- before spawning ---------------------------------------------------------------
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        par, model = case.parallel, case.model
+        if par.dp != 1:
+            raise ConfigError(f"dp={par.dp}: pipeline schemes run one pipeline (set dp=1)")
+        if case.run.dtype != "fp32":
+            raise ConfigError(f"dtype={case.run.dtype!r}: pipeline schemes run fp32")
+        if model.tie_embeddings:
+            raise ConfigError("tie_embeddings=true: pipeline stages do not share the "
+                              "embedding with the head (set tie_embeddings=false)")
+        if model.num_experts:
+            raise ConfigError(f"num_experts={model.num_experts}: pipeline schemes run the "
+                              "dense model")
+        schedule = schedule_for(case, cls.schedule_name)
+        if model.num_layers % schedule.num_stages:
+            raise ConfigError(f"num_layers={model.num_layers} is not divisible by the "
+                              f"{schedule.num_stages} stages of {cls.schedule_name} with "
+                              f"pp={par.pp}, vpp={schedule.v}")
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        return pipeline_prediction(case, schedule_for(case, cls.schedule_name),
+                                   cls.extra_state_bytes)
+
+    @classmethod
+    def figures(cls, case: CaseConfig, per_rank: list, out_dir) -> list[Path]:
+        """The schedule as the papers draw it: simulated with unit costs above, the measured
+        compute spans of the last checked step below."""
+        schedule = schedule_for(case, cls.schedule_name)
+        sim = simulate(schedule)
+        measured = [dict(ev, rank=r.rank) for r in per_rank for ev in r.timeline
+                    if ev["cat"] == "compute" and ev["kind"] in KINDS]
+        t0 = min((e["start"] for e in measured), default=0.0)
+        measured_events = [
+            GridEvent(e["rank"], e["kind"], e["mb"], e["stage"], (e["start"] - t0) * 1e3,
+                      (e["end"] - t0) * 1e3, e.get("meta", {}).get("pipe", 0))
+            for e in measured]
+        name = f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}"
+        panels = [
+            TimelinePanel(events_from_sim(sim),
+                          f"{name}: simulated, unit costs (bubble {sim.bubble:.3f})",
+                          "time (T_F units)"),
+            TimelinePanel(measured_events, f"{name}: measured (last checked step)",
+                          "time (ms)"),
+        ]
+
+        def label(e: GridEvent) -> str:  # the micro-batch, with the chunk where v > 1
+            return schedule.label(Action(e.kind, e.mb, e.stage, e.pipe)).lstrip("FBW")
+
+        safe = (case.id or cls.schedule_name).replace(":", "_").replace("/", "_")
+        path = Path(out_dir) / "figures" / f"schedule_{safe}.png"
+        return [plot_timeline(panels, path, ranks=schedule.p, label=label)]
+
+    @staticmethod
+    def extra_state_bytes(case, schedule, rank, counts) -> dict:
+        """Bytes by model-state category (``memory.CATEGORIES``) beyond one fp32 copy of the
+        parameters, gradients and AdamW states (the asynchronous rules' weight versions)."""
+        return {}

@@ -1,0 +1,181 @@
+"""``parbench run``: run a suite on local ranks (or join a torchrun / Slurm job as one rank)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ..config import ConfigError
+from ..overrides import coerce, parse_overrides
+from .output import UsageError, console
+
+
+def _run_options(ov: dict) -> dict:
+    """Pop the options of ``run`` itself (not case fields) from the overrides."""
+    opts = {"suite": ov.pop("suite", None), "out": ov.pop("out", None),
+            "resume": coerce(ov.pop("resume", "false"), bool, "resume"),
+            "world_size": ov.pop("world_size", None),
+            "deepspeed_config": ov.pop("deepspeed_config", None)}
+    if not opts["suite"]:
+        raise UsageError("run needs suite=NAME (see `parbench list`)")
+    if opts["world_size"] is not None:
+        opts["world_size"] = coerce(opts["world_size"], int, "world_size")
+        if opts["world_size"] < 1:
+            raise ConfigError(f"world_size={opts['world_size']} must be >= 1")
+    return opts
+
+
+def check_options_used(suite, overrides: dict) -> None:
+    """An option field given on the command line must be read by some case's scheme."""
+    from ..config import OPTION_FIELDS
+    from ..overrides import resolve_key
+    from ..scheme import get_scheme
+
+    for key, value in overrides.items():
+        if key == "model":
+            continue
+        sec, name = resolve_key(key)
+        if f"{sec}.{name}" not in OPTION_FIELDS:
+            continue
+        schemes = {c.run.scheme for c in suite.cases}
+        if not any(name in get_scheme(s).options for s in schemes):
+            raise ConfigError(f"{key}={value} is not used by any case of suite {suite.name} "
+                              f"(its schemes do not read {name})")
+
+
+def load_checked_suite(args: list[str]):
+    """The suite named by ``args`` with its overrides applied and every case checked."""
+    from ..imports import deepspeed_overrides
+    from ..launch import in_torchrun
+    from ..suites import check_suite, load_suite
+
+    ov = parse_overrides(args)
+    opts = _run_options(ov)
+    if opts["deepspeed_config"]:
+        ov = {**deepspeed_overrides(opts["deepspeed_config"], opts["world_size"]), **ov}
+    suite = load_suite(opts["suite"], ov)
+    check_options_used(suite, ov)
+    world = opts["world_size"]
+    if in_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        suite.cases = [c for c in suite.cases if c.parallel.world_size == world] or suite.cases
+    check_suite(suite, world)
+    return suite, opts
+
+
+def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..launch import in_torchrun
+    from ..report import print_tables, write_report
+    from ..report.cells import verdict
+    from ..runner import results_dir, run_cases
+
+    suite, opts = load_checked_suite(args)
+    if in_torchrun():
+        return _run_torchrun(suite, opts["out"])
+    out = console(stderr=as_json)
+    out_dir = results_dir(suite.name, opts["out"], opts["resume"])
+    out.print(f"[bold]parbench[/] suite [cyan]{suite.name}[/]: {len(suite.cases)} case(s), "
+              f"results in {out_dir}")
+    t_start = time.time()
+
+    def progress(event, i, n, case, row):
+        if event == "start":
+            out.print(f"  [{i + 1}/{n}] {case.run.scheme} "
+                      f"(world {case.parallel.world_size}) ...", end="")
+        else:
+            st = row.step_time_s
+            out.print(f" {verdict(row)}  {st * 1e3:.2f} ms/step" if st else f" {verdict(row)}")
+            if row.failure:
+                _report_failure(row)
+
+    rows = run_cases(suite.name, suite.cases, out_dir, resume=opts["resume"],
+                     progress=progress)
+    if as_json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2, default=str))
+    else:
+        print_tables(rows, out, wide=wide)
+    paths = write_report(rows, out_dir)
+    out.print(f"wrote {out_dir / 'results.jsonl'}, " + ", ".join(str(p) for p in paths)
+              + f" in {time.time() - t_start:.1f} s")
+    broken = [r for r in rows if r.status != "ok"]
+    failed = [r for r in rows if r.status == "ok" and not r.passed]
+    if failed:
+        out.print(f"[red]{len(failed)} case(s) not equivalent to the golden run[/]")
+    if broken:
+        out.print(f"[red]{len(broken)} case(s) crashed or hung[/] (tracebacks above; rows "
+                  f"with status 'failed' in {out_dir / 'results.jsonl'})")
+        return 1
+    return 3 if failed else 0
+
+
+def _report_failure(row) -> None:
+    f = row.failure
+    who = f"rank {f.rank}" if f.rank >= 0 else "the case"
+    sys.stderr.write(f"parbench: {row.scheme}: {who} {f.kind}; its traceback:\n"
+                     f"{f.traceback}\n")
+
+
+def _run_torchrun(suite, out) -> int:
+    """This process is one rank of a torchrun / Slurm job; rank 0 writes the rows."""
+    import torch.distributed as dist
+
+    from ..launch import init_from_env
+    from ..results import append_row
+    from ..runner import results_dir, torchrun_case_row
+
+    device = suite.cases[0].run.device if suite.cases else "cpu"
+    wctx = init_from_env(device)
+    out_dir = results_dir(suite.name, out, False)
+    if wctx.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for case in suite.cases:
+        row = torchrun_case_row(wctx, case, suite.name, out_dir)
+        if row is not None:
+            append_row(out_dir / "results.jsonl", row)
+            failed += not row.passed
+            print(f"{case.id}: {'pass' if row.passed else 'FAIL'} "
+                  f"{(row.step_time_s or 0) * 1e3:.2f} ms/step", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 3 if failed else 0
+
+
+def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    """The mutation catalogue: exit 0 when every mutant is killed and no control fails."""
+    from ..selftest import run_selftest
+
+    ov = parse_overrides(args)
+    profile = ov.pop("profile", "full")
+    if profile not in ("ci", "full"):
+        raise ConfigError(f"profile={profile!r} must be ci or full")
+    seeds = coerce(ov.pop("seeds", "5"), int, "seeds")
+    if seeds < 1:
+        raise ConfigError(f"seeds={seeds} must be >= 1")
+    only = [m for m in ov.pop("only", "").split(",") if m] or None
+    if ov:
+        raise ConfigError(f"unknown key {next(iter(ov))!r} for selftest (profile=, seeds=, "
+                          "only=)")
+    out = console(stderr=as_json)
+
+    def progress(kind, mutant, row):
+        if kind == "mutant":
+            tag = "[green]killed[/]" if not row.passed else "[red]SURVIVED[/]"
+            out.print(f"  {mutant.id:32s} {tag}  ({mutant.bug})")
+        elif not row.passed:
+            out.print(f"  [red]false alarm[/]: unmodified {row.scheme} seed "
+                      f"{row.case['run']['seed']}")
+
+    out.print("[bold]parbench selftest[/]: every injected bug must be caught")
+    result = run_selftest(profile, seeds, only, progress)
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        out.print(f"{result['killed']} of {result['mutants']} mutants killed; "
+                  f"{result['false_alarms']} false alarm(s) over {result['controls']} "
+                  f"unmodified runs ({result['seeds']} seeds)")
+    if only is not None and not result["mutants"]:
+        raise ConfigError(f"only={','.join(only)} names no mutant of profile {profile}")
+    ok = result["killed"] == result["mutants"] and not result["false_alarms"]
+    return 0 if ok else 3

@@ -1,0 +1,53 @@
+"""``parbench schedule``: a pipeline schedule as a per-rank grid, simulated, with its closed
+form."""
+from __future__ import annotations
+
+import json
+
+from ..config import ConfigError
+from ..overrides import coerce, number, parse_overrides
+
+
+#: p * m * v above which the grid is unreadable and the simulation slow (seconds)
+MAX_SLOTS = 16384
+
+
+def schedule_command(args: list[str], as_json: bool) -> int:
+    from ..schedules import SCHEDULES, ScheduleError, grid_text, make_schedule, simulate, summary
+    from ..schedules import validate
+
+    if not args or "=" in args[0]:
+        raise ConfigError(f"schedule needs a NAME first (choose from {', '.join(SCHEDULES)})")
+    name, rest = args[0], parse_overrides(args[1:])
+    if name not in SCHEDULES:
+        raise ConfigError(f"schedule={name!r} is not known (choose from "
+                          f"{', '.join(SCHEDULES)})")
+    ints = {k: number(k, rest.pop(k), integer=True, minimum=1) for k in ("p", "m", "v")
+            if k in rest}
+    costs = {k: number(k, rest.pop(k), minimum=0) for k in ("tf", "tb", "tw", "p2p") if k in rest}
+    if "overlap" in rest:  # DualPipe: run each F&B pair as one unit (DeepSeek-V3 Table 2)
+        costs["overlap"] = coerce(rest.pop("overlap"), bool, "overlap")
+    size = ints.get("p", 4) * ints.get("m", 8) * ints.get("v", 1)
+    if size > MAX_SLOTS:
+        raise ConfigError(f"p*m*v={size} exceeds {MAX_SLOTS}, the largest schedule this "
+                          "verb simulates and draws")
+    if rest:
+        raise ConfigError(f"unknown key {next(iter(rest))!r} for schedule (p, m, v, tf, tb, tw, "
+                          "p2p, overlap)")
+    try:
+        schedule = validate(make_schedule(name, ints.get("p", 4), ints.get("m", 8),
+                                          ints.get("v")))
+        sim = simulate(schedule, **costs)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+    data = {**summary(schedule, sim), "description": SCHEDULES[name].description}
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(grid_text(schedule, sim))
+        for k, v in data.items():
+            if not isinstance(v, (list, dict)):
+                print(f"{k}: {v}")
+            else:
+                print(f"{k}: {json.dumps(v, default=str)}")
+    return 0

@@ -1,0 +1,205 @@
+"""Importing configurations: Megatron-LM command-line arguments and DeepSpeed JSON configs.
+
+Reachable from the command line: ``parbench run suite=data deepspeed_config=ds.json`` and
+``parbench estimate megatron_args="--num-layers 96 --hidden-size 12288 ..."``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from typing import Any
+
+from .config import CaseConfig, ConfigError, ModelConfig, ParallelConfig, RunConfig
+from .overrides import coerce
+
+# imports from Megatron arguments and DeepSpeed JSON
+# --------------------------------------------------------------------------------------
+
+_MEGATRON_ARGS = {
+    "--tensor-model-parallel-size": ("parallel", "tp"),
+    "--pipeline-model-parallel-size": ("parallel", "pp"),
+    "--context-parallel-size": ("parallel", "cp"),
+    "--expert-model-parallel-size": ("parallel", "ep"),
+    "--micro-batch-size": ("parallel", "micro_batch_size"),
+    "--num-layers": ("model", "num_layers"),
+    "--hidden-size": ("model", "hidden_size"),
+    "--num-attention-heads": ("model", "num_heads"),
+    "--ffn-hidden-size": ("model", "ffn_hidden_size"),
+    "--seq-length": ("model", "seq_length"),
+    "--num-experts": ("model", "num_experts"),
+    "--moe-router-topk": ("model", "moe_top_k"),
+    "--vocab-size": ("model", "vocab_size"),
+}
+
+
+def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseConfig:
+    """Build a case from Megatron-LM command line arguments.
+
+    dp is inferred as world / (tp * cp * pp) when ``world_size`` is given, otherwise from
+    ``--global-batch-size / (--micro-batch-size * num_microbatches)`` is not possible without
+    the world, so dp defaults to 1. ``--num-layers-per-virtual-pipeline-stage`` gives
+    vpp = num_layers / (pp * layers_per_virtual_stage). ``--global-batch-size`` sets the
+    number of micro-batches per data-parallel rank = gbs / (mbs * dp).
+    """
+    vals: dict[tuple[str, str], Any] = {}
+    gbs = None
+    layers_per_vstage = None
+    flags = {"--sequence-parallel": ("parallel", "sp"),
+             "--untie-embeddings-and-output-weights": None}
+    tie = True
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        key, _, inline = a.partition("=")
+        if key in flags:
+            if key == "--sequence-parallel":
+                vals[("parallel", "sp")] = True
+            else:
+                tie = False
+            i += 1
+            continue
+        known = key in _MEGATRON_ARGS or key in ("--global-batch-size",
+                                                 "--num-layers-per-virtual-pipeline-stage")
+        if not known:
+            raise ConfigError(f"Megatron argument {key!r} is not supported")
+        if inline:
+            value = inline
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"Megatron argument {key!r} needs a value")
+            value = argv[i + 1]
+            i += 2
+        if key == "--global-batch-size":
+            gbs = coerce(value, int, key)
+        elif key == "--num-layers-per-virtual-pipeline-stage":
+            layers_per_vstage = coerce(value, int, key)
+        else:
+            vals[_MEGATRON_ARGS[key]] = coerce(value, int, key)
+    case = CaseConfig()
+    model = dataclasses.asdict(case.model)
+    par = dataclasses.asdict(case.parallel)
+    model["tie_embeddings"] = tie
+    model["ffn_hidden_size"] = 0
+    for (sec, name), v in vals.items():
+        (model if sec == "model" else par)[name] = v
+    mc = ModelConfig(**model)
+    pc = ParallelConfig(**par)
+    if world_size is not None:
+        denom = pc.tp * pc.cp * pc.pp
+        if world_size % denom:
+            raise ConfigError(f"world_size={world_size} is not a multiple of tp*cp*pp={denom}")
+        pc.dp = world_size // denom
+    if layers_per_vstage:
+        per_stage = mc.num_layers // pc.pp
+        if per_stage % layers_per_vstage:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={layers_per_vstage} "
+                              f"does not divide num_layers/pp={per_stage}")
+        pc.vpp = per_stage // layers_per_vstage
+    if gbs is not None:
+        per = pc.micro_batch_size * pc.dp
+        if gbs % per:
+            raise ConfigError(f"--global-batch-size={gbs} is not a multiple of "
+                              f"micro_batch_size*dp={per}")
+        pc.num_microbatches = gbs // per
+    return CaseConfig(model=mc, parallel=pc, run=RunConfig())
+
+
+def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
+    """Build a case from a DeepSpeed config (dict or JSON text/path).
+
+    Reads ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+    ``train_batch_size`` (checked: = micro * accum * dp), ``zero_optimization.stage``,
+    ``bf16``/``fp16`` and ``optimizer``. dp = world_size (no model parallelism in the JSON).
+    """
+    cfg = _load_json(cfg)
+    pc = ParallelConfig(dp=world_size)
+    rc = RunConfig()
+    mb = cfg.get("train_micro_batch_size_per_gpu")
+    ga = cfg.get("gradient_accumulation_steps")
+    tb = cfg.get("train_batch_size")
+    if mb is None and tb is not None and ga is not None:
+        mb = tb // (ga * world_size)
+    if ga is None and tb is not None and mb is not None:
+        ga = tb // (mb * world_size)
+    pc.micro_batch_size = int(mb or 1)
+    pc.num_microbatches = int(ga or 1)
+    if tb is not None and tb != pc.micro_batch_size * pc.num_microbatches * world_size:
+        raise ConfigError(f"train_batch_size={tb} != train_micro_batch_size_per_gpu*"
+                          f"gradient_accumulation_steps*world_size="
+                          f"{pc.micro_batch_size}*{pc.num_microbatches}*{world_size}")
+    pc.zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+    if cfg.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16.enabled=true is not supported (parbench runs fp32 or bf16)")
+    if cfg.get("bf16", {}).get("enabled"):
+        rc.dtype = "bf16"
+    opt = cfg.get("optimizer")
+    if opt:
+        kind = str(opt.get("type", "")).lower()
+        if kind in ("adamw", "adam"):
+            rc.optimizer = "adamw"
+        elif kind == "sgd":
+            rc.optimizer = "sgd"
+        else:
+            raise ConfigError(f"optimizer.type={opt.get('type')!r} must be AdamW or SGD")
+        params = opt.get("params", {})
+        rc.lr = float(params.get("lr", rc.lr))
+        rc.weight_decay = float(params.get("weight_decay", rc.weight_decay))
+        if "betas" in params:
+            rc.beta1, rc.beta2 = (float(x) for x in params["betas"])
+        rc.eps = float(params.get("eps", rc.eps))
+    return CaseConfig(parallel=pc, run=rc)
+
+
+def megatron_overrides(text: str) -> dict[str, str]:
+    """``key=value`` overrides (model and parallel fields) from a Megatron argument string."""
+    case = from_megatron_args(shlex.split(text))
+    out: dict[str, str] = {}
+    base = CaseConfig()
+    for sec in ("model", "parallel"):
+        for f in dataclasses.fields(getattr(case, sec)):
+            v = getattr(getattr(case, sec), f.name)
+            if v != getattr(getattr(base, sec), f.name) or f.name == "tie_embeddings":
+                out[f"{sec}.{f.name}"] = str(v).lower() if isinstance(v, bool) else str(v)
+    return out
+
+
+def deepspeed_overrides(path_or_text: str, world_size: int | None = None) -> dict[str, str]:
+    """``key=value`` overrides from a DeepSpeed JSON config: batch sizes, ZeRO stage, dtype and
+    optimizer. Fields the JSON does not set are left to the suite."""
+    cfg = _load_json(path_or_text)
+    case = from_deepspeed_json(cfg, world_size or 1)
+    out: dict[str, str] = {}
+    if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" in cfg:
+        out["parallel.micro_batch_size"] = str(case.parallel.micro_batch_size)
+    if "gradient_accumulation_steps" in cfg or "train_batch_size" in cfg:
+        out["parallel.num_microbatches"] = str(case.parallel.num_microbatches)
+    if "zero_optimization" in cfg:
+        out["parallel.zero_stage"] = str(case.parallel.zero_stage)
+    if cfg.get("bf16", {}).get("enabled"):
+        out["run.dtype"] = "bf16"
+    if cfg.get("optimizer"):
+        for name in ("optimizer", "lr", "weight_decay", "beta1", "beta2", "eps"):
+            out[f"run.{name}"] = str(getattr(case.run, name))
+    return out
+
+
+def _load_json(cfg: dict | str) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    text = cfg
+    if not cfg.lstrip().startswith("{"):
+        try:
+            with open(cfg) as fh:
+                text = fh.read()
+        except OSError as e:
+            raise ConfigError(f"deepspeed_config={cfg!r} cannot be read ({e.strerror})") from None
+    try:
+        out = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed_config={cfg!r} is not valid JSON ({e.msg}, line "
+                          f"{e.lineno})") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"deepspeed_config={cfg!r} must hold a JSON object")
+    return out

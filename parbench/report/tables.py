@@ -1,0 +1,144 @@
+"""Result tables, one per family: compact by default (fits a 100-column terminal), every
+column with ``wide=True`` (``--wide``)."""
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from ..results import Row
+from . import cells
+
+
+def _same_case(a: Row, b: Row) -> bool:
+    ca, cb = dict(a.case), dict(b.case)
+    ra, rb = dict(ca["run"]), dict(cb["run"])
+    ra.pop("scheme"), rb.pop("scheme")
+    return ca["model"] == cb["model"] and ca["parallel"] == cb["parallel"] and ra == rb
+
+
+def baseline_ratios(rows: list[Row]) -> dict[str, list[tuple[str, float]]]:
+    """For each native row id: [(baseline scheme, our step time / baseline step time)]."""
+    out: dict[str, list] = {}
+    for b in rows:
+        if not b.baseline_of or not b.step_time_s:
+            continue
+        for r in rows:
+            if r.scheme == b.baseline_of and r.step_time_s and _same_case(r, b):
+                out.setdefault(r.id, []).append((b.scheme, r.step_time_s / b.step_time_s))
+    return out
+
+
+def _uniform_tolerance(rows: list[Row]) -> dict | None:
+    tols = {tuple(sorted(r.tolerance.items())) for r in rows}
+    return dict(next(iter(tols))) if len(tols) == 1 else None
+
+
+def _caption(rows: list[Row], shared: list[Row], uniform: dict | None) -> str:
+    caption = ("bytes per rank per step, largest rank; 'x =' means every rank equals its "
+               "prediction; KiB = 2^10 B, MiB = 2^20 B")
+    if uniform:
+        caption += (f"; tolerance rtol {uniform.get('rtol', 0):.0e}, atol "
+                    f"{uniform.get('atol', 0):.0e}, params {uniform.get('param_atol', 0):.0e}"
+                    " (tensor-wise)")
+    if shared:
+        caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
+                    f"{shared[0].host_cpus} cores (marked *): their wall-clock times and "
+                    "measured bubbles include core sharing")
+    return caption
+
+
+def _by_family(rows: list[Row]) -> dict[str, list[Row]]:
+    fams: dict[str, list[Row]] = {}
+    for r in rows:
+        fams.setdefault(r.family or "?", []).append(r)
+    return fams
+
+
+def compact_table(fam: str, rows: list[Row], ratios: dict) -> Table:
+    """The headline figures: verdict, time, ratio to the baseline, bytes, states, peak (and
+    the replayed bubble for pipelines)."""
+    shared = [r for r in rows if r.shares_cores]
+    t = Table(title=f"{fam} — {len(rows)} case(s)",
+              caption=_caption(rows, shared, _uniform_tolerance(rows)) +
+              "; '≠': differs from the prediction (see --wide)", box=box.SIMPLE_HEAD,
+              show_edge=False, padding=(0, 1), collapse_padding=True)
+    t.add_column("scheme", overflow="fold")
+    t.add_column("deg", no_wrap=True)
+    t.add_column("ok", no_wrap=True)
+    t.add_column("ms/step", justify="right", no_wrap=True)
+    t.add_column("ours/base", no_wrap=True)
+    t.add_column("wire/rank", no_wrap=True)
+    t.add_column("states", no_wrap=True)
+    t.add_column("peak", no_wrap=True)
+    pipeline = any("bubble_replayed" in r.extra for r in rows)
+    if pipeline:
+        t.add_column("bubble", no_wrap=True)
+    for r in rows:
+        rat = ratios.get(r.id, [])
+        cols = [cells.short_scheme(r.scheme), cells.degrees(r) + ("*" if r in shared else ""),
+                cells.verdict(r), cells.fmt_ms(r.step_time_s),
+                " ".join(f"{v:.2f}×" for _, v in rat) or "—",
+                cells.wire_total(r, True), cells.states(r, True), cells.peak(r, per_rank=False)]
+        if pipeline:
+            rep = r.extra.get("bubble_replayed")
+            cols.append("—" if rep is None else f"{100 * rep:.1f}%")
+        t.add_row(*cols)
+    return t
+
+
+def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
+    """Every figure of every row."""
+    uniform = _uniform_tolerance(rows)
+    shared = [r for r in rows if r.shares_cores]
+    t = Table(title=f"{fam} — {len(rows)} case(s)", caption=_caption(rows, shared, uniform),
+              show_lines=True)
+    cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
+            "step ms", "tok/s", "peak/rank", "model states", "wire bytes", "ours / baseline"]
+    if uniform:
+        cols.remove("tolerance")
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    extra = cells.extra_keys(rows)
+    paper = any(cells.paper_states(r) for r in rows)
+    if paper:
+        t.add_column("ZeRO paper 2+2+K", overflow="fold")
+    for k in extra:
+        t.add_column(k, overflow="fold")
+    for r in rows:
+        tol = r.tolerance
+        rat = ratios.get(r.id, [])
+        rat_s = "\n".join(f"{v:.2f}× {cells.short_scheme(b)}" for b, v in rat) or "—"
+        tol_cell = [] if uniform else [
+            f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
+            f"param {tol.get('param_atol', 0):.0e}"]
+        t.add_row(
+            r.scheme, cells.degrees(r) + ("*" if r in shared else ""), cells.verdict(r),
+            "\n".join(cells.fmt_sci(v) for v in (r.max_loss_abs, r.max_grad_abs,
+                                                 r.max_param_abs)),
+            *tol_cell, cells.fmt_ms(r.step_time_s),
+            f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "—",
+            cells.peak(r), cells.states(r), cells.wire_detail(r), rat_s,
+            *([cells.paper_states(r) or "—"] if paper else []),
+            *[cells.extra_value(r, k) for k in extra])
+    return t
+
+
+def tables(rows: list[Row], wide: bool = False) -> list[Table]:
+    ratios = baseline_ratios(rows)
+    make = wide_table if wide else compact_table
+    return [make(fam, frows, ratios) for fam, frows in _by_family(rows).items()]
+
+
+def print_tables(rows: list[Row], console: Console | None = None, wide: bool = False) -> None:
+    """Print the tables; wide tables get at least 200 columns (they scroll, not wrap)."""
+    from ..cli.output import console as make_console
+    console = console or make_console()
+    if wide and console.width < 200:
+        console = Console(width=200, file=console.file)
+    for t in tables(rows, wide=wide):
+        console.print(t)
+    failed = [r for r in rows if r.status != "ok" and r.failure]
+    for r in failed:
+        console.print(f"[red]{r.scheme} {cells.degrees(r)}: {r.failure.kind} on rank "
+                      f"{r.failure.rank}[/]: {r.failure.message}")

@@ -1,0 +1,1 @@
+"""Realistic bugs in the pipeline family (see mutants_data)."""
