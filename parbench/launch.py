@@ -198,7 +198,7 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
 class WorkerPool:
     """N local ranks started once and reused for many tasks."""
 
-    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float = 120.0,
+    def __init__(self, world_size: int, *, device: str = "cpu", timeout_s: float = 120.0,
                  threads: int = 1, start_timeout_s: float = 120.0,
                  hang_timeout_s: float = 60.0):
         if world_size < 1:

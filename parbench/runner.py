@@ -20,7 +20,8 @@ from .launch import RankError, WorkerPool
 from .results import Failure, RankResult, Row, append_row, load_rows
 from .scheme import get_scheme
 from .timeline import chrome_trace
-from .verdict import Merged, detectable_wd_error, exact_every_step, merge_ranks
+from .verdict import (Merged, detectable_wd_error, exact_every_step,
+                      golden_detectable_wd_error, merge_ranks)
 
 Progress = Callable[[str, int, int, CaseConfig, "Row | None"], None]
 
@@ -37,8 +38,8 @@ def run_per_rank(case: CaseConfig, pool: WorkerPool | None = None) -> list[RankR
     run = case.run
     limit = run.timeout_s * 4
     if cls.isolated or pool is None:
-        with WorkerPool(case.parallel.world_size, device=run.device,
-                        timeout_s=run.timeout_s) as fresh:
+        with WorkerPool(case.parallel.world_size, device=run.device, timeout_s=run.timeout_s,
+                        threads=run.threads_per_rank) as fresh:
             return fresh.run(_run_case_task, case.to_dict(), timeout_s=limit,
                              hang_timeout_s=run.hang_timeout_s)
     return pool.run(_run_case_task, case.to_dict(), timeout_s=limit,
@@ -107,7 +108,8 @@ def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
         calls_per_rank=merged.calls_by_step[-1],
         calls_predicted_per_rank=pred.calls_at(last) if pred else None,
         max_update_excess=merged.max_update_excess,
-        detectable_wd_error=detectable_wd_error(case.run) if cls.checks_update else None,
+        detectable_wd_error=detectable_wd_error(case.run) if cls.checks_update
+        else golden_detectable_wd_error(case.run),
         prediction=pred.figures if pred else {},
         ledger_summary=ledger_summary(per_rank[0].ledger),
         extra=metrics, figures=figures or [], trace=trace, host_cpus=os.cpu_count(),
@@ -180,13 +182,15 @@ class PoolCache:
     """One live pool per (world size, device), restarted when a task killed it."""
 
     def __init__(self):
-        self._pools: dict[tuple[int, str], WorkerPool] = {}
+        self._pools: dict[tuple, WorkerPool] = {}
 
     def get(self, case: CaseConfig) -> WorkerPool:
-        key = (case.parallel.world_size, case.run.device)
+        run = case.run
+        key = (case.parallel.world_size, run.device, run.threads_per_rank, run.timeout_s)
         pool = self._pools.get(key)
         if pool is None or not pool.alive:
-            pool = WorkerPool(key[0], device=key[1], timeout_s=case.run.timeout_s)
+            pool = WorkerPool(key[0], device=run.device, timeout_s=run.timeout_s,
+                              threads=run.threads_per_rank)
             self._pools[key] = pool
         return pool
 

@@ -141,10 +141,6 @@ class Scheme(ABC):
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients used by the last optimizer step, same naming."""
 
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """This rank's model states: {'params': [...], 'grads': [...], 'optimizer': [...]}."""
-        return {}
-
     # ---- optional, with neutral defaults ----------------------------------------------------
     @classmethod
     def check(cls, case: CaseConfig) -> None:

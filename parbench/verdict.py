@@ -55,7 +55,7 @@ class UpdateCheck:
     This separates the optimizer from the gradients: reduction-order noise in a gradient
     (held to the golden run's tolerance) cannot hide a bug in the update, whose tolerance is a
     few ulps. A weight-decay error of dw moves a parameter p by lr * dw * p per step, so the
-    smallest error this check detects is ``UPDATE_RTOL / lr`` (``detectable_wd_error``).
+    smallest error this check detects is about ``UPDATE_RTOL / lr`` (``detectable_wd_error``).
     """
 
     def __init__(self, params: dict[str, torch.Tensor], run):
@@ -89,9 +89,21 @@ class UpdateCheck:
 
 
 def detectable_wd_error(run) -> float | None:
-    """The smallest weight-decay error (absolute, per step) the update check sees on a
-    parameter of magnitude 1 (LayerNorm weights start at 1)."""
-    return (UPDATE_RTOL + UPDATE_ATOL_LR) if run.optimizer == "adamw" else None
+    """The smallest weight-decay error the update check sees in one step: a decay off by dw
+    moves a parameter p by lr * dw * |p|, against a tolerance of UPDATE_RTOL |p| +
+    UPDATE_ATOL_LR lr; on a parameter of magnitude 1 (LayerNorm weights start at 1) that is
+    dw = UPDATE_RTOL / lr + UPDATE_ATOL_LR (about 1e-3 at lr 1e-3, a tenth of the default
+    weight decay 0.01)."""
+    if run.optimizer != "adamw":
+        return None
+    return UPDATE_RTOL / run.lr + UPDATE_ATOL_LR
+
+
+def golden_detectable_wd_error(run) -> float:
+    """Without the update check, a decay error dw shows only through the parameters against
+    the golden run: after the checked steps it has moved a parameter of magnitude 1 by
+    steps * lr * dw, against param_atol + rtol."""
+    return (run.param_atol + run.rtol) / (run.lr * run.steps)
 
 
 def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None = None

@@ -22,7 +22,6 @@ import torch
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
-from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
@@ -163,27 +162,6 @@ class _DeepSpeedZero(DataParallelScheme):
             return {n: self._ds.utils.safe_get_full_fp32_param(p).detach().clone().view(_shape(p))
                     for n, p in zip(self.names, params)}
         return {n: p.detach().float().clone() for n, p in zip(self.names, params)}
-
-    def state_tensors(self):
-        """What DeepSpeed holds (best effort): the module's parameter storages, the optimizer's
-        flat fp32 partitions and their gradients, and the client optimizer's states."""
-        params = [p for p in self.engine.module.parameters()]
-        if self.stage == 3:
-            params = [getattr(p, "ds_tensor", p) for p in params]
-        inner = self.engine.optimizer
-        flat = []
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-            flat += [t for t in getattr(inner, attr, []) if isinstance(t, torch.Tensor)]
-        grads = [t.grad for t in flat if t.grad is not None]
-        for attr in ("averaged_gradients",):
-            v = getattr(inner, attr, None)
-            if isinstance(v, dict):
-                for lst in v.values():
-                    grads += [t for t in (lst or []) if isinstance(t, torch.Tensor)]
-        client = getattr(inner, "optimizer", inner)
-        opt = optimizer_tensors(client) if isinstance(client, torch.optim.Optimizer) else []
-        opt += flat  # DeepSpeed's fp32 partitions are copies, also in fp32 runs
-        return {"params": params, "grads": grads, "optimizer": opt}
 
     @classmethod
     def predict(cls, case: CaseConfig):

@@ -22,11 +22,8 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
-                                                                    DefaultReduceScatter)
 
 from parbench.config import CaseConfig
-from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
@@ -64,17 +61,12 @@ class TorchFSDP2(DataParallelScheme):
         self.opt = make_optimizer(self.local, ctx.run)
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         self.model.zero_grad(set_to_none=True)
         tl = self.ctx.timeline
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
-            with tl.span("F", mb=i):
-                loss = self.model(xm, ym) / m
-            with tl.span("B", mb=i):
-                loss.backward()
-            total += float(loss.detach())
+            total += self.forward_backward(self.model, xm, ym, i)
         with tl.span("optim"):
             for p, loc in zip(self.params, self.local):
                 loc.grad = p.grad.to_local() if p.grad is not None else None
@@ -89,12 +81,6 @@ class TorchFSDP2(DataParallelScheme):
     def full_grads(self):
         return {n: p.grad.full_tensor().detach().float()
                 for n, p in self.model.named_parameters()}
-
-    def state_tensors(self):
-        params = [_local(p) for p in self.params]
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        opt = optimizer_tensors(self.opt)
-        return {"params": params, "grads": grads, "optimizer": opt}
 
     @classmethod
     def predict(cls, case: CaseConfig):

@@ -63,11 +63,7 @@ class TorchDDP(ReplicaScheme):
         for i, (xm, ym) in enumerate(mbs):
             last = i == m - 1
             with self.ddp.no_sync() if not last else contextlib.nullcontext():
-                with tl.span("F", mb=i):
-                    loss = self.ddp(xm, ym) / m
-                with tl.span("B", mb=i):
-                    loss.backward()
-            total += float(loss.detach())
+                total += self.forward_backward(self.ddp, xm, ym, i)
         with tl.span("optim"):
             self.opt.step()
         return self.reduce_loss(total / self.dp_size, self.group)

@@ -26,6 +26,17 @@ class DataParallelScheme(Scheme):
         y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
         return microbatches(x, y, self.ctx.parallel.num_microbatches)
 
+    def forward_backward(self, model, xm: torch.Tensor, ym: torch.Tensor, mb: int) -> float:
+        """Forward and backward of micro-batch ``mb`` with its loss scaled by 1/m, so that the
+        accumulated gradients are the mean over the rank's batch (timeline spans F and B);
+        returns the scaled loss."""
+        tl = self.ctx.timeline
+        with tl.span("F", mb=mb):
+            loss = model(xm, ym) / self.ctx.parallel.num_microbatches
+        with tl.span("B", mb=mb):
+            loss.backward()
+        return float(loss.detach())
+
 
 class ReplicaScheme(DataParallelScheme):
     """A data-parallel scheme whose rank holds a whole ``self.model`` with ordinary

@@ -66,11 +66,7 @@ class NativeDDP(ReplicaScheme):
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
             self._sync = i == m - 1
-            with tl.span("F", mb=i):
-                loss = self.model(xm, ym) / m
-            with tl.span("B", mb=i):
-                loss.backward()
-            total += float(loss.detach())
+            total += self.forward_backward(self.model, xm, ym, i)
         with tl.span("wait"):
             for b in self.buckets:
                 if b.work is not None:

@@ -28,7 +28,6 @@ from parbench.analytic import data_parallel, shape_from
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.golden import GoldenRun, global_batch
-from parbench.memory import optimizer_tensors
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Prediction, register
 
@@ -105,10 +104,6 @@ class LocalSGD(DataParallelScheme):
 
     def full_grads(self):
         return {f"w{self.dp_rank}/{n}": p.grad.detach() for n, p in zip(self.names, self.params)}
-
-    def state_tensors(self):
-        return {"params": [self.flat], "grads": [self.grads],
-                "optimizer": optimizer_tensors(self.opt)}
 
     @classmethod
     def reference(cls, case: CaseConfig, steps: int) -> GoldenRun:

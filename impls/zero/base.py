@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from parbench.config import CaseConfig
-from parbench.memory import optimizer_tensors
 from parbench.model import build_model, compute_dtype
 from parbench.scheme import Prediction
 
@@ -120,9 +119,6 @@ class ZeroScheme(DataParallelScheme):
 
     def full_grads(self):
         return self.gather(self.gshard)
-
-    def optimizer_states(self) -> list[torch.Tensor]:
-        return optimizer_tensors(self.opt) + (list(self.masters) if self.mixed else [])
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

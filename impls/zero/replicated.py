@@ -110,11 +110,7 @@ class ReplicatedParamsZero(ZeroScheme):
             self._mb = i
             self._sync = self.stage == 2 or i == m - 1
             self._ready = [0] * len(self._ready)
-            with tl.span("F", mb=i):
-                loss = self.model(xm, ym) / m
-            with tl.span("B", mb=i):
-                loss.backward()
-            total += float(loss.detach())
+            total += self.forward_backward(self.model, xm, ym, i)
             if self.stage == 2:
                 with tl.span("wait", mb=i):
                     self.wait_reductions()
@@ -137,9 +133,6 @@ class ReplicatedParamsZero(ZeroScheme):
         for u, buf in zip(self.units, self.ubuf):
             out.update(zip(u.names, unit_views(buf, u)))
         return out
-
-    def state_tensors(self):
-        return {"params": [self.pbuf], "grads": [self.gbuf], "optimizer": self.optimizer_states()}
 
 
 @register

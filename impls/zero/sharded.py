@@ -207,6 +207,3 @@ class Zero3(ZeroScheme):
     def full_params(self):
         return self.gather(self.masters)
 
-    def state_tensors(self):
-        return {"params": list(self.shards), "grads": [self.gbuf],
-                "optimizer": self.optimizer_states()}

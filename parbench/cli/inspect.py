@@ -95,6 +95,13 @@ def cmd_schedule(args, as_json: bool = False, wide: bool = False) -> int:
     return schedule_command(args, as_json)
 
 
+def uses_golden_run(case) -> bool:
+    """The case is checked against the standard single-device golden run (schemes with a
+    rule of their own -- local SGD, PipeDream -- simulate it and store nothing)."""
+    from ..scheme import Scheme, get_scheme
+    return get_scheme(case.run.scheme).reference.__func__ is Scheme.reference.__func__
+
+
 def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
     """``golden record [suite=a,b] [dir=]``: the golden files of the suites' cases;
     ``golden check [dir=]``: hashes, stale tensors, a fresh run, the torch version."""
@@ -111,7 +118,7 @@ def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
         if ov:
             raise ConfigError(f"unknown key {next(iter(ov))!r} for golden record (use suite=, "
                               "dir=)")
-        cases = [c for n in names for c in load_suite(n).cases]
+        cases = [c for n in names for c in load_suite(n).cases if uses_golden_run(c)]
         written = golden.record(cases, directory)
         emit(written, as_json,
              lambda d: print(f"recorded {len(d)} golden file(s) for {len(cases)} case(s) of "

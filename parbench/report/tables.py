@@ -41,6 +41,8 @@ def _caption(rows: list[Row], shared: list[Row], uniform: dict | None) -> str:
         caption += (f"; tolerance rtol {uniform.get('rtol', 0):.0e}, atol "
                     f"{uniform.get('atol', 0):.0e}, params {uniform.get('param_atol', 0):.0e}"
                     " (tensor-wise)")
+    stored = sum(r.golden_source.startswith("stored") for r in rows)
+    caption += f"; golden runs: {stored} from committed files, {len(rows) - stored} live"
     if shared:
         caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
                     f"{shared[0].host_cpus} cores (marked *): their wall-clock times and "

@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from ..config import CaseConfig
 from ..overrides import apply_overrides
-from .catalogue import CATALOGUE, Mutant, load
+from .catalogue import Mutant, load
 
 #: the case every mutant of a family runs on (before the mutant's own overrides)
 FAMILY_CASES = {

@@ -13,7 +13,7 @@ import torch
 class BiasFreeAdamW(torch.optim.Optimizer):
     """AdamW without bias correction (a bug, on purpose)."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay):
+    def __init__(self, params, *, lr, betas, eps, weight_decay):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -41,8 +41,8 @@ def make_buggy_optimizer(params, run, bug: str):
     (applied twice), ``no-bias-correction``."""
     from parbench.model import make_optimizer
     if bug == "no-bias-correction":
-        return BiasFreeAdamW(list(params), run.lr, (run.beta1, run.beta2), run.eps,
-                             run.weight_decay)
+        return BiasFreeAdamW(list(params), lr=run.lr, betas=(run.beta1, run.beta2),
+                             eps=run.eps, weight_decay=run.weight_decay)
     factor = {"no-wd": 0.0, "double-wd": 2.0}[bug]
     from dataclasses import replace
     return make_optimizer(params, replace(run, weight_decay=run.weight_decay * factor))

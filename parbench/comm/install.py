@@ -1,0 +1,118 @@
+"""Wrapping ``torch.distributed`` and the functional collectives once per process."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch.distributed as dist
+
+from . import ledger
+from .calls import (C10D_WRAPPERS, FUNCTIONAL_WRAPPERS, _Call, _group_size,
+                    _shard_dim_alltoall_size)
+from .ledger import ROOTED, CommRecord, record_wire
+
+_INSTALLED = False
+_TLS = threading.local()  # per thread: inside a wrapped call (nested calls are not recorded)
+
+
+def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> None:
+    led = ledger.active()
+    if led is None:
+        return
+    group = call.group
+    n = 2 if op in ("send", "recv") else _group_size(group)
+    group_rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    root = None
+    if call.root is not None and op in ROOTED:
+        root = dist.get_group_rank(group, call.root) if group is not None else call.root
+    wire = record_wire(op, call.message_bytes, n, group_rank, root)
+    rec = CommRecord(op=op, axis=led.axis(group), group_size=n,
+                     dtype=str(call.tensor.dtype).replace("torch.", ""),
+                     elements=call.message_bytes // max(call.tensor.element_size(), 1),
+                     message_bytes=call.message_bytes, wire_bytes=float(wire),
+                     peer=-1 if call.peer is None else call.peer, start=t0,
+                     end=time.perf_counter(), async_op=is_async,
+                     thread=threading.current_thread().name, api=api)
+    led.add(rec, wire)
+    tl = led.timeline
+    if work is not None and is_async and hasattr(work, "get_future"):
+        try:
+            fut = work.get_future()
+
+            def _done(_f, rec=rec):
+                rec.end = time.perf_counter()
+                if tl is not None:
+                    tl.add_comm(rec)
+
+            fut.then(_done)
+            return
+        except Exception:  # backends without futures: issue time only
+            pass
+    if tl is not None:
+        tl.add_comm(rec)
+
+
+def _wrap(module, name: str, op: str, size_of, api: str = "c10d", sync_module=None) -> None:
+    orig = getattr(module, name, None)
+    if orig is None or getattr(orig, "_parbench_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        sink = ledger.status_sink()
+        if getattr(_TLS, "inside", False) or (ledger.active() is None and sink is None):
+            # inside another wrapped call (blocking send calls isend): the outer call is the
+            # one record
+            return orig(*args, **kwargs)
+        try:
+            call = size_of(*args, **kwargs)
+        except Exception:  # an argument form we do not know: run the call, record nothing
+            return orig(*args, **kwargs)
+        if call is None:  # the wrapped function forwards to wrapped calls: let them record
+            return orig(*args, **kwargs)
+        if sink is not None:
+            size = _group_size(call.group) if call.group is not None else "?"
+            sink(f"{op} ({api}) of {call.message_bytes} bytes on a group of {size} ranks")
+        t0 = time.perf_counter()
+        _TLS.inside = True
+        try:
+            work = orig(*args, **kwargs)
+        finally:
+            _TLS.inside = False
+            if sink is not None:
+                sink("")
+        is_async = bool(kwargs.get("async_op", False)) or name in ("isend", "irecv") \
+            or api == "functional"
+        _record(op, call, work, t0, is_async, api)
+        return work
+
+    wrapper._parbench_wrapped = True
+    wrapper._parbench_orig = orig
+    setattr(module, name, wrapper)
+    if sync_module is not None and getattr(sync_module, name, None) is orig:
+        setattr(sync_module, name, wrapper)
+
+
+
+def install() -> None:
+    """Wrap torch.distributed's functions (idempotent). Call before DeepSpeed initialises:
+    it caches some function references at start-up."""
+    global _INSTALLED
+    with ledger._LOCK:
+        if _INSTALLED:
+            return
+        import torch.distributed.distributed_c10d as c10d
+        for name, op, size_of in C10D_WRAPPERS:
+            _wrap(dist, name, op, size_of, sync_module=c10d)
+        import torch.distributed._functional_collectives as funcol
+        for name, op, size_of in FUNCTIONAL_WRAPPERS:
+            _wrap(funcol, name, op, size_of, api="functional")
+        try:
+            import torch.distributed.tensor._collective_utils as dtensor_utils
+            import torch.distributed.tensor.placement_types as placements
+            _wrap(dtensor_utils, "shard_dim_alltoall", "all_to_all", _shard_dim_alltoall_size,
+                  api="functional", sync_module=placements)
+        except ImportError:  # DTensor not in this build
+            pass
+        _INSTALLED = True
