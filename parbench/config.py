@@ -37,7 +37,8 @@ RULES: dict[str, tuple[Any, str]] = {
 #: the suite reads is an error (see ``Scheme.options``)
 OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "parallel.sp", "parallel.vpp",
                  "parallel.schedule", "parallel.zero_stage", "parallel.bucket_mb",
-                 "parallel.local_sgd_period")
+                 "parallel.local_sgd_period", "parallel.recompute", "parallel.tp_depth",
+                 "parallel.cp_balance", "parallel.cp_ulysses")
 
 
 # --------------------------------------------------------------------------------------
@@ -93,6 +94,15 @@ class ParallelConfig:
     zero_stage: int = _rule(0, "nonneg")
     bucket_mb: float = _rule(0.25, "gt0", "DDP/ZeRO gradient bucket size in MiB")
     local_sgd_period: int = _rule(2, "pos", "H: average every H steps (local SGD)")
+    #: activation recomputation (Korthikanti et al. 2022): none | selective (the attention
+    #: core) | full (every layer, from its input)
+    recompute: str = "none"
+    #: 2.5-D tensor parallelism (Tesseract): depth d of the q x q x d grid, tp = q^2 d
+    tp_depth: int = _rule(1, "pos")
+    #: ring attention's load balancing: none | zigzag | striped
+    cp_balance: str = "zigzag"
+    #: USP (Ulysses x ring): the Ulysses degree of the cp grid; cp / cp_ulysses ring ranks
+    cp_ulysses: int = _rule(1, "pos")
 
     @property
     def world_size(self) -> int:
@@ -262,6 +272,10 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"pp*vpp={p.pp * p.vpp} does not divide num_layers={m.num_layers}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    if p.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"recompute={p.recompute!r} must be none, selective or full")
+    if p.cp_balance not in ("none", "zigzag", "striped"):
+        raise ConfigError(f"cp_balance={p.cp_balance!r} must be none, zigzag or striped")
 
 
 def validate_run(r: RunConfig) -> None:

@@ -224,3 +224,38 @@ def live_model_states(root, compute_dtype: torch.dtype = torch.float32) -> dict[
     for key, category in claims.items():
         out[category] += sizes[key]
     return out
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward while the block runs, each storage counted once,
+    weights (``exclude``: their storages) not counted -- the activation memory of a layer as
+    Korthikanti et al. 2022 count it (Sec. 4), measured with ``saved_tensors_hooks``::
+
+        with SavedActivations(exclude=model.parameters()) as saved:
+            loss = model(x, y)
+        saved.bytes
+    """
+
+    def __init__(self, exclude=()):
+        self._skip = {_storage_key(t)[0] for t in exclude}
+        self._seen: dict = {}
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type != "meta":
+            key, nbytes = _storage_key(t)
+            if key not in self._skip:
+                self._seen[key] = nbytes
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
