@@ -258,8 +258,8 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"tp={p.tp} does not divide num_heads={m.num_heads}")
     if m.ffn % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden_size={m.ffn}")
-    if m.vocab_size % p.tp:
-        raise ConfigError(f"tp={p.tp} does not divide vocab_size={m.vocab_size}")
+    # no rule for vocab_size: tensor-parallel schemes pad the vocabulary to a multiple of tp
+    # (Megatron's make-vocab-size-divisible-by) and mask the padded logits
     if m.seq_length % p.cp:
         raise ConfigError(f"cp={p.cp} does not divide seq_length={m.seq_length}")
     if p.sp and p.tp > 1 and m.seq_length % p.tp:

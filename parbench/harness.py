@@ -16,7 +16,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import comm
 from .comm import Ledger
 from .config import CaseConfig
 from .golden import global_batch
@@ -26,7 +25,7 @@ from .model import compute_dtype
 from .results import RankResult
 from .scheme import SchemeContext, get_scheme
 from .timeline import Timeline
-from .verdict import UpdateCheck, check_step
+from .checks import RankChecker
 
 _MESHES: dict[tuple, Mesh] = {}
 
@@ -55,10 +54,7 @@ def run_case(wctx, case_dict: dict) -> RankResult:
                         timeline=timeline)
     scheme = cls(ctx)
     golden = cls.reference(case, run.steps)
-    update = None
-    if cls.checks_update:
-        with comm.unrecorded():
-            update = UpdateCheck(scheme.full_params(), run)
+    checker = RankChecker(scheme, case, golden)
     dtype = compute_dtype(run)
     progress("built")
 
@@ -102,8 +98,7 @@ def run_case(wctx, case_dict: dict) -> RankResult:
             progress(f"checking step {step}")
             states.append(live_model_states(scheme, dtype))
             losses.append(loss)
-            with comm.unrecorded():
-                checks.append(check_step(scheme, golden, step, loss, run, update))
+            checks.append(checker.check(step, loss, x, y))
     return RankResult(rank=rank, losses=losses, checks=checks, step_times=step_times,
                       peak_bytes=peak, model_states_per_step=states,
                       wire_by_axis_per_step=wire_per_step,

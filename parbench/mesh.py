@@ -156,6 +156,8 @@ class Mesh:
     #: groups a scheme carves out of the mesh (``subgroup``): name -> (pg, ranks)
     _sub: dict[str, tuple[object, list[int]]] = field(default_factory=dict)
     _sub_parts: dict[str, list[list[int]]] = field(default_factory=dict)
+    #: every partition created: (name, canonical partition) -> (pg, ranks)
+    _sub_keys: dict[tuple, tuple[object, list[int]]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: MeshLayout, rank: int, backend_groups: bool = True) -> "Mesh":
@@ -188,33 +190,34 @@ class Mesh:
 
     def subgroup(self, name: str, partition: list[list[int]]):
         """This rank's group of ``partition`` (lists of global ranks that together cover the
-        world), created once per mesh and name -- collectively: every rank calls it with the
-        same arguments in the same order -- and known to the ledger as axis ``name`` (e.g.
-        the row and column groups of 2-D tensor parallelism inside Megatron's tp groups).
-        Returns None on a rank that no part holds."""
-        if name in self._sub:
-            pg, ranks = self._sub[name]
-            if sorted(map(sorted, partition)) != sorted(map(sorted, self._sub_parts[name])):
-                raise ValueError(f"subgroup {name!r} was created with another partition")
-            return pg
-        import torch.distributed as dist
-        mine = (None, [])
-        for members in partition:
-            pg = dist.new_group(sorted(members))
-            if self.rank in members:
-                mine = (pg, sorted(members))
-        self._sub[name] = mine
+        world), created once per mesh, name and partition -- collectively: every rank calls
+        it with the same arguments in the same order -- and known to the ledger as axis
+        ``name`` (e.g. the row and column groups of 2-D tensor parallelism inside Megatron's
+        tp groups). One name may carry several partitions (grids of different shapes on the
+        same ranks, one case after another); each is recorded as axis ``name``. Returns None
+        on a rank that no part holds."""
+        key = (name, tuple(sorted(tuple(sorted(m)) for m in partition)))
+        if key not in self._sub_keys:
+            import torch.distributed as dist
+            mine = (None, [])
+            for members in partition:
+                pg = dist.new_group(sorted(members))
+                if self.rank in members:
+                    mine = (pg, sorted(members))
+            self._sub_keys[key] = mine
+        self._sub[name] = self._sub_keys[key]
         self._sub_parts[name] = [list(m) for m in partition]
-        return mine[0]
+        return self._sub[name][0]
 
     def subgroup_ranks(self, name: str) -> list[int]:
+        """The ranks of this rank's group of the partition last requested under ``name``."""
         return self._sub[name][1]
 
     def axis_of_group(self, pg) -> str | None:
         for name, g in self._pgs.items():
             if g is pg:
                 return name
-        for name, (g, _) in self._sub.items():
+        for (name, _), (g, _) in self._sub_keys.items():
             if g is pg and g is not None:
                 return name
         return None

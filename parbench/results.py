@@ -27,9 +27,15 @@ class StepCheck:
     golden_loss: float | None = None
     loss_abs: float | None = None
     loss_ok: bool | None = None
-    #: the update check (``verdict.UpdateCheck``): largest error in units of its tolerance
+    #: the update check (``checks.UpdateCheck``): largest error in units of its tolerance
     update_excess: float | None = None
     update_ok: bool | None = None
+    #: loss and gradients held against the stepwise golden (the golden model at the scheme's
+    #: own weights); param_max_abs is then the drift from the golden trajectory
+    stepwise: bool = False
+    #: step 0 only: the scheme's initial parameters equal the golden initialisation
+    init_ok: bool | None = None
+    init_max_abs: float | None = None
 
 
 @dataclass
@@ -83,7 +89,7 @@ class Row:
     status: str = "ok"  # ok | failed (no verdict: see ``failure``)
     failure: Failure | None = None
     #: golden_ok and update_ok; golden_ok: losses, gradients and parameters within tolerance
-    #: of the golden run; update_ok: the update check (``verdict.UpdateCheck``)
+    #: of the golden run; update_ok: the update check (``checks.UpdateCheck``)
     equivalent: bool = False
     golden_ok: bool | None = None
     update_ok: bool | None = None

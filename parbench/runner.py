@@ -20,8 +20,8 @@ from .launch import RankError, WorkerPool
 from .results import Failure, RankResult, Row, append_row, load_rows
 from .scheme import get_scheme
 from .timeline import chrome_trace
-from .verdict import (Merged, detectable_wd_error, exact_every_step,
-                      golden_detectable_wd_error, merge_ranks)
+from .checks import detectable_wd_error, golden_detectable_wd_error
+from .verdict import Merged, exact_every_step, merge_ranks
 
 Progress = Callable[[str, int, int, CaseConfig, "Row | None"], None]
 
@@ -104,7 +104,8 @@ def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
                                     traffic_pred.wire_at if traffic_pred else _nothing, tol=0.5),
         calls_exact=exact_every_step(merged.calls_by_step,
                                      traffic_pred.calls_at if traffic_pred else _nothing),
-        model_state_exact=exact_every_step(merged.states_by_step, lambda s: states_pred),
+        model_state_exact=exact_every_step(merged.states_by_step,
+                                           pred.states_at if pred else _nothing),
         calls_per_rank=merged.calls_by_step[-1],
         calls_predicted_per_rank=pred.calls_at(last) if pred else None,
         max_update_excess=merged.max_update_excess,

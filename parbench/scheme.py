@@ -56,9 +56,10 @@ class Prediction:
     """What a scheme's closed forms say one rank measures in one step.
 
     ``wire_bytes[r]`` and ``model_state_bytes[r]`` are rank r's figures ({axis: bytes} and
-    {category: bytes}); ``wire_bytes_by_step[s][r]`` overrides ``wire_bytes`` for schemes
-    whose traffic changes from step to step (local SGD). ``figures`` holds further analytic
-    numbers for the report (the paper's accounting, parameter counts, ...).
+    {category: bytes}); the ``*_by_step[s][r]`` lists override them for schemes whose figures
+    change from step to step (local SGD's sync steps, a continuous pipeline's fill and
+    drain). ``figures`` holds further analytic numbers for the report (the paper's
+    accounting, parameter counts, ...).
     """
 
     wire_bytes: list[dict[str, float]] | None = None
@@ -67,6 +68,7 @@ class Prediction:
     calls: list[dict[str, int]] | None = None
     wire_bytes_by_step: list[list[dict[str, float]]] | None = None
     calls_by_step: list[list[dict[str, int]]] | None = None
+    model_state_bytes_by_step: list[list[dict[str, int]]] | None = None
     figures: dict = field(default_factory=dict)
 
     @classmethod
@@ -91,6 +93,10 @@ class Prediction:
 
     def calls_at(self, step: int) -> list[dict[str, int]] | None:
         return self._at(self.calls_by_step, self.calls, step)
+
+    def states_at(self, step: int) -> list[dict[str, int]] | None:
+        """Per-rank model states after checked step ``step``."""
+        return self._at(self.model_state_bytes_by_step, self.model_state_bytes, step)
 
     def max_wire(self, step: int) -> dict[str, float] | None:
         """Largest rank's bytes per axis at ``step``."""
@@ -119,7 +125,7 @@ class Scheme(ABC):
     isolated: ClassVar[bool] = False
     #: each train_step applies the run's optimizer once to the gradients ``full_grads``
     #: reports, so the verdict checks the update against a shadow optimizer
-    #: (``verdict.UpdateCheck``); False for schemes with another update rule (local SGD's
+    #: (``checks.UpdateCheck``); False for schemes with another update rule (local SGD's
     #: averaging, PipeDream's per-micro-batch updates), whose golden runs simulate the rule
     checks_update: ClassVar[bool] = True
 
@@ -150,6 +156,12 @@ class Scheme(ABC):
             if axis not in cls.uses and getattr(p, axis) != 1:
                 raise ConfigError(f"{axis}={getattr(p, axis)} is not used by scheme "
                                   f"{cls.name} (it uses {', '.join(cls.uses)}); set {axis}=1")
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this scheme cannot run here (an optional dependency is missing), else None;
+        ``parbench run`` skips its cases, saying why."""
+        return None
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction | None:

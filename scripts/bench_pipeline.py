@@ -5,6 +5,14 @@ on the same case; prints medians and the ratio ours / torch (< 1: ours faster).
                                      [timed_steps=8] [repeats=3] [schedules=1f1b,zbv]
                                      [key=value ...]
 
+With ``mode=bubbles``: the bubbles of 1F1B (flushing every step) beside the continuous
+PipeDream and PipeDream-2BW on the same case -- measured over the steady timed steps,
+replayed from the measured op costs, simulated with unit costs and the closed form (1F1B:
+(p-1)/(m+p-1); the continuous pipelines: one forward ramp per harness step) -- for each
+``pp`` of a comma list:
+
+    python scripts/bench_pipeline.py mode=bubbles pp=2,4 [model=small] [timed_steps=8]
+
 Each scheme runs the same case (one checked step against the golden run, then
 ``timed_steps`` timed ones; the harness takes each rank's median and the slowest rank). The
 two sides of a pair run alternately ``repeats`` times on one pool of ranks and the median of
@@ -48,8 +56,42 @@ def run_one(pool: WorkerPool, case: CaseConfig) -> tuple[bool, float, float]:
     return merged.equivalent, merged.step_time_s, sent
 
 
+BUBBLE_SCHEMES = ("pipeline.1f1b", "pipeline.pipedream", "pipeline.2bw")
+BUBBLE_KEYS = ("bubble_measured", "bubble_replayed", "bubble_unit", "bubble_closed_form")
+
+
+def bubbles(ov: dict) -> None:
+    """The flushing and the continuous pipelines' bubbles side by side, per pp."""
+    degrees = [int(x) for x in str(ov.pop("pp", "2,4")).split(",")]
+    ov.pop("repeats", None)
+    ov.pop("schedules", None)
+    print(f"{'pp':>3s} {'scheme':22s} " + " ".join(f"{k[7:]:>12s}" for k in BUBBLE_KEYS)
+          + "  held graphs            golden")
+    for pp in degrees:
+        base = apply_overrides(CaseConfig(), {**ov, "pp": str(pp)})
+        with WorkerPool(base.parallel.world_size) as pool:
+            for scheme in BUBBLE_SCHEMES:
+                case = apply_overrides(base, {"scheme": scheme})
+                cls = get_scheme(scheme)
+                cls.check(case)
+                per_rank = run_per_rank(case, pool)
+                merged = merge_ranks(per_rank, sorted(cls.reference(case, 1).params[0]))
+                mx = per_rank[0].metrics
+                cells = " ".join("           —" if mx.get(k) is None else f"{mx[k]:12.3f}"
+                                 for k in BUBBLE_KEYS)
+                print(f"{pp:3d} {scheme:22s} {cells}  {mx.get('held_graphs', ''):22s} "
+                      f"{'pass' if merged.equivalent else 'FAIL'}", flush=True)
+    m = base.model
+    print(f"\nmodel={m.name} (h={m.hidden_size}, layers={m.num_layers}, seq={m.seq_length}), "
+          f"m={base.parallel.num_microbatches}, {base.run.timed_steps} timed steps "
+          "(measured: median over the steady ones), device "
+          f"{base.run.device}; unit: T_F = T_B = T_W = 1")
+
+
 def main(argv: list[str]) -> None:
     ov = {**DEFAULTS, **parse_overrides(argv)}
+    if ov.pop("mode", "pairs") == "bubbles":
+        return bubbles(ov)
     repeats = int(ov.pop("repeats", 3))
     only = ov.pop("schedules", "")
     pairs = [pr for pr in PAIRS if not only or pr[0].split(".", 1)[1] in only.split(",")]

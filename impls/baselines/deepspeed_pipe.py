@@ -27,8 +27,6 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Scheme, register
 
-from parbench.memory import optimizer_tensors
-
 
 class EmbedLayer(nn.Module):
     def __init__(self, embed):
@@ -95,8 +93,10 @@ class DeepSpeedPipe(Scheme):
         self.pipe.to(ctx.device)
         params = [p for p in self.pipe.parameters() if p.requires_grad]
         self.opt = make_optimizer(params, run)
-        # DeepSpeed clears .grad after its step: keep the gradients the step used
+        # DeepSpeed clears .grad after its step: keep the gradients the step used (checked
+        # steps only: the capture stays out of the timed steps)
         self._grads: dict[int, torch.Tensor] = {}
+        self._capture = True
         self.opt.register_step_pre_hook(self._keep_grads)
         config = {"train_batch_size": par.micro_batch_size * par.num_microbatches,
                   "train_micro_batch_size_per_gpu": par.micro_batch_size,
@@ -110,13 +110,15 @@ class DeepSpeedPipe(Scheme):
                        for n, p in _inner(layer).named_parameters()]
 
     def _keep_grads(self, _opt, _args, _kwargs):
-        self._grads = {id(p): p.grad.detach().clone() for _, p in self._names
-                       if p.grad is not None}
+        if self._capture:
+            self._grads = {id(p): p.grad.detach().clone() for _, p in self._names
+                           if p.grad is not None}
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.parallel.num_microbatches
         dev = self.ctx.device
         data = list(zip(inputs.to(dev).chunk(m), targets.to(dev).chunk(m)))
+        self._capture = step < self.ctx.run.steps
         with self.ctx.timeline.span("step"):
             loss = self.engine.train_batch(data_iter=iter(data))
         return float(loss)
@@ -126,11 +128,6 @@ class DeepSpeedPipe(Scheme):
 
     def full_grads(self):
         return {n: self._grads[id(p)] for n, p in self._names}
-
-    def state_tensors(self):
-        params = [p for _, p in self._names]
-        return {"params": params, "grads": list(self._grads.values()),
-                "optimizer": optimizer_tensors(self.opt)}
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -155,10 +152,12 @@ class DeepSpeedPipe(Scheme):
         from parbench.scheme import get_scheme
         pred = get_scheme(cls.baseline_of).predict(case)
         pp = case.parallel.pp
-        pred.wire_bytes = [{"world": w["pp"],
+        pred.wire_bytes = [{"world": w.get("pp", 0.0),
                             "other": float(8 * rooted_wire_factor("broadcast", pp, rank,
                                                                   pp - 1))}
                            for rank, w in enumerate(pred.wire_bytes)]
+        # one blocking send per message, and every rank of the pipe group in the broadcast
+        pred.calls = [{"world": c.get("pp", 0), "other": 1} for c in pred.calls]
         return pred
 
 

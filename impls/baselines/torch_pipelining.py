@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_stage, make_optimizer
-from parbench.memory import optimizer_tensors
 from parbench.schedules import Placement
 from parbench.scheme import Scheme, register
 
@@ -74,6 +73,7 @@ def _stage_indices(placement: Placement, p: int, v: int, rank: int) -> list[int]
 class TorchPipelining(Scheme):
     family = "pipeline"
     uses = ("pp",)
+    options = ("vpp",)
     torch_name = ""
 
     def __init__(self, ctx):
@@ -146,11 +146,6 @@ class TorchPipelining(Scheme):
 
     def full_grads(self):
         return {n: p.grad.detach() for mod in self.mods for n, p in mod.gpt.named_parameters()}
-
-    def state_tensors(self):
-        return {"params": list(self.params),
-                "grads": [p.grad for p in self.params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.opt)}
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

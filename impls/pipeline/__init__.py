@@ -1,10 +1,12 @@
 """Registers ``pipeline.<name>`` for every schedule of ``parbench.schedules.SCHEDULES``.
 
 The pieces: ``scheme`` (the synchronous scheme: stages, replicas, figures), ``executor``
-(the one executor), ``weights`` (the weight-rule interface and the synchronous rule),
-``split_backward`` (zero-bubble B/W split), ``asynchronous`` (PipeDream and PipeDream-2BW:
-their schemes; rules in ``async_weights``, single-device runs in ``references``),
-``prediction`` (wire bytes and model states) and ``metrics`` (bubble figures).
+(the one executor), ``activations`` (held graphs and saved bytes, measured), ``weights``
+(the weight-rule interface and the synchronous rule), ``split_backward`` (zero-bubble B/W
+split), ``asynchronous`` (PipeDream and PipeDream-2BW, run continuously: their schemes;
+rules in ``async_weights``, single-device runs in ``references``), ``prediction`` (the case
+adapted to the closed forms of ``parbench.analytic.pipeline``) and ``metrics`` (bubble and
+held-graph figures).
 """
 from __future__ import annotations
 

@@ -1,24 +1,51 @@
 """The weight rules of the asynchronous pipelines (semantics: see ``asynchronous``).
 
-``PipeDreamWeights``: a per-stage optimizer stepped after every backward, forwards on the
-stashed weight version their micro-batch entered with. ``TwoBWWeights``: the synchronous
-rule (accumulate over the m micro-batches, one step per batch) run on a one-step-old shadow,
-with the optimizer on a separate master copy.
+Both keep a stage's weight versions in a :class:`VersionRing` of n copies -- version v in
+copy v mod n -- and write every new version into the copy whose version no micro-batch
+needs any more, so the weights in memory are exactly the versions the rule needs:
+
+* ``PipeDreamWeights`` (Narayanan et al. 2019, Sec. 3.3, weight stashing): n = p - s on
+  stage s. Micro-batch g runs stage s on version max(0, g - (p-1-s)); one optimizer step
+  after every backward. When the backward of g ends, version g - (p-1-s) -- g's own -- is
+  the oldest any micro-batch in flight uses, so version g+1 takes its copy.
+* ``TwoBWWeights`` (Narayanan et al. 2021, Sec. 3.1, double buffering): n = 2. Every
+  micro-batch of batch t runs on W(t-1) (W(-1) = W(0)); their gradients accumulate in one
+  buffer; after the batch's last backward on the stage, W(t+1) = opt(W(t), buffer) goes
+  into the copy W(t-1) held -- free, since the batch that ran on it is done, while batch
+  t+1's first forwards already run on W(t) (hence m >= p: batch t+1 cannot reach a stage
+  before batch t-1 has left it).
+
+The optimizer steps handles (``nn.Parameter``s) that alias the newest copy, so its state
+(AdamW moments, step counters) is one per parameter whatever copy a version lands in; the
+stage module's own parameters are copy 0.
 """
 from __future__ import annotations
 
 import torch
 
-from parbench.memory import optimizer_tensors
 from parbench.model import make_optimizer
 
-from .weights import StageSlot, SyncWeights, WeightRule
+from .weights import StageSlot, WeightRule
 
 
-def snapshot(named) -> dict[str, torch.Tensor]:
-    """Detached copies of ``(name, tensor)`` pairs as parameters (a stashed weight version is
-    weight memory: the memory tracker counts it with the parameters)."""
-    return {n: torch.nn.Parameter(p.detach().clone()) for n, p in named}
+def allocate_states(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Allocate Adam-family states up front, as ``torch.optim.Adam._init_group`` would on
+    the first step (same keys, dtypes and zero values, so the arithmetic is unchanged): a
+    stage of a continuous pipeline may apply its first update only in the second step, and
+    the states it holds are the same in every step."""
+    for group in opt.param_groups:
+        if "betas" not in group:
+            continue  # SGD without momentum keeps no state
+        on_device = group.get("capturable", False) or group.get("fused", False)
+        for p in group["params"]:
+            state = opt.state[p]
+            if state:
+                continue
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) \
+                if on_device else torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return opt
 
 
 def stage_delay(p: int, stage: int) -> int:
@@ -26,102 +53,133 @@ def stage_delay(p: int, stage: int) -> int:
     return p - 1 - stage
 
 
-class PipeDreamWeights(WeightRule):
-    """Per-stage optimizer updated after every backward; stashed versions for forwards."""
+class VersionRing:
+    """n weight versions of one stage; version v lives in copy v mod n."""
 
-    #: forwards run on stashed copies, so gradients come back through ``on_grads``
+    def __init__(self, slot: StageSlot, n: int, make_opt):
+        self.names = slot.names
+        self.n = n
+        base = slot.params  # the module's parameters hold version 0
+        self.copies = [base] + [[torch.nn.Parameter(p.detach().clone()) for p in base]
+                                for _ in range(n - 1)]
+        # the optimizer's handles: each aliases the newest copy's storage, with a version
+        # counter of its own (``.data``, not ``detach``), so that a step does not look like
+        # a change of the copy a graph in flight saved; overwriting a copy bumps that copy's
+        # counter (``copy_``), so autograd still refuses a version overwritten too early
+        self.handles = [torch.nn.Parameter(p.data) for p in base]
+        self.opt = allocate_states(make_opt(self.handles))
+        self.newest = 0
+
+    def params(self, version: int) -> list[torch.Tensor]:
+        if not self.newest - self.n < version <= self.newest:
+            raise RuntimeError(f"weight version {version} is not kept (newest {self.newest}, "
+                               f"{self.n} copies)")
+        return self.copies[version % self.n]
+
+    def named(self, version: int) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.params(version)))
+
+    def advance(self, grads: list[torch.Tensor]) -> None:
+        """Version newest+1 = one optimizer step from version newest with ``grads``, written
+        into the copy of version newest+1-n."""
+        src = self.params(self.newest)
+        dst = self.copies[(self.newest + 1) % self.n]
+        with torch.no_grad():
+            for d, s in zip(dst, src):
+                if d is not s:
+                    d.copy_(s)
+        for h, d, g in zip(self.handles, dst, grads):
+            h.data = d.data
+            h.grad = g
+        self.opt.step()
+        self.newest += 1
+
+
+class _RingWeights(WeightRule):
+    """A weight rule over one ``VersionRing`` per stage slot."""
+
     accumulates_in_grad = False
 
     def __init__(self, slots: list[StageSlot], run_cfg, *, p: int, m: int):
         super().__init__(slots)
-        self.p, self.m = p, m
-        self.opts = {id(s): make_optimizer(s.params, run_cfg) for s in slots}
-        self.versions = {id(s): {0: snapshot(zip(s.names, s.params))} for s in slots}
-        self.updates = {id(s): 0 for s in slots}
-        self.first_mb = 0  # global index of this step's micro-batch 0
-        self.grad_mean = {id(s): [torch.zeros_like(p) for p in s.params] for s in slots}
+        self.p, self.m, self.run_cfg = p, m, run_cfg
+        self.rings = {id(s): VersionRing(s, self.copies(s.stage), self.make_optimizer)
+                      for s in slots}
+
+    def copies(self, stage: int) -> int:
+        raise NotImplementedError
+
+    def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return make_optimizer(params, self.run_cfg)
+
+    def ring(self, slot: StageSlot) -> VersionRing:
+        return self.rings[id(slot)]
+
+    def step_begin(self) -> None:
+        pass  # updates follow the backwards, not the steps
+
+    def step_end(self) -> None:
+        pass
+
+    def reported_params(self, slot):
+        ring = self.ring(slot)
+        return ring.params(ring.newest)
+
+    def reported_grads(self, slot):
+        return [h.grad for h in self.ring(slot).handles]
+
+
+class PipeDreamWeights(_RingWeights):
+    """Weight stashing: p-s versions on stage s, an optimizer step after every backward."""
+
+    def copies(self, stage: int) -> int:
+        return self.p - stage
 
     def loss_divisor(self, m: int) -> int:
         return 1  # every micro-batch is a minibatch of its own
 
-    def step_begin(self) -> None:
-        for s in self.slots:
-            for g in self.grad_mean[id(s)]:
-                g.zero_()
-
-    def _version(self, slot: StageSlot, global_mb: int) -> int:
-        return max(0, global_mb - stage_delay(self.p, slot.stage))
+    def version(self, slot: StageSlot, mb: int) -> int:
+        """The updates stage s has applied when micro-batch ``mb`` (of the run) reaches it."""
+        return max(0, mb - stage_delay(self.p, slot.stage))
 
     def forward_params(self, slot, mb):
-        version = self._version(slot, self.first_mb + mb)
-        versions = self.versions[id(slot)]
-        if version not in versions:
-            raise RuntimeError(f"pipedream: stage {slot.stage} has no weight version "
-                               f"{version} (kept {sorted(versions)})")
-        for old in [k for k in versions if k < version]:
-            del versions[old]
-        return versions[version]
+        return self.ring(slot).named(self.version(slot, mb))
 
     def on_grads(self, slot, mb, params, grads) -> None:
-        for p, g, acc in zip(slot.params, grads, self.grad_mean[id(slot)]):
-            p.grad = g
-            acc.add_(g / self.m)
-        self.opts[id(slot)].step()
-        self.updates[id(slot)] += 1
-        self.versions[id(slot)][self.updates[id(slot)]] = snapshot(zip(slot.names,
-                                                                       slot.params))
-
-    def step_end(self) -> None:
-        self.first_mb += self.m
-        for s in self.slots:  # keep what the next step's warm-up forwards need
-            keep = self._version(s, self.first_mb)
-            versions = self.versions[id(s)]
-            for old in [k for k in versions if k < keep]:
-                del versions[old]
-
-    def reported_grads(self, slot):
-        return self.grad_mean[id(slot)]
-
-    def state_tensors(self) -> dict:
-        params = [p for s in self.slots for p in s.params]
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": [t for o in self.opts.values() for t in optimizer_tensors(o)],
-                "stash": [t for s in self.slots for d in self.versions[id(s)].values()
-                          for t in d.values()]}
+        self.ring(slot).advance(grads)  # reported: the gradient of the latest update
 
 
-class TwoBWWeights(SyncWeights):
-    """The synchronous rule on a shadow: the stage modules hold W(t-1), whose gradients
-    accumulate in its ``.grad`` as in ``SyncWeights``; the optimizer updates the master W(t),
-    and the shadow then becomes the old master."""
+class TwoBWWeights(_RingWeights):
+    """Double-buffered weights: batch t runs on W(t-1); W(t+1) = opt(W(t), grad f(W(t-1)))."""
 
-    def __init__(self, slots: list[StageSlot], run_cfg):
-        self.master = {id(s): [torch.nn.Parameter(p.detach().clone()) for p in s.params]
-                       for s in slots}
-        super().__init__(slots, run_cfg)
+    def __init__(self, slots, run_cfg, *, p: int, m: int):
+        super().__init__(slots, run_cfg, p=p, m=m)
+        # one gradient buffer per stage: the .grad of the optimizer's handles
+        for s in slots:
+            for h in self.ring(s).handles:
+                h.grad = torch.zeros_like(h)
 
-    def optimized_params(self) -> list[torch.Tensor]:
-        return [t for s in self.slots for t in self.master[id(s)]]
+    def copies(self, stage: int) -> int:
+        return 2
 
-    def step_end(self) -> None:
-        older = {k: [t.detach().clone() for t in v] for k, v in self.master.items()}
-        for s in self.slots:
-            for mp, p in zip(self.master[id(s)], s.params):
-                mp.grad = p.grad.detach().clone()
-        self.opt.step()  # W(t+1) = W(t) - lr * grad f(W(t-1))
-        with torch.no_grad():
-            for s in self.slots:  # the shadow becomes W(t)
-                for p, w in zip(s.params, older[id(s)]):
-                    p.copy_(w)
-        for v in self.master.values():
-            for mp in v:
-                mp.grad = None
+    def loss_divisor(self, m: int) -> int:
+        return m  # gradients accumulate over the batch, as in the synchronous schedules
 
-    def reported_params(self, slot):
-        return self.master[id(slot)]
+    def version(self, slot: StageSlot, mb: int) -> int:
+        """Batch t = mb // m runs on W(t-1)."""
+        return max(0, mb // self.m - 1)
 
-    def state_tensors(self) -> dict:
-        params = [p for s in self.slots for p in s.params]
-        return {"params": [t for s in self.slots for t in self.master[id(s)]],
-                "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.opt), "stash": params}
+    def forward_params(self, slot, mb):
+        return self.ring(slot).named(self.version(slot, mb))
+
+    def on_grads(self, slot, mb, params, grads) -> None:
+        ring = self.ring(slot)
+        buffers = [h.grad for h in ring.handles]
+        if mb % self.m == 0:  # the batch's first backward on this stage
+            for b in buffers:
+                b.zero_()
+        for b, g in zip(buffers, grads):
+            if g is not None:
+                b.add_(g)
+        if mb % self.m == self.m - 1:  # the batch's last backward: the next version
+            ring.advance(buffers)

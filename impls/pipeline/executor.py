@@ -8,7 +8,12 @@ validator use, so a validated schedule cannot deadlock here):
   ``send_forward_recv_backward`` pattern, which keeps NCCL from deadlocking when two
   neighbours exchange at once); on gloo the receives of the next action are posted too, so
   the transfer overlaps this action's compute;
-* sends are asynchronous and only waited for at the end of the step;
+* sends are asynchronous and only waited for at the end of the step -- of the run, for a
+  continuous pipeline (PipeDream, 2BW: ``parbench.schedules.continuous``), whose rows span
+  the whole run and are executed one step's slice at a time: the micro-batches in flight,
+  the receives posted and the sends not yet matched carry over to the next step (the
+  harness's barrier between steps is on another group, so a pending send on the pp group
+  does not block it), and the last step drains;
 * messages between two ranks are matched in the order the *sender* produces them
   (gloo and NCCL match point-to-point messages between a pair in posting order). A
   receiver that needs a later message first posts receives for the earlier ones, so a
@@ -22,7 +27,9 @@ timeline span ``F/B/W/BW`` with its micro-batch, stage and pipe. The loss of eac
 micro-batch is divided by m so that accumulated gradients equal the full-batch mean (the
 weight rule decides: ``loss_divisor``; PipeDream, which updates after every micro-batch,
 uses 1). The weight rule (a ``weights.WeightRule``) chooses the parameters a forward runs on
-and receives the gradients of every backward.
+and receives the gradients of every backward. Each forward runs under the
+``activations.HeldActivations`` hooks (when ``track`` is on), which measure the graphs the
+rank holds and their saved bytes.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from parbench.schedules.actions import (
     INPUT_GRAD_KINDS,
 )
 
+from .activations import HeldActivations
 from .split_backward import SplitBackward, fused_backward_into_grad, fused_grads
 from .weights import StageSlot, WeightRule
 
@@ -50,8 +58,6 @@ class StepOutcome:
 
     #: mean over the m micro-batches of the loss of this rank's last stages (0 elsewhere)
     loss: float
-    #: most micro-batches whose forward ran and whose backward-for-inputs did not
-    peak_inflight: int
 
 
 def stage_forward(module, inp, targets, param_dict=None):
@@ -94,11 +100,16 @@ def needed_key(schedule: Schedule, a) -> tuple | None:
 
 
 class Executor:
-    """Runs ``schedule`` for the rank at index ``pp_rank`` of the pp group."""
+    """Runs ``schedule`` for the rank at index ``pp_rank`` of the pp group.
+
+    ``m`` is the number of micro-batches of one step. With ``bounds`` (``bounds[t][r] =
+    (lo, hi)``, from ``parbench.schedules.step_bounds``) the schedule is a whole continuous
+    run and step t runs ``actions[r][lo:hi]``, its micro-batches numbered in the run.
+    """
 
     def __init__(self, *, schedule: Schedule, pp_rank: int, group, group_ranks: list[int],
                  slots: dict[tuple[int, int], StageSlot], act_shape, dtype, device, timeline,
-                 weights: WeightRule):
+                 weights: WeightRule, m: int, bounds: list | None = None):
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.group = group
@@ -109,6 +120,8 @@ class Executor:
         self.device = device
         self.timeline = timeline
         self.weights = weights
+        self.m = m
+        self.bounds = bounds
         self.sync_cuda = device.type == "cuda"
         # gloo moves a message only once its receive is posted, so on CPU the receives of
         # the next action are posted one action early and the transfer overlaps compute.
@@ -129,7 +142,21 @@ class Executor:
                 self.recv_order[src] = keys
                 for k in keys:
                     self.recv_src[k] = src
-        self.peak_inflight = 0
+        self.activations = HeldActivations()
+        self.track = True
+        self._loss_sum = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing in flight (the start of a run, or of every step of a flushing schedule)."""
+        self._local: dict = {}
+        self._recv_buf: dict = {}
+        self._recv_work: dict = {}
+        self._send_works: list = []
+        self._coalesced: list = []
+        self._next_recv = {src: 0 for src in self.recv_order}
+        # per (mb, stage, pipe): what the forward saved for the backward (and B for W)
+        self.saved: dict[tuple, dict] = {}
 
     # ---- point-to-point ----------------------------------------------------------------
     def _post(self, ops: list) -> None:
@@ -139,7 +166,7 @@ class Executor:
         works = dist.batch_isend_irecv([op for op, _ in ops])
         per_op = len(works) == len(ops)
         for i, (op, key) in enumerate(ops):
-            if key is None:  # a send: keep the tensor alive until the end of the step
+            if key is None:  # a send: keep the tensor alive until it is waited for
                 self._send_works.append((works[i] if per_op else None, op.tensor))
             else:
                 self._recv_work[key] = [works[i]] if per_op else list(works)
@@ -173,6 +200,41 @@ class Executor:
             w.wait()
         return self._recv_buf.pop(key)
 
+    def _finish_sends(self, drain: bool) -> None:
+        """At the end of a step: wait for every send (``drain``), or keep only the works of
+        the sends not yet matched -- their tensors stay referenced by the works -- so that a
+        continuous pipeline carries them into the next step without blocking."""
+        if drain:
+            for w, _ in self._send_works:
+                if w is not None:
+                    w.wait()
+            for w in self._coalesced:
+                w.wait()
+            self._send_works, self._coalesced = [], []
+            return
+        self._send_works = [(w, None) for w, _ in self._send_works
+                            if w is not None and not w.is_completed()]
+        self._coalesced = [w for w in self._coalesced if not w.is_completed()]
+
+    # ---- the actions ---------------------------------------------------------------------
+    def _forward(self, slot: StageSlot, a, received, x, y):
+        """F: run the stage on the rule's weights; returns what it sends (None: the loss)."""
+        weights = self.weights
+        inp = x if slot.module.first else received.requires_grad_(True)
+        param_dict = weights.forward_params(slot, a.mb)
+        params = slot.params if param_dict is None else list(param_dict.values())
+        key = (a.mb, a.stage, a.pipe)
+        if self.track:
+            with self.activations.forward([*params, x, y]):
+                boundary, out = stage_forward(slot.module, inp, y, param_dict)
+        else:
+            boundary, out = stage_forward(slot.module, inp, y, param_dict)
+        if slot.module.last:
+            self._loss_sum += float(out.detach())
+            out = out / weights.loss_divisor(self.m)
+        self.saved[key] = {"boundary": boundary, "out": out, "params": params}
+        return None if slot.module.last else out.detach()
+
     def _fused(self, slot: StageSlot, a, saved: dict, grad_out):
         """The whole backward of one (micro-batch, stage); returns the input gradient."""
         boundary = saved["boundary"] if a.stage > 0 else None
@@ -182,71 +244,78 @@ class Executor:
         self.weights.on_grads(slot, a.mb, saved["params"], grads)
         return dx
 
+    def _backward_full(self, slot: StageSlot, a, received):
+        """BW: input and weight gradients in one pass; the graph is freed."""
+        return self._fused(slot, a, self.saved.pop((a.mb, a.stage, a.pipe)), received)
+
+    def _backward_input(self, slot: StageSlot, a, received):
+        """B: the input gradient now; the graph is kept for W."""
+        saved = self.saved[(a.mb, a.stage, a.pipe)]
+        if a.stage == 0:
+            # nothing waits for the first stage's input gradient (its input is tokens): B
+            # only keeps the output gradient, W runs the stage's whole backward in one pass
+            # (torch.distributed.pipelining does the same)
+            saved["grad_out"] = received
+            return None
+        split = SplitBackward(saved["out"], saved["boundary"], saved["params"])
+        produced = split.input_grad(received)
+        saved.clear()
+        saved["split"], saved["params"] = split, split.params
+        return produced
+
+    def _backward_weight(self, slot: StageSlot, a) -> None:
+        """W: the weight gradients from the graph B kept; the graph is freed."""
+        saved = self.saved.pop((a.mb, a.stage, a.pipe))
+        if "split" in saved:
+            grads = saved["split"].weight_grads()
+            self.weights.on_grads(slot, a.mb, saved["params"], grads)
+        else:
+            self._fused(slot, a, saved, saved["grad_out"])
+
     # ---- one step ----------------------------------------------------------------------
-    def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> StepOutcome:
-        """Run every action of this rank for one step; returns the mean micro-batch loss
-        (last stages only) and the peak in-flight micro-batches."""
-        schedule, weights, timeline = self.schedule, self.weights, self.timeline
-        m = schedule.m
-        self._local, self._recv_buf, self._recv_work = {}, {}, {}
-        self._send_works, self._coalesced = [], []
-        self._next_recv = {src: 0 for src in self.recv_order}
-        # per (mb, stage, pipe): what the forward saved for the backward (and B for W)
-        saved_for_backward: dict[tuple, dict] = {}
+    def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor], step: int = 0,
+            track: bool = True) -> StepOutcome:
+        """Run this rank's actions of one step; returns the mean micro-batch loss (last
+        stages only). ``xs``/``ys``: the step's m micro-batches; ``track``: measure the
+        saved activations (``activations``)."""
+        continuous = self.bounds is not None
+        if continuous:
+            lo, hi = self.bounds[step][self.pp_rank]
+            first_mb, drain = step * self.m, step == len(self.bounds) - 1
+            if step == 0:
+                self._reset()
+        else:
+            lo, hi, first_mb, drain = 0, len(self.row), 0, True
+            self._reset()
+        self.track = track
+        self.activations.reset_peaks()
+        self._loss_sum = 0.0
+        schedule, timeline = self.schedule, self.timeline
         pending: list = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        inflight = peak = 0
-        for k, (a, (out_key, dst)) in enumerate(zip(self.row, self.sends)):
+        for k in range(lo, hi):
+            a, (out_key, dst) = self.row[k], self.sends[k]
             need = needed_key(schedule, a)
             ops = pending + self._recv_ops(need)
-            for nxt in self.row[k + 1:k + 1 + self.lookahead]:
+            for nxt in self.row[k + 1:min(k + 1 + self.lookahead, hi)]:
                 ops += self._recv_ops(needed_key(schedule, nxt))
             pending = []
             self._post(ops)
             received = self._take(need)
             slot = self.slots[(a.pipe, a.stage)]
-            key = (a.mb, a.stage, a.pipe)
             with timeline.span(a.kind, mb=a.mb, stage=a.stage, pipe=a.pipe):
                 if a.kind == FORWARD:
-                    inp = xs[a.mb] if slot.module.first else received.requires_grad_(True)
-                    param_dict = weights.forward_params(slot, a.mb)
-                    boundary, out = stage_forward(slot.module, inp, ys[a.mb], param_dict)
-                    params = slot.params if param_dict is None else list(param_dict.values())
-                    if slot.module.last:
-                        loss_sum += float(out.detach())
-                        out = out / weights.loss_divisor(m)
-                    saved_for_backward[key] = {"boundary": boundary, "out": out,
-                                               "params": params}
-                    inflight += 1
-                    peak = max(peak, inflight)
-                    produced = None if slot.module.last else out.detach()
+                    i = a.mb - first_mb
+                    produced = self._forward(slot, a, received, xs[i], ys[i])
                 elif a.kind == BACKWARD_FULL:
-                    produced = self._fused(slot, a, saved_for_backward.pop(key), received)
-                    inflight -= 1
+                    produced = self._backward_full(slot, a, received)
                 elif a.kind == BACKWARD_INPUT:
-                    saved = saved_for_backward[key]
-                    if a.stage == 0:
-                        # nothing waits for the first stage's input gradient (its input is
-                        # tokens): B only keeps the output gradient, W runs the stage's whole
-                        # backward in one pass (torch.distributed.pipelining does the same)
-                        saved["grad_out"] = received
-                        produced = None
-                    else:
-                        split = SplitBackward(saved["out"], saved["boundary"], saved["params"])
-                        produced = split.input_grad(received)
-                        saved.clear()
-                        saved["split"], saved["params"] = split, split.params
-                    inflight -= 1
+                    produced = self._backward_input(slot, a, received)
                 else:  # BACKWARD_WEIGHT
-                    saved = saved_for_backward.pop(key)
-                    if "split" in saved:
-                        grads = saved["split"].weight_grads()
-                        weights.on_grads(slot, a.mb, saved["params"], grads)
-                    else:
-                        self._fused(slot, a, saved, saved["grad_out"])
+                    self._backward_weight(slot, a)
                     produced = None
                 if self.sync_cuda:
                     torch.cuda.synchronize(self.device)
+            received = None
             if out_key is not None:
                 tensor = produced.detach()
                 if dst is None:
@@ -255,17 +324,23 @@ class Executor:
                     tensor = tensor.contiguous()
                     pending.append((dist.P2POp(dist.isend, tensor, self.global_ranks[dst],
                                                self.group), None))
+            produced = None
         self._post(pending)
-        for w, _ in self._send_works:
-            if w is not None:
-                w.wait()
-        for w in self._coalesced:
-            w.wait()
-        leftover = list(self._recv_buf)
-        if saved_for_backward or leftover or self._local:
-            raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step with "
-                               f"unfinished work: {sorted(saved_for_backward)[:4]} "
-                               f"{leftover[:4]} {sorted(self._local)[:4]}")
-        self._send_works, self._coalesced = [], []
-        self.peak_inflight = peak
-        return StepOutcome(loss=float(loss_sum) / m, peak_inflight=peak)
+        self._finish_sends(drain)
+        if drain:
+            leftover = list(self._recv_buf)
+            if self.saved or leftover or self._local:
+                raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step "
+                                   f"with unfinished work: {sorted(self.saved)[:4]} "
+                                   f"{leftover[:4]} {sorted(self._local)[:4]}")
+        return StepOutcome(loss=self._loss_sum / self.m)
+
+    @property
+    def peak_held(self) -> int:
+        """Most micro-batches whose saved activations were alive at once in the last tracked
+        step (carried micro-batches included)."""
+        return self.activations.peak_held
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        return self.activations.peak_bytes

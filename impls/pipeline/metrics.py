@@ -14,6 +14,17 @@
   overlapped F&B pairs), reported where it is exact for the generator
   (``parbench.schedules.paper_closed_form``, the same dispatch ``parbench schedule`` uses).
 
+For the continuous pipelines (PipeDream, 2BW) the schedule is one steady step
+(``parbench.schedules.steady_step``, a window whose previous step counts as done), the
+measured steps are the steady ones relabelled to it, and the closed form is
+``steady_closed_form``: the papers' steady state has no bubble, each harness step pays one
+forward ramp.
+
+Beside the bubbles: the graphs each rank held at most (measured from the saved storages,
+``activations``), the simulator's count of the same (forward to fused backward or W) and of
+the paper's in-flight count (forward to the backward-for-inputs), the paper's bound where it
+states one, and the measured activation bytes.
+
 Every rank gathers the per-op records of the pp group once (outside the ledger) and returns
 the same figures, so the results row is complete whichever rank it is read from.
 """
@@ -24,7 +35,16 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict
 
-from parbench.schedules import KINDS, Action, Schedule, paper_closed_form, simulate
+from parbench.schedules import (
+    KINDS,
+    Action,
+    Schedule,
+    get_spec,
+    max_inflight,
+    paper_closed_form,
+    simulate,
+    steady_closed_form,
+)
 from parbench.timeline import bubble_ratio
 
 
@@ -56,8 +76,8 @@ def p2p_latency(schedule, times: dict) -> float:
         for a in row:
             start, end = times[a]
             for dep in schedule.dependencies(a, kinds):
-                if schedule.rank_of(dep) == rank:
-                    continue
+                if schedule.rank_of(dep) == rank or dep not in times:
+                    continue  # local, or done before a window (``done_before``)
                 dep_end = times[dep][1]
                 if prev_end is None or prev_end <= dep_end:
                     samples.append(start - dep_end)
@@ -84,7 +104,8 @@ def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tup
     for events in steps:
         costs = {_action(e): (e["cpu"] if e.get("cpu", -1.0) >= 0 else e["end"] - e["start"])
                  for e in events}
-        if len(costs) != schedule.num_actions():
+        if len(costs) != schedule.num_actions() or \
+                any(a not in costs for row in schedule.actions for a in row):
             continue
         per_step_costs.append(costs)
         per_step_meas.append(bubble_ratio(events, ranks=schedule.p))
@@ -127,16 +148,34 @@ def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tup
     return flat, detail
 
 
-def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, peak_inflight: int) -> dict:
-    """All bubble figures for the case (collective over the pp group); ``steps`` holds this
-    rank's compute events of each measured step."""
+#: what the zero-bubble paper's memory figures count (Qi et al. 2024, Sec. 3 and Table 2)
+ZB_MEMORY_NOTE = (
+    "Qi et al. 2024 state peak activation memory in units of M_B, one micro-batch's "
+    "activations needed by B: ZB-H1 p M_B (as 1F1B), ZB-H2 (2p-1) M_B. After B only the "
+    "smaller M_W that W needs stays; parbench's split backward keeps the whole graph until "
+    "W, so its held graphs are the forward-to-W count, not the paper's forward-to-B count")
+
+
+def _paper_bound(schedule: Schedule) -> list | None:
+    spec = get_spec(schedule.name)
+    if spec.max_inflight is None:
+        return None
+    return [max_inflight(schedule.name, schedule.p, schedule.m, r) for r in range(schedule.p)]
+
+
+def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, *, held: int,
+                   activation_bytes: int, per_microbatch: list[float]) -> dict:
+    """All bubble and held-graph figures for the case (collective over the pp group);
+    ``steps`` holds this rank's compute events of each measured step, ``held`` and
+    ``activation_bytes`` its measured peaks, ``per_microbatch`` the analytic activation
+    bytes of one micro-batch on each stage it holds."""
     mine = [[e for e in events if e["cat"] == "compute" and e["kind"] in KINDS]
             for events in steps]
-    gathered = _gather({"host": socket.gethostname(), "steps": mine,
-                        "peak_inflight": peak_inflight}, group)
+    gathered = _gather({"host": socket.gethostname(), "steps": mine, "held": held,
+                        "bytes": activation_bytes, "per_mb": per_microbatch}, group)
     one_host = len({g["host"] for g in gathered}) == 1
     step_events = []
-    for i in range(min(len(g["steps"]) for g in gathered)):
+    for i in range(min((len(g["steps"]) for g in gathered), default=0)):
         all_events = []
         for rank, g in enumerate(gathered):
             evs = g["steps"][i]
@@ -145,19 +184,36 @@ def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, peak_infl
                            for e in evs]
         step_events.append(all_events)
     unit = simulate(schedule)
-    meas_peaks = [g["peak_inflight"] for g in gathered]
-    form, paper_costs = paper_closed_form(schedule)
-    value = form.bubble_ratio if form is not None and form.exact else None
+    held_meas = [g["held"] for g in gathered]
+    bound = _paper_bound(schedule)
+    if schedule.done_before:  # a steady step of a continuous pipeline
+        form = steady_closed_form(schedule.p, schedule.m)
+        value = form.bubble_ratio
+        costs = {"tf": 1.0, "tb": 1.0, "tw": 1.0, "overlap": False}
+        at_costs = unit.bubble
+    else:
+        form, paper_costs = paper_closed_form(schedule)
+        value = form.bubble_ratio if form is not None and form.exact else None
+        costs = asdict(paper_costs)
+        at_costs = simulate(schedule, **paper_costs.as_kwargs()).bubble
     note = "" if form is None else f"{form.formula}, {form.source}" + \
         (f" ({form.note})" if form.note else "")
     flat, detail = _from_measurements(schedule, step_events, one_host)
     detail.update({
         "unit": {"bubble": unit.bubble, "makespan": unit.makespan,
                  "per_rank": unit.bubble_per_rank},
-        "closed_form_note": note, "closed_form_costs": asdict(paper_costs),
-        "sim_at_closed_form_costs": simulate(schedule, **paper_costs.as_kwargs()).bubble,
-        "peak_inflight_measured": meas_peaks, "peak_inflight_simulated": unit.peak_inflight})
-    return {"schedule": f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}",
-            "peak_inflight": f"{_fmt(meas_peaks)} (sim {_fmt(unit.peak_inflight)})",
+        "closed_form_note": note, "closed_form_costs": costs,
+        "sim_at_closed_form_costs": at_costs,
+        "held_graphs_measured": held_meas, "held_graphs_simulated": unit.peak_held,
+        "inflight_simulated": unit.peak_inflight, "inflight_paper_bound": bound,
+        "activation_peak_bytes": [g["bytes"] for g in gathered],
+        "activation_bytes_per_microbatch_analytic": [g["per_mb"] for g in gathered]})
+    if schedule.name in ("zb-h1", "zb-h2", "zbv"):
+        detail["paper_memory_note"] = ZB_MEMORY_NOTE
+    paper = f"; paper F-B bound {_fmt(bound)}" if bound is not None else ""
+    return {"schedule": f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}"
+                        + (" (steady step)" if schedule.done_before else ""),
+            "held_graphs": f"{_fmt(held_meas)} (sim {_fmt(unit.peak_held)}{paper})",
+            "activation_peak_bytes": [g["bytes"] for g in gathered],
             **flat, "bubble_unit": unit.bubble, "bubble_closed_form": value,
             "bubble_detail": detail}

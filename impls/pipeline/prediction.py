@@ -1,68 +1,75 @@
-"""What a pipeline case puts on the wire and holds as model states, per rank, in one step.
+"""A pipeline case's prediction: a thin adapter from the case to the closed forms of
+``parbench.analytic.pipeline`` (which states the rules and cites the papers).
 
-Traffic on axis pp (Narayanan et al. 2021, PTD-P Sec. 2.2): one b*s*h fp32 activation per
-cross-rank stage boundary per micro-batch forward, one gradient of the same size backward --
-every cross-rank transfer of ``Schedule.comm()`` -- plus, for the two-replica schedules
-(Chimera, DualPipe), one exchange of each rank's flat gradients with its partner (S bytes
-sent per rank = 2(n-1)/n * S at n = 2). Model states, in the tracker's categories
-(``parbench.memory.live_model_states``): fp32 parameters and gradients of the stages a rank
-holds, AdamW's two moments and one step counter per tensor, and what an asynchronous rule
-keeps beside them (``extra``: weight versions, a reported mean gradient).
+Only the schedule's metadata is read -- its placement kind and chunks per rank
+(``ScheduleSpec``) -- never a generated schedule, so the figures check the executor and
+the schedules instead of restating their transfer lists.
 """
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
-
+from parbench.analytic import pipeline as closed
+from parbench.analytic.shape import shape_from
 from parbench.config import CaseConfig
-from parbench.schedules import Schedule
+from parbench.schedules import get_spec
 from parbench.scheme import Prediction
 
-#: ``extra(case, schedule, rank, counts) -> {category: bytes}`` added to the synchronous figures
-ExtraStates = Callable[[CaseConfig, Schedule, int, dict], dict]
+
+def _layout(case: CaseConfig, name: str):
+    spec = get_spec(name)
+    par = case.parallel
+    return (str(spec.placement), par.pp, par.num_microbatches, spec.chunks_for(par.vpp),
+            shape_from(case.model))
 
 
-def stage_counts(cfg, stage: int, num_stages: int) -> tuple[int, int]:
-    """(parameter elements, parameter tensors) of one stage, without allocating weights."""
-    from parbench.model import Block, Embedding, Head, stage_layers
-    lo, hi = stage_layers(cfg.num_layers, num_stages, stage)
-    with torch.device("meta"):
-        parts = [Block(cfg) for _ in range(lo, hi)]
-        if stage == 0:
-            parts.append(Embedding(cfg))
-        if stage == num_stages - 1:
-            parts.append(Head(cfg))
-    tensors = [p for mod in parts for p in mod.parameters()]
-    return sum(p.numel() for p in tensors), len(tensors)
+def _figures(case, name, placement, p, m, v, shape) -> dict:
+    act = closed.boundary_bytes(case.parallel.micro_batch_size, shape.s, shape.h)
+    stages = closed.num_stages(placement, p, v)
+    return {"p2p_bytes_per_transfer": act,
+            "schedule": {"name": name, "p": p, "m": m, "v": v, "num_stages": stages,
+                         "placement": placement},
+            "params_per_rank": [closed.rank_numel(shape, placement, p, r, v)
+                                for r in range(p)]}
 
 
-def pipeline_prediction(case: CaseConfig, schedule: Schedule,
-                        extra: ExtraStates | None = None) -> Prediction:
-    """Per-rank p2p wire bytes and model-state bytes of one step (exact, fp32)."""
-    cfg, par, run = case.model, case.parallel, case.run
-    act_bytes = par.micro_batch_size * cfg.seq_length * cfg.hidden_size * 4
-    num_stages = schedule.num_stages
-    counts = {s: stage_counts(cfg, s, num_stages) for s in range(num_stages)}
-    sent = [0] * schedule.p
-    for transfer in schedule.comm():
-        sent[transfer.src_rank] += act_bytes
-    two_replicas = len(schedule.pipes) > 1
-    per_rank_wire, per_rank_states = [], []
-    for rank in range(schedule.p):
-        held = schedule.stages_of(rank)
-        numel = sum(counts[s][0] for _, s in held)
-        ntensors = sum(counts[s][1] for _, s in held)
-        wire = sent[rank] + (4 * numel if two_replicas else 0)
-        per_rank_wire.append({"pp": float(wire)})
-        states = {"params": 4 * numel, "grads": 4 * numel,
-                  "optimizer": 8 * numel + 4 * ntensors if run.optimizer == "adamw" else 0}
-        if extra is not None:
-            for category, nbytes in extra(case, schedule, rank, counts).items():
-                states[category] = states.get(category, 0) + nbytes
-        per_rank_states.append(states)
-    return Prediction(wire_bytes=per_rank_wire, model_state_bytes=per_rank_states,
-                      figures={"p2p_bytes_per_transfer": act_bytes,
-                               "schedule": {"name": schedule.name, "p": schedule.p,
-                                            "m": schedule.m, "v": schedule.v,
-                                            "num_stages": num_stages}})
+def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
+    """Per-rank p2p wire bytes, send calls and model states of one synchronous step."""
+    placement, p, m, v, shape = _layout(case, name)
+    b = case.parallel.micro_batch_size
+    wire, calls, states = [], [], []
+    for r in range(p):
+        nbytes, ncalls = closed.step_traffic(shape, placement, p, m, r, v, b=b)
+        wire.append({"pp": float(nbytes)} if nbytes else {})
+        calls.append({"pp": ncalls} if ncalls else {})
+        states.append(closed.model_states(shape, placement, p, r, v,
+                                          optimizer=case.run.optimizer))
+    return Prediction(wire_bytes=wire, model_state_bytes=states, calls=calls,
+                      figures=_figures(case, name, placement, p, m, v, shape))
+
+
+def async_prediction(case: CaseConfig, name: str, rule: str) -> Prediction:
+    """The continuous pipeline (``rule``: ``pipedream`` or ``2bw``): per checked step, the
+    activations of that step's m micro-batches and the gradients of the backwards it
+    completes; model states with the rule's weight versions and the activations carried
+    into the next step (``other``), after the last checked step."""
+    placement, p, m, v, shape = _layout(case, name)
+    run = case.run
+    total = run.steps + run.timed_steps
+    act = closed.boundary_bytes(case.parallel.micro_batch_size, shape.s, shape.h)
+    wire_by_step, calls_by_step = [], []
+    for t in range(run.steps):
+        sends = [sum(closed.async_step_sends(p, m, r, t, total)) for r in range(p)]
+        wire_by_step.append([{"pp": float(n * act)} if n else {} for n in sends])
+        calls_by_step.append([{"pp": n} if n else {} for n in sends])
+    states_by_step = []
+    for t in range(run.steps):
+        per_rank = []
+        for r in range(p):
+            st = closed.model_states(shape, placement, p, r, v, optimizer=run.optimizer,
+                                     rule=rule)
+            st["other"] = closed.carried_activation_bytes(p, m, r, t, total, act_bytes=act)
+            per_rank.append(st)
+        states_by_step.append(per_rank)
+    return Prediction(wire_bytes=wire_by_step[-1], model_state_bytes=states_by_step[-1],
+                      calls=calls_by_step[-1], wire_bytes_by_step=wire_by_step,
+                      calls_by_step=calls_by_step, model_state_bytes_by_step=states_by_step,
+                      figures=_figures(case, name, placement, p, m, v, shape))

@@ -15,8 +15,10 @@ exchange of each rank's flat gradients over the pp group (S bytes sent per rank 
 2(n-1)/n * S at n = 2, the ring all-reduce volume) and summed in the same order on both
 ranks, so the replicas stay bit-identical. PipeDream and PipeDream-2BW follow their own
 delayed-update rules and are checked against a single-device run of the same rule
-(``asynchronous``). The per-rank traffic and model states a case must measure are stated in
-``prediction``.
+(``asynchronous``), running without a flush between steps. The per-rank traffic and model
+states a case must measure are closed forms (``parbench.analytic.pipeline``, adapted in
+``prediction``); the graphs and activation bytes a rank really holds are measured in the
+executor (``activations``) and shown beside the simulator's and the paper's counts.
 """
 from __future__ import annotations
 
@@ -69,11 +71,15 @@ def schedule_for(case: CaseConfig, name: str) -> Schedule:
 class PipelineScheme(Scheme):
     family = "pipeline"
     uses = ("pp",)
+    options = ("vpp",)
     schedule_name = ""
+    #: the executor class (the self-test's mutants swap in broken ones)
+    executor_class = Executor
 
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg, run = ctx.model, ctx.run
+        self.m = ctx.parallel.num_microbatches
         self.schedule = schedule_for(ctx.case, self.schedule_name)
         self.group = ctx.mesh.group("pp")
         self.group_ranks = ctx.mesh.ranks("pp")
@@ -83,14 +89,10 @@ class PipelineScheme(Scheme):
                                      build_stage(cfg, run.seed, key[1], num_stages).to(ctx.device))
                       for key in self.schedule.stages_of(self.pp_rank)}
         self.weights = self.make_weights()
-        act_shape = (ctx.parallel.micro_batch_size, cfg.seq_length, cfg.hidden_size)
-        self.executor = Executor(schedule=self.schedule, pp_rank=self.pp_rank,
-                                 group=self.group, group_ranks=self.group_ranks,
-                                 slots=self.slots, act_shape=act_shape, dtype=torch.float32,
-                                 device=ctx.device, timeline=ctx.timeline,
-                                 weights=self.weights)
+        self.executor = self.make_executor()
         # compute events of the last checked step and every timed step after it
         self._step_events: list[list[dict]] = []
+        self._held: list[tuple[int, int]] = []  # (held graphs, activation bytes) per step
         # First use of the group by every member (NCCL creates communicators lazily).
         torch.distributed.barrier(group=self.group)
 
@@ -98,21 +100,43 @@ class PipelineScheme(Scheme):
         """The weight rule of this scheme (synchronous; the asynchronous schemes override)."""
         return SyncWeights(list(self.slots.values()), self.ctx.run)
 
+    def executed_schedule(self) -> tuple[Schedule, list | None]:
+        """The rows the executor walks and, for a continuous run, the step bounds (None:
+        the same schedule every step)."""
+        return self.schedule, None
+
+    def make_executor(self) -> Executor:
+        cfg = self.ctx.model
+        rows, bounds = self.executed_schedule()
+        act_shape = (self.ctx.parallel.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+        return self.executor_class(schedule=rows, pp_rank=self.pp_rank, group=self.group,
+                                   group_ranks=self.group_ranks, slots=self.slots,
+                                   act_shape=act_shape, dtype=torch.float32,
+                                   device=self.ctx.device, timeline=self.ctx.timeline,
+                                   weights=self.weights, m=self.m, bounds=bounds)
+
     # ---- step --------------------------------------------------------------------------
     def train_step(self, inputs, targets, step):
         device, timeline = self.ctx.device, self.ctx.timeline
-        mbs = microbatches(inputs.to(device), targets.to(device), self.schedule.m)
+        mbs = microbatches(inputs.to(device), targets.to(device), self.m)
         xs, ys = [x for x, _ in mbs], [y for _, y in mbs]
+        checked = step < self.ctx.run.steps
         self.weights.step_begin()
-        outcome = self.executor.run(xs, ys)
+        outcome = self.executor.run(xs, ys, step, track=checked)
+        if checked:
+            self._held.append((self.executor.peak_held, self.executor.peak_activation_bytes))
         if len(self.schedule.pipes) > 1:
             with timeline.span("sync"):
                 self._sync_replicas()
         with timeline.span("optim"):
             self.weights.step_end()
         if step >= self.ctx.run.steps - 1:
-            self._step_events.append([e for e in timeline.as_dicts() if e["cat"] == "compute"])
+            self._step_events.append(self.measured_events(timeline.as_dicts(), step))
         return self.reduce_loss(outcome.loss, self.group)
+
+    def measured_events(self, events: list[dict], step: int) -> list[dict] | None:
+        """This step's compute events as the metrics compare them (None: not comparable)."""
+        return [e for e in events if e["cat"] == "compute"]
 
     def _partner(self) -> int:
         return self.schedule.p - 1 - self.pp_rank
@@ -174,12 +198,31 @@ class PipelineScheme(Scheme):
         return {n: g.detach() for s in self._reported_slots(check_replicas=False)
                 for n, g in zip(s.names, self.weights.reported_grads(s))}
 
-    def state_tensors(self):
-        return self.weights.state_tensors()
-
     def metrics(self):
-        return bubble_metrics(self.schedule, self._step_events, self.group,
-                              self.executor.peak_inflight)
+        held = max((h for h, _ in self._held), default=0)
+        act = max((b for _, b in self._held), default=0)
+        steps = [e for e in self._step_events if e is not None]
+        return bubble_metrics(self.measured_schedule(), steps, self.group,
+                              held=held, activation_bytes=act,
+                              per_microbatch=self.activation_estimate())
+
+    @classmethod
+    def step_schedule(cls, case: CaseConfig) -> Schedule:
+        """The schedule one measured step follows (metrics and figures simulate it)."""
+        return schedule_for(case, cls.schedule_name)
+
+    def measured_schedule(self) -> Schedule:
+        return self.schedule
+
+    def activation_estimate(self) -> list[float]:
+        """Analytic activation bytes of one micro-batch on each stage this rank holds
+        (``parbench.analytic.peak.activation_bytes``: Korthikanti et al. 2022 adapted)."""
+        from parbench.analytic.peak import activation_bytes
+        case, s = self.ctx.case, self.schedule
+        per = case.model.num_layers // s.num_stages
+        return [activation_bytes(case, per, 1, embedding=stage == 0,
+                                 head=stage == s.num_stages - 1)
+                for _, stage in s.stages_of(self.pp_rank)]
 
     # ---- before spawning ---------------------------------------------------------------
     @classmethod
@@ -204,14 +247,13 @@ class PipelineScheme(Scheme):
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        return pipeline_prediction(case, schedule_for(case, cls.schedule_name),
-                                   cls.extra_state_bytes)
+        return pipeline_prediction(case, cls.schedule_name)
 
     @classmethod
     def figures(cls, case: CaseConfig, per_rank: list, out_dir) -> list[Path]:
         """The schedule as the papers draw it: simulated with unit costs above, the measured
         compute spans of the last checked step below."""
-        schedule = schedule_for(case, cls.schedule_name)
+        schedule = cls.step_schedule(case)
         sim = simulate(schedule)
         measured = [dict(ev, rank=r.rank) for r in per_rank for ev in r.timeline
                     if ev["cat"] == "compute" and ev["kind"] in KINDS]
@@ -235,9 +277,3 @@ class PipelineScheme(Scheme):
         safe = (case.id or cls.schedule_name).replace(":", "_").replace("/", "_")
         path = Path(out_dir) / "figures" / f"schedule_{safe}.png"
         return [plot_timeline(panels, path, ranks=schedule.p, label=label)]
-
-    @staticmethod
-    def extra_state_bytes(case, schedule, rank, counts) -> dict:
-        """Bytes by model-state category (``memory.CATEGORIES``) beyond one fp32 copy of the
-        parameters, gradients and AdamW states (the asynchronous rules' weight versions)."""
-        return {}

@@ -3,7 +3,9 @@ when the optimizer steps. The executor calls only the hooks of :class:`WeightRul
 
 ``SyncWeights`` is the synchronous rule every flush schedule uses (one weight version,
 gradients accumulated over the m micro-batches, one optimizer step per step). The
-asynchronous rules (PipeDream, PipeDream-2BW) are in ``async_weights``.
+asynchronous rules (PipeDream, PipeDream-2BW) are in ``async_weights``. What a rule holds
+is measured by the memory tracker from the objects reachable from the scheme
+(``parbench.memory.live_model_states``), not listed by the rule.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from typing import ClassVar
 
 import torch
 
-from parbench.memory import optimizer_tensors
 from parbench.model import make_optimizer
 
 
@@ -49,7 +50,8 @@ class WeightRule(ABC):
 
     @abstractmethod
     def forward_params(self, slot: StageSlot, mb: int) -> dict[str, torch.Tensor] | None:
-        """The parameters the forward of micro-batch ``mb`` runs on (None: the module's own)."""
+        """The parameters the forward of micro-batch ``mb`` (its index in the run for a
+        continuous pipeline, in the step otherwise) runs on (None: the module's own)."""
 
     @abstractmethod
     def on_grads(self, slot: StageSlot, mb: int, params: list[torch.Tensor],
@@ -63,10 +65,6 @@ class WeightRule(ABC):
     @abstractmethod
     def step_end(self) -> None:
         """After the last action of a step (and the replica gradient exchange)."""
-
-    @abstractmethod
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """This rank's model states by category (params, grads, optimizer, stash)."""
 
     def reported_params(self, slot: StageSlot) -> list[torch.Tensor]:
         """The parameters compared with the reference after a step."""
@@ -85,11 +83,12 @@ class SyncWeights(WeightRule):
 
     def __init__(self, slots: list[StageSlot], run_cfg):
         super().__init__(slots)
-        self.opt = make_optimizer(self.optimized_params(), run_cfg)
+        self.run_cfg = run_cfg
+        self.opt = self.make_optimizer([p for s in self.slots for p in s.params])
 
-    def optimized_params(self) -> list[torch.Tensor]:
-        """The tensors the optimizer updates (the stage modules' parameters)."""
-        return [p for s in self.slots for p in s.params]
+    def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The run's optimizer over ``params`` (the self-test's mutants swap in buggy ones)."""
+        return make_optimizer(params, self.run_cfg)
 
     def loss_divisor(self, m: int) -> int:
         """Each micro-batch loss is divided by m: accumulated gradients = full-batch mean."""
@@ -113,8 +112,3 @@ class SyncWeights(WeightRule):
 
     def step_end(self) -> None:
         self.opt.step()
-
-    def state_tensors(self) -> dict:
-        params = [p for s in self.slots for p in s.params]
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.opt)}

@@ -81,7 +81,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      sp: bool = False, recompute: str = "none",
                                      ffn_hidden: int | None = None,
-                                     bytes_per_element: int = 4) -> float:
+                                     bytes_per_element: int = 4,
+                                     proj_input_copy: bool = True) -> float:
     """:func:`layer_activation_bytes` adapted to parbench's reference model.
 
     Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
@@ -91,6 +92,15 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     projection is a copy, so projection input and kernel output are two tensors. LayerNorm's
     saved mean and reciprocal standard deviation (2 x 2 s b fp32 values) are added. Not
     counted: allocator rounding, autograd bookkeeping, and the logits/loss of the last stage.
+
+    ``proj_input_copy=False``: the projection's input is a *view* of the kernel's output, one
+    storage, so sbh/t e bytes fewer without selective recomputation. That is the case when
+    the heads are merged by a transpose and reshape of the kernel's output (the reference
+    model, Megatron 1D / SP): torch's CPU flash kernel writes its output sequence-major, in
+    the layout of its query, so the reshape copies nothing (measured on torch 2.13). With
+    selective recomputation the kernel's output is not kept and the projection input is the
+    one saved tensor either way. ``True`` (the default) counts two tensors, as when the
+    output is moved by a collective before the projection (Ulysses' all-to-all).
     """
     base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
                                   bytes_per_element=bytes_per_element, mask_bytes=0,
@@ -98,6 +108,8 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     if recompute == "full":
         return base
     ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1)
+    if recompute == "none" and not proj_input_copy:
+        base -= s * b * h * bytes_per_element / t
     return base + ln_stats
 
 

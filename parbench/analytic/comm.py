@@ -229,18 +229,21 @@ def tp_vocab_traffic(b: int, s: int, h: int, tp: int, microbatches: int = 1,
 
 def ulysses_traffic(b: int, s: int, h: int, cp: int, layers: int = 1, microbatches: int = 1,
                     bytes_per_element: int = 2, backward: bool = True,
-                    recompute: bool = False) -> list[Transfer]:
+                    recompute: bool = False, axis: str = "cp") -> list[Transfer]:
     """DeepSpeed-Ulysses (Jacobs et al. 2023, Sec. 3.2): per layer 4 all-to-alls forward (Q, K,
-    V in; attention output back) and 4 in backward (4 more with full recomputation). One
-    rank's buffer is its sequence shard, b (s/P) h elements. The paper states the volume per link as 4Nh/P for aggregate message
-    N h (N = sequence length): see :func:`ulysses_paper_per_link`."""
+    V sequence -> heads; the attention output heads -> sequence) and the 4 inverse ones in
+    backward (4 more when the forward is recomputed). One rank's buffer is its sequence shard
+    with every head, b (s/P) h elements, of which (P-1)/P leaves the rank. The paper states the
+    volume as 4Nh/P per link for an aggregate message of Nh (N = s tokens of the micro-batch):
+    see :func:`ulysses_paper_per_link`. ``axis`` names the group (USP runs Ulysses on a
+    sub-axis of cp)."""
     if cp == 1:
         return []
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     msg = b * (s // cp) * h * bytes_per_element
     per_layer = 4 * (1 + int(backward) + int(recompute))
-    return [Transfer("cp", "all_to_all", cp, msg, per_layer * layers * microbatches,
+    return [Transfer(axis, "all_to_all", cp, msg, per_layer * layers * microbatches,
                      "Q, K, V, output")]
 
 
@@ -251,41 +254,53 @@ def ulysses_paper_per_link(N: int, h: int, P: int) -> Fraction:  # noqa: N803
 
 def ring_attention_traffic(b: int, s: int, h_kv: int, cp: int, layers: int = 1,
                            microbatches: int = 1, bytes_per_element: int = 2,
-                           backward: bool = True, recompute: bool = False) -> list[Transfer]:
-    """Ring Attention (Liu et al. 2023, Sec. 3): each layer's forward passes the local K and V
-    block (2 b (s/N) h_kv elements) N - 1 times around the ring; backward passes K, V again
-    and the accumulated dK, dV blocks, N - 1 times each. Full recomputation repeats the
-    forward passes. ``h_kv`` is this rank's K/V width (h / t under tensor parallelism)."""
+                           backward: bool = True, recompute: bool = False,
+                           axis: str = "cp") -> list[Transfer]:
+    """Ring Attention (Liu et al. 2023, Sec. 3, Algorithm 1): each layer's forward passes the
+    local K and V block (one message of 2 b (s/N) h_kv elements) N - 1 times around the ring;
+    backward passes K, V again and the accumulated dK, dV block, N - 1 times each (a block's
+    gradient accumulator starts on the rank after its owner and reaches the owner with the
+    last hop). Full recomputation repeats the forward passes. ``h_kv`` is this rank's K/V
+    width (h / t under tensor parallelism, h / u inside USP's Ulysses groups)."""
     if cp == 1:
         return []
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     kv = 2 * b * (s // cp) * h_kv * bytes_per_element
     n = (cp - 1) * layers * microbatches
-    out = [Transfer("cp", "send", cp, kv, n * (1 + int(recompute)), "K, V block (fwd)")]
+    out = [Transfer(axis, "send", cp, kv, n * (1 + int(recompute)), "K, V block (fwd)")]
     if backward:
-        out += [Transfer("cp", "send", cp, kv, n, "K, V block (bwd)"),
-                Transfer("cp", "send", cp, kv, n, "dK, dV block (bwd)")]
+        out += [Transfer(axis, "send", cp, kv, n, "K, V block (bwd)"),
+                Transfer(axis, "send", cp, kv, n, "dK, dV block (bwd)")]
     return out
 
 
 def cp_allgather_traffic(b: int, s_local: int, h: int, cp: int, tp: int = 1,
                          layers: int = 1, microbatches: int = 1, bytes_per_element: int = 2,
-                         gathers: Sequence[tuple[int, int]] = ((1, 4),)) -> list[Transfer]:
+                         gathers: Sequence[tuple[int, int]] = ((1, 4),),
+                         grad_reduce_scatters: int = 0, axis: str = "cp") -> list[Transfer]:
     """All-gather context parallelism (as in Llama 3, Dubey et al. 2024, Sec. 3.3.2): K and V of
     the whole sequence are gathered before attention. One gathered tensor is
     A = b (s_local cp) (h / t) elements -- the full sequence, this rank's heads.
     ``gathers`` lists (tensors per gather, gathers per layer per micro-batch): the default
-    gathers K and V separately in forward and again in backward; ``((1, 6),)`` adds the
-    recompute pass; ``(2, k)`` gathers K and V together as one 2A message."""
+    gathers K and V separately in forward and again in backward (the gathered K, V are not
+    kept, as TransformerEngine's all-gather CP does); ``((1, 6),)`` adds the recompute pass;
+    ``(2, k)`` gathers K and V together as one 2A message. ``grad_reduce_scatters`` adds that
+    many reduce-scatters of A per layer per micro-batch: the gradients of the gathered K and
+    V (dK, dV of the full sequence) returned to their owners, the all-gather's transpose."""
     if cp == 1:
         return []
     if h % tp:
         raise ValueError(f"tp={tp} does not divide hidden_size={h}")
     a = b * s_local * cp * (h // tp) * bytes_per_element
-    return [Transfer("cp", "all_gather", cp, k * a, n * layers * microbatches,
-                     f"{'K and V' if k == 2 else 'K or V'} of the full sequence")
-            for k, n in gathers]
+    out = [Transfer(axis, "all_gather", cp, k * a, n * layers * microbatches,
+                    f"{'K and V' if k == 2 else 'K or V'} of the full sequence")
+           for k, n in gathers]
+    if grad_reduce_scatters:
+        out.append(Transfer(axis, "reduce_scatter", cp, a,
+                            grad_reduce_scatters * layers * microbatches,
+                            "dK or dV of the full sequence to its owners"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -48,6 +48,57 @@ def _model_states_block(psi: float, dp: int, zero_stage: int, chosen: str) -> di
     return block
 
 
+def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool,
+                      recompute: str, e: int) -> dict:
+    """One rank's traffic for one transformer layer and one micro-batch, forward and backward
+    (and the recomputed forward), under each way of splitting a layer that parbench models,
+    at this configuration's degrees: Megatron TP and TP + SP (``tensor.megatron_layer_traffic``:
+    SP counts the column-parallel inputs' backward re-gather; ``paper`` is Korthikanti et
+    al.'s 4 all-reduces or 4 all-gather + reduce-scatter pairs), and over the cp ranks ring
+    attention, DeepSpeed-Ulysses and all-gather CP (``context.attention_traffic``) on this
+    rank's h / tp of the width. Each entry: {axis: {count, message_bytes, wire_bytes}}."""
+    from . import context, tensor
+    b, s, h = micro_batch, shape.s, shape.h
+    out: dict[str, Any] = {"scope": "one rank, one layer, one micro-batch (fwd + bwd"
+                                    + (" + recompute" if recompute != "none" else "") + ")"}
+    if tp > 1:
+        out["tp"] = comm.summarize(tensor.megatron_layer_traffic(b, s // cp, h, tp, recompute,
+                                                                 False, e))
+        if (s // cp) % tp == 0:
+            out["tp_sp"] = comm.summarize(tensor.megatron_layer_traffic(
+                b, s // cp, h, tp, recompute, True, e))
+        paper = comm.summarize(comm.tp_traffic(b, s // cp, h, tp, 1, 1, e,
+                                               recompute == "full", sp))
+        out["paper_tp" + ("_sp" if sp else "")] = paper
+    if cp > 1:
+        again = recompute != "none"
+        for kind, key in (("ring-attention", "cp_ring"), ("ulysses", "ulysses"),
+                          ("allgather", "cp_allgather")):
+            if kind == "ulysses" and shape.a % cp:
+                out[key] = f"cp={cp} does not divide num_heads={shape.a}"
+                continue
+            out[key] = comm.summarize(context.attention_traffic(
+                kind, b, s, h // tp, cp, 1, 1, 1, e, again))
+    return out
+
+
+def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
+                              e: int) -> dict:
+    """Activation bytes of one layer per rank for every recompute mode: Korthikanti et al.
+    Table 2 (``korthikanti``: e-byte activations, 1-byte dropout masks) and the reference
+    model's exact count (``reference_model``: no dropout, fused attention, LayerNorm
+    statistics; the projection input a view of the kernel's output)."""
+    out = {}
+    for mode in activations.RECOMPUTE:
+        out[mode] = {
+            "korthikanti": activations.layer_activation_bytes(
+                s, b, shape.h, shape.a, tp, sp, mode, shape.f, bytes_per_element=e),
+            "reference_model": activations.reference_layer_activation_bytes(
+                s, b, shape.h, shape.a, tp, sp and tp > 1, mode, shape.f,
+                bytes_per_element=e, proj_input_copy=False)}
+    return out
+
+
 def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
              micro_batch: int = 1, global_batch: int | None = None,
              num_microbatches: int | None = None, tp: int = 1, pp: int = 1, dp: int = 1,
@@ -158,13 +209,17 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
         tr += [comm.Transfer("dp", t.op, t.group_size, t.message_bytes, t.count, t.what)
                for t in dp_tr]
 
+    act["per_layer_by_recompute"] = _activations_by_recompute(shp, micro_batch, s_local, tp,
+                                                              sp, e)
     return {
         "inputs": inputs,
         "parameters": counts,
         "flops": fl,
         "memory": {"model_states": _model_states_block(psi_rank, dp * cp, zero_stage, chosen),
                    "activations": act},
-        "communication": {"per_axis": comm.summarize(tr),
+        "communication": {"per_layer": per_layer_traffic(shp, micro_batch, tp, cp, sp,
+                                                         recompute, e),
+                          "per_axis": comm.summarize(tr),
                           "transfers": [t.as_dict() for t in tr],
                           "scope": "one rank of the first pipeline stage, one iteration; "
                                    "gradients reduced over dp x cp"},

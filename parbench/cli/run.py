@@ -44,6 +44,22 @@ def check_options_used(suite, overrides: dict) -> None:
                               f"(its schemes do not read {name})")
 
 
+def skip_unavailable(suite) -> None:
+    """Drop the cases of schemes that cannot run here (an optional dependency missing),
+    saying which and why on stderr."""
+    from ..scheme import get_scheme
+    keep, why = [], {}
+    for case in suite.cases:
+        reason = get_scheme(case.run.scheme).unavailable()
+        if reason:
+            why[case.run.scheme] = reason
+        else:
+            keep.append(case)
+    suite.cases = keep
+    for name, reason in why.items():
+        sys.stderr.write(f"parbench: skipping the cases of {name}: {reason}\n")
+
+
 def load_checked_suite(args: list[str]):
     """The suite named by ``args`` with its overrides applied and every case checked."""
     from ..imports import deepspeed_overrides
@@ -55,6 +71,7 @@ def load_checked_suite(args: list[str]):
     if opts["deepspeed_config"]:
         ov = {**deepspeed_overrides(opts["deepspeed_config"], opts["world_size"]), **ov}
     suite = load_suite(opts["suite"], ov)
+    skip_unavailable(suite)
     check_options_used(suite, ov)
     world = opts["world_size"]
     if in_torchrun():

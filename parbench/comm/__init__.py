@@ -16,7 +16,8 @@ rank's whole send buffer of an all-to-all; see ``parbench.analytic.comm``):
 ============================  =================================================================
 all_reduce                    2(n-1)/n S (ring: reduce-scatter then all-gather)
 all_gather, reduce_scatter    (n-1)/n S (ring)
-all_to_all                    (n-1)/n S (each rank keeps its own block)
+all_to_all                    S minus the rank's own block: (n-1)/n S with even blocks; with
+                              input splits, the bytes addressed to the other ranks
 broadcast                     S on every rank but the last of the chain from the root, 0 there
 reduce                        S on every rank but the root (chain towards the root), 0 there
 gather                        S/n on every non-root rank, 0 on the root

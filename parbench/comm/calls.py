@@ -29,7 +29,9 @@ class _Call:
     group: object
     peer: int | None = None
     root: int | None = None
-
+    #: an all-to-all's bytes kept by this rank (its own block), when the splits are uneven;
+    #: the wire bytes are then message_bytes - kept (None: even blocks, (n-1)/n S)
+    kept_bytes: int | None = None
 
 
 def _arg(args, kwargs, i, name, default=None):
@@ -97,8 +99,17 @@ def _all_reduce_coalesced(*a, **k):
 
 
 def _all_to_all_single(*a, **k):
-    inp = _arg(a, k, 1, "input")
-    return _Call(inp, _nbytes(inp), _arg(a, k, 4, "group"))
+    """(output, input, output_split_sizes, input_split_sizes, group): with input splits, this
+    rank sends everything but its own block (uneven splits: MoE dispatch, context parallel's
+    one-peer exchanges)."""
+    inp, group = _arg(a, k, 1, "input"), _arg(a, k, 4, "group")
+    splits = _arg(a, k, 3, "input_split_sizes")
+    kept = None
+    if splits:
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
+        kept = int(splits[me]) * row
+    return _Call(inp, _nbytes(inp), group, kept_bytes=kept)
 
 
 def _all_to_all_list(*a, **k):
@@ -188,6 +199,18 @@ def _functional(tensor_pos: int, group_pos: int, scale=None):
     return size_of
 
 
+def _functional_all_to_all(*a, **k):
+    """funcol.all_to_all_single(self, output_split_sizes, input_split_sizes, group, tag)."""
+    inp = a[0] if a else k["self"]
+    group = _functional_group(_arg(a, k, 3, "group"))
+    splits = _arg(a, k, 2, "input_split_sizes")
+    kept = None
+    if splits:
+        row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
+        kept = int(splits[dist.get_rank(group)]) * row
+    return _Call(inp, _nbytes(inp), group, kept_bytes=kept)
+
+
 FUNCTIONAL_WRAPPERS = [
     ("all_reduce", "all_reduce", _functional(0, 2)),
     ("all_reduce_coalesced", "all_reduce", _functional(0, 2)),
@@ -202,8 +225,8 @@ FUNCTIONAL_WRAPPERS = [
     ("reduce_scatter_tensor", "reduce_scatter", _functional(0, 3)),
     ("reduce_scatter_single", "reduce_scatter", _functional(0, 3)),
     ("reduce_scatter_tensor_autograd", "reduce_scatter", _functional(0, 3)),
-    ("all_to_all_single", "all_to_all", _functional(0, 3)),
-    ("all_to_all_single_autograd", "all_to_all", _functional(0, 3)),
+    ("all_to_all_single", "all_to_all", _functional_all_to_all),
+    ("all_to_all_single_autograd", "all_to_all", _functional_all_to_all),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from fractions import Fraction
 
 import torch.distributed as dist
 
@@ -26,7 +27,10 @@ def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> 
     root = None
     if call.root is not None and op in ROOTED:
         root = dist.get_group_rank(group, call.root) if group is not None else call.root
-    wire = record_wire(op, call.message_bytes, n, group_rank, root)
+    if call.kept_bytes is not None and n > 1:
+        wire = Fraction(call.message_bytes - call.kept_bytes)
+    else:
+        wire = record_wire(op, call.message_bytes, n, group_rank, root)
     rec = CommRecord(op=op, axis=led.axis(group), group_size=n,
                      dtype=str(call.tensor.dtype).replace("torch.", ""),
                      elements=call.message_bytes // max(call.tensor.element_size(), 1),

@@ -16,6 +16,14 @@ from .actions import (
     ScheduleError,
 )
 from .closed_forms import ClosedForm, ratio_from_fraction, ratio_from_size
+from .continuous import (
+    CONTINUOUS,
+    continuous_schedule,
+    relabel,
+    steady_closed_form,
+    steady_step,
+    step_bounds,
+)
 from .registry import (
     SCHEDULES,
     closed_form,
@@ -68,4 +76,10 @@ __all__ = [
     "grid_text",
     "plot_timeline",
     "summary",
+    "CONTINUOUS",
+    "continuous_schedule",
+    "step_bounds",
+    "steady_step",
+    "steady_closed_form",
+    "relabel",
 ]

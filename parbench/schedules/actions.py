@@ -90,6 +90,10 @@ class Schedule:
     overlapped: optional ``(F, backward)`` pairs, adjacent on one rank, that the
     schedule runs as one overlapped unit (DualPipe's F&B chunks); executors may
     ignore it and run them in list order, ``simulate(..., overlap=True)`` uses it.
+    done_before: actions finished before this schedule starts (a window of a longer
+    run, such as one steady step of a continuous pipeline: ``continuous.steady_step``);
+    the simulator treats them as done at time 0. Empty for a whole schedule, which
+    the validator requires.
     notes: free text for reports.
     """
 
@@ -104,6 +108,7 @@ class Schedule:
     split_backward: bool
     asynchronous: bool = False
     overlapped: list[tuple[Action, Action]] = field(default_factory=list)
+    done_before: frozenset = field(default_factory=frozenset)
     notes: str = field(default="", compare=False)
 
     # -- placement -------------------------------------------------------

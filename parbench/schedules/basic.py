@@ -14,8 +14,9 @@
   double-buffered weights, update ``W(t+1) = W(t) - lr * grad f(W(t-1))``.
 
 The two asynchronous schedules carry the compute order of one iteration (m
-micro-batches) and ``asynchronous=True``; the executor supplies the stale-weight
-semantics.  With fused backward by default; ``split_backward=True`` emits ``B``
+micro-batches, from an empty pipeline) and ``asynchronous=True``; ``continuous`` runs
+the same order over a whole run without flushes, and the executor's weight rules
+supply the stale-weight semantics.  With fused backward by default; ``split_backward=True`` emits ``B``
 immediately followed by ``W`` instead of ``BW`` (same order, for executors that
 always split).
 """
@@ -48,16 +49,14 @@ def flush_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
 
 def async_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
                       overlap: bool) -> ClosedForm:
-    """PipeDream / 2BW: the 1F1B bubble of one iteration started from a flush.
-
-    The two dispatchers this replaced said "per step: the harness flushes between steps"
-    and "without flushes the fill/drain is amortised"; both hold, so the note says both:
-    the papers' steady state has no flush (Narayanan et al. 2019 §3; 2021 §3), parbench's
-    harness drains the pipeline at every step boundary, so a step pays one fill and drain.
+    """PipeDream / 2BW: the generated schedule is one iteration started from an empty
+    pipeline, whose bubble is 1F1B's. The papers' pipelines never flush (Narayanan et al.
+    2019 §3; 2021 §3); parbench runs them continuously (``continuous``), where a steady
+    step between two harness barriers pays only a forward ramp (``steady_closed_form``).
     """
     return replace(flush_closed_form(p, m, v, tf, tb, tw, overlap),
-                   note="one iteration from a flush (the harness flushes between steps); "
-                        "without flushes the fill/drain is amortised")
+                   note="one iteration from an empty pipeline; run continuously, a steady "
+                        "step idles (p-1)T_F per rank (continuous.steady_closed_form)")
 
 
 def _finish(name: str, p: int, m: int, rows, split_backward: bool, *,

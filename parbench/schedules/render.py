@@ -199,6 +199,7 @@ def summary(schedule: Schedule, sim: SimResult) -> dict:
         "span_bubble": sim.span_bubble,
         "peak_inflight_per_rank": sim.peak_inflight,
         "peak_w_pending_per_rank": sim.peak_w_pending,
+        "peak_held_per_rank": sim.peak_held,
         "transfers": len(schedule.comm()),
         "closed_form": closed,
         "notes": schedule.notes,

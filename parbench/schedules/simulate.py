@@ -37,7 +37,9 @@ class SimResult:
     times: ``action -> (start, end)``; idle: per rank, the ``(start, end)`` gaps in
     ``[0, makespan]``; peak_inflight: per rank, the most ``(mb, stage)`` forwards
     whose backward-for-inputs (B or BW) has not finished; peak_w_pending: per rank,
-    the most finished B whose W has not finished; span: per rank, last end minus
+    the most finished B whose W has not finished; peak_held: per rank, the most
+    ``(mb, stage)`` whose autograd graph an executor keeps -- from the forward until
+    the fused BW or the W (a split backward keeps the graph between B and W); span: per rank, last end minus
     first start (the "parallelogram" width used by the Zero Bubble paper);
     params: the cost arguments the simulation ran with (scalars only).
     """
@@ -53,6 +55,7 @@ class SimResult:
     idle: list[list[tuple[float, float]]]
     span: list[float] = field(default_factory=list)
     params: dict = field(default_factory=dict)
+    peak_held: list[int] = field(default_factory=list)
 
     @property
     def p(self) -> int:
@@ -149,7 +152,8 @@ def run_times(
     pos = [0] * schedule.p
     free = [0.0] * schedule.p
     times: dict[Action, tuple[float, float]] = {}
-    avail: dict[Action, float] = {}
+    # a window of a longer run: what ran before it is available from the start
+    avail: dict[Action, float] = {a: 0.0 for a in schedule.done_before}
     waiting: dict[Action, list[int]] = {}
     ready = deque(range(schedule.p))
     while ready:
@@ -222,26 +226,38 @@ def _deadlock_message(schedule, pos, stuck, kinds, rank_of) -> str:
     return f"{schedule.name}: deadlock — " + "; ".join(parts)
 
 
-def _peaks(row: list[Action], times) -> tuple[int, int]:
-    """Peak in-flight activations and peak pending W on one rank."""
-    events = []  # (time, order, d_inflight, d_wpending); ends (order 0) before starts
+def _peaks(row: list[Action], times) -> tuple[int, int, int]:
+    """Peak in-flight activations, peak pending W and peak held graphs on one rank.
+
+    In a window of a longer run (``Schedule.done_before``) the micro-batches whose forward
+    ran before the window and whose backward is in it count from the start.
+    """
+    events = []  # (time, order, d_inflight, d_wpending, d_held); ends (order 0) first
+    forwards = {(a.mb, a.stage, a.pipe) for a in row if a.kind == FORWARD}
+    carried_i = {(a.mb, a.stage, a.pipe) for a in row if a.kind in (BACKWARD_FULL,
+                                                                     BACKWARD_INPUT)}
+    carried_h = {(a.mb, a.stage, a.pipe) for a in row if a.kind in (BACKWARD_FULL,
+                                                                     BACKWARD_WEIGHT)}
     for a in row:
         start, end = times[a]
         if a.kind == FORWARD:
-            events.append((start, 1, 1, 0))
+            events.append((start, 1, 1, 0, 1))
         elif a.kind == BACKWARD_FULL:
-            events.append((end, 0, -1, 0))
+            events.append((end, 0, -1, 0, -1))
         elif a.kind == BACKWARD_INPUT:
-            events.append((end, 0, -1, 1))
+            events.append((end, 0, -1, 1, 0))
         elif a.kind == BACKWARD_WEIGHT:
-            events.append((end, 0, 0, -1))
-    inflight = pending = peak_i = peak_w = 0
-    for _, _, di, dw in sorted(events):
+            events.append((end, 0, 0, -1, -1))
+    inflight, held = len(carried_i - forwards), len(carried_h - forwards)
+    pending, peak_i, peak_w, peak_h = 0, inflight, 0, held
+    for _, _, di, dw, dh in sorted(events):
         inflight += di
         pending += dw
+        held += dh
         peak_i = max(peak_i, inflight)
         peak_w = max(peak_w, pending)
-    return peak_i, peak_w
+        peak_h = max(peak_h, held)
+    return peak_i, peak_w, peak_h
 
 
 def simulate(
@@ -270,7 +286,7 @@ def simulate(
     times = run_times(schedule, cost_fn, p2p, overlap, tfb)
     p = schedule.p
     makespan = max((end for _, end in times.values()), default=0.0)
-    busy, idle, span, peak_i, peak_w = [], [], [], [], []
+    busy, idle, span, peak_i, peak_w, peak_h = [], [], [], [], [], []
     for rank in range(p):
         row = schedule.actions[rank]
         busy.append(sum(times[a][1] - times[a][0] for a in row))
@@ -284,9 +300,10 @@ def simulate(
             gaps.append((cursor, makespan))
         idle.append(gaps)
         span.append(times[row[-1]][1] - times[row[0]][0] if row else 0.0)
-        pi, pw = _peaks(row, times)
+        pi, pw, ph = _peaks(row, times)
         peak_i.append(pi)
         peak_w.append(pw)
+        peak_h.append(ph)
     if makespan > 0:
         bubble = 1.0 - sum(busy) / (p * makespan)
         per_rank = [1.0 - b / makespan for b in busy]
@@ -297,4 +314,4 @@ def simulate(
     if cost is not None or costs is not None:
         params["custom_costs"] = True
     return SimResult(schedule, makespan, busy, bubble, per_rank, peak_i, peak_w, times, idle,
-                     span, params)
+                     span, params, peak_h)

@@ -115,6 +115,14 @@ class ScheduleSpec:
                                 "replica (set vpp=1)")
         return None
 
+    def chunks_for(self, vpp: int) -> int:
+        """Stages per rank per replica for a case's ``vpp``, as a number: 1 (ONE), 2 (TWO),
+        vpp or the looped generators' default 2 (ANY). What the analytic figures take."""
+        v = self.v_for(vpp)
+        if v is not None:
+            return v
+        return 1 if self.chunks is ChunkRule.ONE else 2
+
 
 _SPECS: dict[str, ScheduleSpec] = {}
 

@@ -145,6 +145,9 @@ def _check_transfers(s: Schedule) -> None:
 
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` (see module docstring); return it unchanged if valid."""
+    if schedule.done_before:
+        _fail(schedule, "a window of a longer run (done_before is set) is not a whole "
+                        "schedule; validate the run it was cut from")
     _check_shape(schedule)
     _check_actions(schedule)
     _check_coverage(schedule)

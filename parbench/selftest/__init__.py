@@ -21,10 +21,16 @@ FAMILY_CASES = {
              "micro_batch_size": "2", "bucket_mb": "0.01"},
     "pipeline": {"model": "tiny-4l", "pp": "2", "steps": "3", "timed_steps": "0",
                  "micro_batch_size": "1", "num_microbatches": "4"},
+    "context": {"model": "tiny", "cp": "2", "steps": "3", "timed_steps": "0",
+                "micro_batch_size": "2"},
+    "tensor": {"model": "tiny", "tp": "2", "vocab_size": "61", "steps": "3",
+               "timed_steps": "0", "micro_batch_size": "2", "num_microbatches": "2"},
 }
 #: the mutants the ``ci`` profile runs (one per kind of check, a few per family)
 CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgather",
-             "local-sgd-sum", "1f1b-no-wd", "1f1b-unscaled-loss", "zbh1-skip-w")
+             "local-sgd-sum", "1f1b-no-wd", "1f1b-unscaled-loss", "zbh1-skip-w",
+             "ring-no-rescale", "cp-pos-embed-local", "tp-fg-swapped",
+             "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter")
 
 
 def base_case(m: Mutant, scheme: str, seed: int) -> CaseConfig:

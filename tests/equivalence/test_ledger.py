@@ -66,3 +66,21 @@ def test_rooted_ops_are_charged_by_role_and_batched_p2p_names_its_peer(pools):
     assert rank1[:2] == [("broadcast", 0.0, -1), ("reduce", 400.0, -1)]
     assert sorted(rank0[2:]) == [("recv", 0.0, 1), ("send", 400.0, 1)]
     assert sorted(rank1[2:]) == [("recv", 0.0, 0), ("send", 400.0, 0)]
+
+
+def _uneven_all_to_all(ctx):
+    rank = dist.get_rank()
+    # rank 0 sends all 6 rows to rank 1; rank 1 keeps 2 rows and sends 1 to rank 0
+    splits = [[0, 6], [1, 2]][rank]
+    inp = torch.ones(sum(splits), 4)
+    out_splits = [[0, 1], [6, 2]][rank]
+    out = torch.empty(sum(out_splits), 4)
+    with Ledger() as led:
+        dist.all_to_all_single(out, inp, out_splits, splits)
+    return [(r.op, r.message_bytes, r.wire_bytes) for r in led.records]
+
+
+def test_uneven_all_to_all_charges_the_bytes_sent_to_the_others(pools):
+    rank0, rank1 = pools(2).run(_uneven_all_to_all)
+    assert rank0 == [("all_to_all", 96, 96.0)]  # 6 rows x 16 bytes, none kept
+    assert rank1 == [("all_to_all", 48, 16.0)]  # 3 rows, 2 of them its own

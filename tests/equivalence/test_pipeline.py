@@ -1,6 +1,8 @@
-"""Every pipeline schedule on real gloo ranks: equal to the golden run (PipeDream and 2BW to
-the single-device run of their own rule), p2p bytes and model states equal to the analytic
-figures exactly, and the executor's in-flight peak equal to the simulator's."""
+"""Every pipeline schedule on real gloo ranks: equal to the golden run (PipeDream and 2BW,
+run continuously, to the single-device run of their own rule), p2p bytes, send calls and
+model states equal to the closed forms of ``parbench.analytic.pipeline`` on every checked
+step, and the graphs the executor really held (measured from the saved storages) equal to
+the simulator's count."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.overrides import apply_overrides
-from parbench.schedules import SCHEDULES, ChunkRule
+from parbench.schedules import CONTINUOUS, SCHEDULES, ChunkRule, max_inflight
 from parbench.scheme import get_scheme
 from parbench.verdict import figures_equal
 from tests.helpers import run_on_pool
@@ -30,6 +32,8 @@ def _case(name: str, p: int, m: int, v: int, layers_per_stage: int, mbs: int = 1
     case = apply_overrides(CaseConfig(), {
         "model": "tiny", "hidden_size": 16, "num_heads": 2, "seq_length": 8,
         "pp": p, "vpp": vpp, "num_microbatches": m, "micro_batch_size": mbs, "steps": steps,
+        # the continuous pipelines drain in their last step, which must not be checked
+        "timed_steps": 1 if name in CONTINUOUS else 0,
         "optimizer": optimizer, "param_atol": 1e-4 if optimizer == "adamw" else 1e-5,
         "scheme": f"pipeline.{name}"})
     stages = schedule_for(case, name).num_stages
@@ -47,6 +51,8 @@ def _m_for(name: str, p: int, draw) -> int:
         return draw(st.integers(2 * p - 1, 2 * p + 1))
     if name == "interleaved":
         return draw(st.sampled_from([p, 2 * p, max(1, p - 1)]))
+    if name in CONTINUOUS:
+        return draw(st.integers(p, 2 * p + 1))
     return draw(st.integers(1, 2 * p + 1))
 
 
@@ -69,17 +75,31 @@ def check_case(pools, case):
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged
     pred = cls.predict(case)
+    states = pred.figures.get("model_state_bytes_by_step")
     for r, res in enumerate(per_rank):
-        sent = sum(x["wire_bytes"] for x in res.ledger if x["op"] == "send")
-        assert sent == pred.wire_bytes[r]["pp"], (r, sent, pred)
         assert all(x["wire_bytes"] == 0 for x in res.ledger if x["op"] == "recv")
         assert {x["axis"] for x in res.ledger} <= {"pp"}
-        # every category equal (a category one side does not name counts 0 bytes)
-        assert figures_equal([res.model_state_bytes], [pred.model_state_bytes[r]]), \
-            (r, res.model_state_bytes, pred.model_state_bytes[r])
+        for step in range(case.run.steps):
+            assert figures_equal([res.wire_by_axis_per_step[step]], [pred.wire_at(step)[r]]), \
+                (r, step, res.wire_by_axis_per_step[step], pred.wire_at(step)[r])
+            assert figures_equal([res.calls_by_axis_per_step[step]],
+                                 [pred.calls_at(step)[r]]), \
+                (r, step, res.calls_by_axis_per_step[step], pred.calls_at(step)[r])
+            # every category equal (a category one side does not name counts 0 bytes)
+            expected = states[step][r] if states else pred.model_state_bytes[r]
+            assert figures_equal([res.model_states_per_step[step]], [expected]), \
+                (r, step, res.model_states_per_step[step], expected)
     metrics = per_rank[0].metrics
     detail = metrics["bubble_detail"]
-    assert detail["peak_inflight_measured"] == detail["peak_inflight_simulated"]
+    # the graphs each rank held (its saved storages alive) are the simulator's count: from
+    # the forward to the fused backward or to W
+    assert detail["held_graphs_measured"] == detail["held_graphs_simulated"]
+    schedule = cls.step_schedule(case)
+    if SCHEDULES[schedule.name].max_inflight is not None and not schedule.split_backward:
+        # a fused backward frees the graph: held = the paper's in-flight bound
+        assert detail["held_graphs_measured"] == [
+            max_inflight(schedule.name, schedule.p, schedule.m, r) for r in range(schedule.p)]
+    assert all(b > 0 for b in detail["activation_peak_bytes"])
     assert metrics["bubble_replayed"] is not None and 0 <= metrics["bubble_replayed"] < 1
     return merged, per_rank
 
@@ -93,6 +113,18 @@ def test_drawn_schedule_equals_golden_with_exact_bytes(pools, case):
 def test_every_schedule_on_four_ranks(pools, name):
     m = 8
     check_case(pools, _case(name, 4, m, 2, 1, steps=3))
+
+
+def test_zero_bubble_holds_graphs_until_w(pools):
+    """ZB-H1 keeps every graph from F to W: more graphs than 1F1B's in-flight bound on the
+    lower ranks (the paper's p M_B counts F to B; W keeps only M_W there)."""
+    merged, per_rank = check_case(pools, _case("zb-h1", 4, 8, 1, 1))
+    detail = per_rank[0].metrics["bubble_detail"]
+    assert detail["inflight_paper_bound"] == [4, 3, 2, 1]
+    assert detail["held_graphs_measured"] == detail["held_graphs_simulated"]
+    assert all(h >= b for h, b in zip(detail["held_graphs_measured"],
+                                      detail["inflight_paper_bound"]))
+    assert detail["held_graphs_measured"] != detail["inflight_paper_bound"]
 
 
 def test_closed_forms_match_the_unit_simulation(pools):

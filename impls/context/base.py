@@ -1,0 +1,204 @@
+"""The base of the context-parallel family: the model on a sequence shard.
+
+Every cp rank holds the whole reference model (``build_model``: the same names and weights
+as the golden run) and trains on its data-parallel rows and its own tokens of each sample
+(``token_positions``, from ``layout``), with the forward of ``shard`` (the position
+embeddings of its own tokens; the scheme's distributed attention core, ``build_core``). The
+loss is the mean over the rank's tokens, each micro-batch's scaled by 1/m; gradients live in
+one flat buffer (``p.grad`` are views into it) that is all-reduced once per step over the
+dp x cp ranks (Megatron-Core's ``dp_cp`` group) and divided by cp dp -- every rank holds as
+many tokens, so this is the global mean.
+
+``recompute`` (``shard``): ``full`` checkpoints each layer, ``selective`` the attention core;
+either repeats the core's forward communication in backward.
+
+Measured for the row (``metrics``): each rank's attention-kernel CPU time per step (timeline
+spans ``attn``), its imbalance beside the closed form, and the bytes layer 0 keeps for
+backward (``SavedActivations``) beside ``analytic.context.cp_layer_activation_bytes``.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from parbench import comm
+from parbench.analytic import shape_from
+from parbench.analytic import context as closed
+from parbench.batching import dp_slice
+from parbench.config import CaseConfig, ConfigError
+from parbench.memory import SavedActivations
+from parbench.model import build_model, make_optimizer
+from parbench.scheme import Prediction, Scheme
+
+from impls.data.buckets import Bucket
+
+from .ring import AttentionClock, RingPeers
+from .shard import embed, shard_forward
+
+
+class ContextParallelScheme(Scheme):
+    family = "context"
+    uses = ("cp", "dp")
+    options: ClassVar[tuple[str, ...]] = ("recompute",)
+    #: the attention algorithm (``analytic.context.KINDS``)
+    kind: ClassVar[str] = ""
+    #: reads ``cp_balance`` (ring layouts); otherwise the layout is contiguous
+    balanced: ClassVar[bool] = False
+    #: the ring-neighbour helper the cores use (a class, so that a variant can replace it)
+    peers_class: ClassVar[type] = RingPeers
+
+    # ---- checks before spawning -------------------------------------------------------------
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        p, m = case.parallel, case.model
+        if case.run.dtype != "fp32":
+            raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name} "
+                              "(fp32 only)")
+        if m.num_experts:
+            raise ConfigError(f"num_experts={m.num_experts}: {cls.name} runs dense models")
+        if cls.balanced and p.cp_balance == "zigzag" and m.seq_length % (2 * cls.ring_size(p)):
+            raise ConfigError(f"cp_balance='zigzag' needs 2*{cls.ring_size(p)} to divide "
+                              f"seq_length={m.seq_length} (2 chunks per ring rank)")
+
+    @classmethod
+    def ring_size(cls, p) -> int:
+        return p.cp
+
+    @classmethod
+    def balance(cls, p) -> str:
+        return p.cp_balance if cls.balanced else "none"
+
+    # ---- construction -------------------------------------------------------------------------
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        mesh = ctx.mesh
+        self.cp, self.cp_rank = mesh.size("cp"), mesh.index("cp")
+        self.dp, self.dp_rank = mesh.size("dp"), mesh.index("dp")
+        self.grad_group = mesh.group("dp_cp")
+        self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
+        self.params = list(self.model.parameters())
+        self.grads = Bucket(self.params, torch.float32, ctx.device)
+        self.opt = self.make_optimizer(self.params)
+        self.clock = AttentionClock(ctx.timeline)
+        self.core = self.build_core()
+        self._activation_bytes: int | None = None
+        self._fwd_cp_bytes: float | None = None
+
+    def make_optimizer(self, params):
+        return make_optimizer(params, self.ctx.run)
+
+    def build_core(self):
+        """The distributed attention: q, k, v (b, n, heads, d) -> (b, n, h)."""
+        raise NotImplementedError
+
+    def token_positions(self) -> torch.Tensor:
+        """Global positions of this rank's tokens (increasing)."""
+        raise NotImplementedError
+
+    # ---- the step -----------------------------------------------------------------------------
+    def local_batch(self, inputs, targets):
+        pos = self.token_positions()
+        x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
+        y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
+        m = self.ctx.parallel.num_microbatches
+        return pos.to(self.ctx.device), list(zip(x.chunk(m), y.chunk(m)))
+
+    def train_step(self, inputs, targets, step):
+        pos, mbs = self.local_batch(inputs, targets)
+        m = len(mbs)
+        tl = self.ctx.timeline
+        self.grads.reset()
+        total = 0.0
+        for i, (xm, ym) in enumerate(mbs):
+            with tl.span("F", mb=i):
+                loss = self.forward(xm, ym, pos, measure=step == 0 and i == 0) / m
+            with tl.span("B", mb=i):
+                loss.backward()
+            total += float(loss.detach())
+        self.reduce_gradients()
+        with tl.span("optim"):
+            self.opt.step()
+        self.clock.end_step(step)
+        return self.reduce_loss(total / (self.cp * self.dp), self.grad_group)
+
+    def reduce_gradients(self) -> None:
+        with self.ctx.timeline.span("grad_allreduce"):
+            dist.all_reduce(self.grads.buffer, group=self.grad_group)
+            self.grads.buffer.div_(self.cp * self.dp)
+
+    def forward(self, tokens, targets, pos, measure: bool = False):
+        saved = SavedActivations(exclude=self.params) if measure else None
+        loss = shard_forward(self.model, tokens, pos, targets, self.core,
+                             self.ctx.parallel.recompute, saved, self.embed)
+        if measure:
+            self._activation_bytes = saved.bytes
+            led = comm.active()
+            if led is not None:  # the forward's attention traffic, as the ledger saw it
+                self._fwd_cp_bytes = sum(v for a, v in led.wire_by_axis().items()
+                                         if a.startswith("cp"))
+        return loss
+
+    @staticmethod
+    def embed(model, tokens, pos):
+        """Token embeddings plus the position embeddings of this rank's tokens."""
+        return embed(model, tokens, pos)
+
+    # ---- what the verdict compares --------------------------------------------------------------
+    def full_params(self):
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def full_grads(self):
+        return {n: p.grad.detach() for n, p in self.model.named_parameters()}
+
+    # ---- closed forms -------------------------------------------------------------------------
+    @classmethod
+    def cp_ulysses(cls, p) -> int:
+        return 1
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        p, mdl = case.parallel, case.model
+        shape = shape_from(mdl)
+        pred = closed.context_prediction(
+            cls.kind, shape, cp=p.cp, dp=p.dp, cp_ulysses=cls.cp_ulysses(p),
+            micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
+            recompute=p.recompute, optimizer=case.run.optimizer)
+        b = p.micro_batch_size
+        figures = dict(pred.figures)
+        figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
+            cls.kind, mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp, p.recompute,
+            mdl.ffn)
+        figures["attention_work_per_rank"] = cls.predicted_work(case)
+        figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
+        return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,
+                                  **figures)
+
+    @classmethod
+    def predicted_work(cls, case: CaseConfig) -> list[int]:
+        """Query-key pairs per cp rank per head and sample (layer, micro-batch)."""
+        s, cp = case.model.seq_length, case.parallel.cp
+        return [s // cp * s] * cp  # every rank evaluates its n x s rows (masked)
+
+    # ---- measurements for the row ---------------------------------------------------------------
+    def metrics(self) -> dict:
+        run = self.ctx.run
+        timed = [c for st, c, _ in self.clock.per_step if st >= run.steps + run.warmup_steps]
+        mine = {"cpu_s": statistics.median(timed or [c for _, c, _ in self.clock.per_step]),
+                "activation_bytes": self._activation_bytes, "fwd_cp_bytes": self._fwd_cp_bytes}
+        every = [None] * dist.get_world_size()
+        with comm.unrecorded():
+            dist.all_gather_object(every, mine)
+        per_cp = [statistics.mean(e["cpu_s"] for r, e in enumerate(every)
+                                  if self.ctx.mesh.layout.coords(r)["cp"] == c)
+                  for c in range(self.cp)]
+        pred = self.predict(self.ctx.case).figures
+        out = {"attention_cpu_ms_per_cp_rank": " / ".join(f"{t * 1e3:.2f}" for t in per_cp),
+               "attention_imbalance": closed.imbalance(per_cp) if any(per_cp) else None,
+               "attention_imbalance_predicted": pred["attention_imbalance"],
+               "activation_bytes_per_layer": every[0]["activation_bytes"],
+               "activation_bytes_per_layer_predicted": pred["activation_bytes_per_layer"]}
+        return out

@@ -1,0 +1,96 @@
+"""The blockwise attention kernel every context-parallel core is built from, and the merge.
+
+``attn_forward(q, k, v, causal)`` returns the block's output and its log-sum-exp per query
+row; ``attn_backward`` returns dQ, dK, dV of the block given the *final* output and
+log-sum-exp of the rows (FlashAttention-2's backward, Dao 2023, Alg. 2: P = exp(S - lse) and
+D = rowsum(dO * O) need only the final row statistics, so every block's gradient is exact
+without recomputing the merge). ``merge`` is the online-softmax combination of two partial
+results (Milakov & Gimelshein 2018; Liu et al. 2023, Sec. 3): rows rescaled by
+exp(lse_i - lse) with lse = log(exp lse_1 + exp lse_2).
+
+On CPU the kernels are ATen's fused flash attention for CPU
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, the kernel
+``F.scaled_dot_product_attention`` itself runs on CPU); elsewhere an explicit fp32 reference
+(``math_forward`` / ``math_backward``) is used. Tensors are (b, heads, n, d); ``causal`` is
+top-left aligned (key index <= query index); ``mask`` is a boolean (n_q, n_k) "may attend".
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_aten = torch.ops.aten
+
+
+def _scale(q: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~mask, float("-inf"))
+
+
+def attn_forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None):
+    """(output, log-sum-exp) of softmax(q k^T / sqrt(d)) v over one block."""
+    if q.device.type == "cpu":
+        add = None if mask is None else _additive(mask, q.dtype)
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=add, scale=_scale(q))
+    return math_forward(q, k, v, causal, mask)
+
+
+def attn_backward(dout, q, k, v, out, lse, causal: bool = False,
+                  mask: torch.Tensor | None = None):
+    """(dq, dk, dv) of one block given the rows' final output and log-sum-exp."""
+    if q.device.type == "cpu":
+        add = None if mask is None else _additive(mask, q.dtype)
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.contiguous(), lse.contiguous(), 0.0, causal, attn_mask=add, scale=_scale(q))
+    return math_backward(dout, q, k, v, out, lse, causal, mask)
+
+
+def _allowed(nq: int, nk: int, causal: bool, mask, device):
+    if mask is not None:
+        return mask
+    if causal:
+        return torch.ones(nq, nk, dtype=torch.bool, device=device).tril()
+    return None
+
+
+def math_forward(q, k, v, causal: bool = False, mask=None):
+    s = (q.float() @ k.float().transpose(-1, -2)) * _scale(q)
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return (p @ v.float()).to(q.dtype), lse
+
+
+def math_backward(dout, q, k, v, out, lse, causal: bool = False, mask=None):
+    scale = _scale(q)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    do = dout.float()
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ v.float().transpose(-1, -2)
+    d = (do * out.float()).sum(-1, keepdim=True)
+    ds = p * (dp - d) * scale
+    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), \
+        dv.to(v.dtype)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
+          blk_lse: torch.Tensor) -> None:
+    """Fold a block's (output, log-sum-exp) into the running ones, in place (rows of ``out``:
+    (b, h, n, d); ``lse``: (b, h, n)). Starting from lse = -inf and out = 0 gives the block."""
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))
+    lse.copy_(new)

@@ -1,0 +1,126 @@
+"""Ring Self-Attention (Li et al. 2021, "Sequence Parallelism: Long Sequence Training from
+System Perspective", Sec. 3.2), causal, on contiguous sequence shards.
+
+Forward: the key blocks travel the ring (N - 1 sends) so that each rank forms its query rows'
+full score matrix (n x s per head), masked causally on *global* positions and soft-maxed;
+then the value blocks travel the ring (N - 1 sends) and each rank sums P_j V_j. The score
+rows are kept for backward (RSA stores them; its memory grows with s^2/N).
+
+Backward, as in the authors' reference implementation (ColossalAI's ``RingAV`` and
+``RingQK``, by the paper's authors): dV of the whole sequence (P^T dO, a partial sum over
+this rank's queries) is all-reduced over the ring and each rank keeps its block; dP needs
+every V block again (N - 1 sends); dK of the whole sequence (dS^T Q) is all-reduced likewise;
+dQ needs every K block again (N - 1 sends).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ring import RingPeers
+
+TAG_K = 11
+TAG_V = 12
+
+
+def _blocks(t: torch.Tensor, size: int):
+    """Column blocks (one per source rank) of a (b, h, n, size*n) score-shaped tensor."""
+    n = t.shape[-1] // size
+    return [t[..., i * n:(i + 1) * n] for i in range(size)]
+
+
+def _ring(ring: RingPeers, local: torch.Tensor, tag: int, use) -> None:
+    """Pass ``local`` around the ring; ``use(src, block)`` for every block (own first)."""
+    cur = local
+    for j in range(ring.size):
+        pending = ring.exchange(cur, tag) if j < ring.size - 1 else None
+        use((ring.rank - j) % ring.size, cur)
+        if pending is not None:
+            cur = pending.wait()
+
+
+class RingSelfAttention(torch.autograd.Function):
+    """Causal attention of this rank's contiguous (b, h, n, d) queries over the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: RingPeers):
+        b, heads, n, d = q.shape
+        size, rank = ring.size, ring.rank
+        scale = 1.0 / math.sqrt(d)
+        scores = q.new_empty(b, heads, n, size * n)
+        cols = _blocks(scores, size)
+
+        def qk(src, kb):
+            with ring.clock.span("fwd"):
+                cols[src].copy_(q @ kb.transpose(-1, -2)).mul_(scale)
+
+        _ring(ring, k, TAG_K, qk)
+        qpos = torch.arange(rank * n, (rank + 1) * n, device=q.device)
+        kpos = torch.arange(size * n, device=q.device)
+        scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        scores = cols = None  # the score rows live on as p
+        out = torch.zeros_like(q)
+        probs = _blocks(p, size)
+
+        def av(src, vb):
+            with ring.clock.span("fwd"):
+                out.add_(probs[src] @ vb)
+
+        _ring(ring, v, TAG_V, av)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        ring = ctx.ring
+        size, rank, n = ring.size, ring.rank, q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dout = dout.contiguous()
+        # dV: this rank's queries' share for the whole sequence, summed over the ring
+        with ring.clock.span("bwd"):
+            dv_all = p.transpose(-1, -2) @ dout
+        dv = ring.sum_over_ring(dv_all)[:, :, rank * n:(rank + 1) * n].clone()
+        del dv_all
+        dp = torch.empty_like(p)
+        dcols = _blocks(dp, size)
+
+        def dpv(src, vb):
+            with ring.clock.span("bwd"):
+                dcols[src].copy_(dout @ vb.transpose(-1, -2))
+
+        _ring(ring, v, TAG_V, dpv)
+        with ring.clock.span("bwd"):
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+            ds.mul_(scale)
+            dk_all = ds.transpose(-1, -2) @ q
+        dp = dcols = None
+        dk = ring.sum_over_ring(dk_all)[:, :, rank * n:(rank + 1) * n].clone()
+        del dk_all
+        dq = torch.zeros_like(q)
+        dsb = _blocks(ds, size)
+
+        def dqk(src, kb):
+            with ring.clock.span("bwd"):
+                dq.add_(dsb[src] @ kb)
+
+        _ring(ring, k, TAG_K, dqk)
+        return dq, dk, dv, None
+
+
+class RSACore:
+    """q, k, v (b, n, heads, d) of this rank's contiguous tokens -> (b, n, h)."""
+
+    attention = RingSelfAttention
+
+    def __init__(self, ring: RingPeers):
+        self.ring = ring
+
+    def __call__(self, q, k, v):
+        b, n, heads, d = q.shape
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out = self.attention.apply(q, k, v, self.ring)
+        return out.transpose(1, 2).reshape(b, n, heads * d)

@@ -1,0 +1,187 @@
+"""The native context-parallel schemes (see ``base`` and the module of each core)."""
+from __future__ import annotations
+
+from parbench.analytic import context as closed
+from parbench.config import CaseConfig, ConfigError
+from parbench.scheme import register
+
+from .allgather import AllGatherCore, GatherGroup
+from .base import ContextParallelScheme
+from .layout import positions, usp_positions
+from .rsa import RSACore
+from .ulysses import UlyssesRingCore
+
+
+@register
+class RingSelfAttentionScheme(ContextParallelScheme):
+    """Li et al. 2021: K, then V around the ring; full score rows per rank."""
+
+    name = "context.ring-self-attention"
+    kind = "ring-self-attention"
+    description = "Ring Self-Attention (Li et al. 2021): K then V around the ring"
+
+    core_class = RSACore
+
+    def build_core(self):
+        ring = self.peers_class(self.ctx.mesh.group("cp") if self.cp > 1 else None, self.clock)
+        return self.core_class(ring)
+
+    def token_positions(self):
+        return positions(self.ctx.model.seq_length, self.cp, self.cp_rank)
+
+
+@register
+class RingAttentionScheme(ContextParallelScheme):
+    """Liu et al. 2023: blockwise causal attention, K/V blocks around the ring."""
+
+    name = "context.ring-attention"
+    kind = "ring-attention"
+    balanced = True
+    options = ("cp_balance", "recompute")
+    description = "Ring Attention (Liu et al. 2023), causal, zigzag / striped / no balancing"
+    core_class = UlyssesRingCore
+
+    def build_core(self):
+        ring = self.peers_class(self.ctx.mesh.group("cp") if self.cp > 1 else None,
+                                self.clock, self.balance(self.ctx.parallel))
+        return self.core_class(None, 1, ring)
+
+    def token_positions(self):
+        return positions(self.ctx.model.seq_length, self.cp, self.cp_rank,
+                         self.balance(self.ctx.parallel))
+
+    @classmethod
+    def predicted_work(cls, case: CaseConfig):
+        return closed.causal_block_work(case.model.seq_length, case.parallel.cp,
+                                        case.parallel.cp_balance)
+
+
+@register
+class UlyssesScheme(ContextParallelScheme):
+    """Jacobs et al. 2023: all-to-all sequence -> heads, local attention, and back."""
+
+    name = "context.ulysses"
+    kind = "ulysses"
+    description = "DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all sequence <-> heads"
+    core_class = UlyssesRingCore
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        p, m = case.parallel, case.model
+        if m.num_heads % p.cp:
+            raise ConfigError(f"cp={p.cp} does not divide num_heads={m.num_heads} "
+                              "(Ulysses shards the heads over the cp ranks)")
+
+    def build_core(self):
+        group = self.ctx.mesh.group("cp") if self.cp > 1 else None
+        return self.core_class(group, self.cp, self.peers_class(None, self.clock))
+
+    def token_positions(self):
+        return positions(self.ctx.model.seq_length, self.cp, self.cp_rank)
+
+    @classmethod
+    def predicted_work(cls, case: CaseConfig):
+        s, cp = case.model.seq_length, case.parallel.cp
+        return [s * (s + 1) // 2 // cp] * cp  # heads/cp each, the whole causal sequence
+
+    @classmethod
+    def predict(cls, case: CaseConfig):
+        out = super().predict(case)
+        p, m = case.parallel, case.model
+        out.figures["issue_4217"] = closed.ulysses_vs_megatron_sp(
+            p.micro_batch_size, m.seq_length, m.hidden_size, p.cp)
+        return out
+
+    def metrics(self):
+        out = super().metrics()
+        fig = self.predict(self.ctx.case).figures["issue_4217"]
+        measured = self._fwd_cp_bytes
+        per_layer = None if measured is None else measured / self.ctx.model.num_layers
+        # DeepSpeed issue 4217: this rank's forward bytes per layer, measured by the ledger,
+        # beside Megatron-SP's closed form for the same b, s, h and degree
+        out["ulysses_fwd_bytes_per_layer"] = per_layer
+        out["ulysses_fwd_bytes_per_layer_predicted"] = fig["ulysses_fwd_bytes_per_layer"]
+        out["megatron_sp_fwd_bytes_per_layer_formula"] = fig["megatron_sp_fwd_bytes_per_layer"]
+        out["megatron_sp_over_ulysses"] = (fig["megatron_sp_fwd_bytes_per_layer"] / per_layer
+                                           if per_layer else None)
+        return out
+
+
+@register
+class USPScheme(ContextParallelScheme):
+    """Fang & Zhao 2024: Ulysses (cp_ulysses ranks) x ring attention (cp / cp_ulysses)."""
+
+    name = "context.usp"
+    kind = "usp"
+    balanced = True
+    options = ("cp_balance", "cp_ulysses", "recompute")
+    description = "USP (Fang & Zhao 2024): Ulysses x ring attention on a 2-D cp grid"
+    core_class = UlyssesRingCore
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        p, m = case.parallel, case.model
+        if p.cp % p.cp_ulysses:
+            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide cp={p.cp}")
+        if m.num_heads % p.cp_ulysses:
+            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
+                              f"num_heads={m.num_heads} (Ulysses shards the heads)")
+        super().check(case)
+
+    @classmethod
+    def ring_size(cls, p) -> int:
+        return p.cp // p.cp_ulysses
+
+    @classmethod
+    def cp_ulysses(cls, p) -> int:
+        return p.cp_ulysses
+
+    def _grid(self):
+        u = self.ctx.parallel.cp_ulysses
+        return u, self.cp // u, self.cp_rank % u, self.cp_rank // u
+
+    def build_core(self):
+        mesh = self.ctx.mesh
+        u, r, _, _ = self._grid()
+        cp_groups = mesh.layout.groups("cp")
+        uly = mesh.subgroup(closed.ULYSSES_AXIS,
+                            [g[i * u:(i + 1) * u] for g in cp_groups for i in range(r)])
+        ring = mesh.subgroup(closed.RING_AXIS, [g[j::u] for g in cp_groups for j in range(u)])
+        peers = self.peers_class(ring if r > 1 else None, self.clock,
+                                 self.balance(self.ctx.parallel))
+        return self.core_class(uly if u > 1 else None, u, peers)
+
+    def token_positions(self):
+        u, r, ui, ri = self._grid()
+        return usp_positions(self.ctx.model.seq_length, u, r, ui, ri,
+                             self.balance(self.ctx.parallel))
+
+    @classmethod
+    def predicted_work(cls, case: CaseConfig):
+        p = case.parallel
+        u, r = p.cp_ulysses, p.cp // p.cp_ulysses
+        ring = closed.causal_block_work(case.model.seq_length, r, p.cp_balance)
+        return [w // u for w in ring for _ in range(u)]  # heads/u of the ring rank's work
+
+
+@register
+class AllGatherScheme(ContextParallelScheme):
+    """Llama 3: K and V all-gathered along the sequence, local queries, masked."""
+
+    name = "context.allgather"
+    gather_class = GatherGroup
+    kind = "allgather"
+    balanced = True
+    options = ("cp_balance", "recompute")
+    description = "all-gather CP (Llama 3): K, V gathered along the sequence"
+
+    def build_core(self):
+        p = self.ctx.parallel
+        every = [positions(self.ctx.model.seq_length, self.cp, r, self.balance(p))
+                 for r in range(self.cp)]
+        return AllGatherCore(self.gather_class(self.ctx.mesh.group("cp"), every, self.clock))
+
+    def token_positions(self):
+        return positions(self.ctx.model.seq_length, self.cp, self.cp_rank,
+                         self.balance(self.ctx.parallel))

@@ -1,0 +1,71 @@
+"""The reference GPT run on a sequence shard, with a pluggable attention core.
+
+The same modules and weights as ``parbench.model`` (so parameter names match the golden run),
+layer by layer, with two changes: the learned position embeddings added are those of the
+rank's own tokens (``pos``: their global positions, from ``layout``), and the attention core
+-- softmax(Q K^T / sqrt(d)) V, causal -- is a distributed one, called with the rank's
+(b, n, heads, d) Q, K, V and returning its (b, n, h) output. The native schemes and the
+baselines share it; they differ in the core and in how gradients are reduced.
+
+``recompute``: ``full`` checkpoints every layer (reentrant: autograd keeps the layer input),
+``selective`` the attention core (Korthikanti et al. 2022, Sec. 5); either re-runs the core,
+and its communication, in backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def embed(model, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Token embeddings plus the learned position embeddings of *these* tokens."""
+    e = model.embed
+    x = e.tok(tokens)
+    return x if e.pos is None else x + e.pos.weight[pos]
+
+
+def layer(blk, x: torch.Tensor, core, recompute: str = "none") -> torch.Tensor:
+    """One pre-LN block (``parbench.model.Block``) with ``core`` as its attention."""
+    if recompute == "full":
+        return checkpoint(_layer, blk, x, core, "none", use_reentrant=True)
+    return _layer(blk, x, core, recompute)
+
+
+def _layer(blk, x, core, recompute):
+    b, n, h = x.shape
+    heads = blk.attn.num_heads
+    q, k, v = blk.attn.qkv(blk.ln1(x)).view(b, n, 3, heads, h // heads).unbind(2)
+    if recompute == "selective":
+        y = checkpoint(core, q, k, v, use_reentrant=True)
+    else:
+        y = core(q, k, v)
+    x = x + blk.attn.proj(y)
+    return x + blk.mlp(blk.ln2(x))
+
+
+def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
+                  first_layer=None, embed_fn=embed) -> torch.Tensor:
+    """The mean loss over this rank's tokens; ``first_layer`` (a context manager, e.g.
+    ``SavedActivations``) is entered around layer 0."""
+    x = embed_fn(model, tokens, pos)
+    for i, blk in enumerate(model.blocks.values()):
+        if first_layer is not None and i == 0:
+            with first_layer:
+                x = layer(blk, x, core, recompute)
+        else:
+            x = layer(blk, x, core, recompute)
+    return model.head(x, targets)
+
+
+class ShardedGPT(torch.nn.Module):
+    """A module around ``shard_forward`` for engines that wrap a module (DeepSpeed, DDP):
+    ``forward(tokens, pos, targets)``; parameters are ``gpt.<reference name>``."""
+
+    def __init__(self, gpt, core, recompute: str = "none"):
+        super().__init__()
+        self.gpt = gpt
+        self.core = core
+        self.recompute = recompute
+
+    def forward(self, tokens, pos, targets):
+        return shard_forward(self.gpt, tokens, pos, targets, self.core, self.recompute)

@@ -1,0 +1,169 @@
+"""Megatron's parallel layers as autograd functions (Shoeybi et al. 2019, Sec. 3; Korthikanti
+et al. 2022, Sec. 4.2.2), on sequence-first activations ``[s, b, h]``.
+
+- :class:`ColumnParallelLinear`: ``f`` fused with a linear whose output features are split
+  over the tp ranks. Backward all-reduces the input gradient asynchronously while the weight
+  gradient is computed (Megatron's ``async_tensor_model_parallel_allreduce``). With sequence
+  parallelism the input is this rank's sequence shard: forward all-gathers it; the shard,
+  not the gathered input, is saved for backward, which all-gathers it again for the weight
+  gradient and reduce-scatters the input gradient (Korthikanti et al. Sec. 4.2.2: "we store
+  only Y_i^s ... and perform an extra all-gather in the backward pass").
+- :class:`RowParallelLinear`: a linear whose input features are split, fused with ``g``
+  (all-reduce) or, with sequence parallelism, ``g-bar`` (reduce-scatter along the sequence);
+  its bias is added by the caller after the reduction, once.
+- :func:`vocab_parallel_embedding` and :class:`VocabParallelCrossEntropy`: the vocabulary
+  split over the ranks; the loss needs three all-reduces of one value per token (max logit,
+  target logit, sum of exponentials).
+- :class:`Recompute`: run a function without saving its activations and run it again in
+  backward (activation recomputation, Chen et al. 2016; Korthikanti et al. Sec. 5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: F401
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class ColumnParallelLinear(torch.autograd.Function):
+    """y = x W^T + b with W's rows (output features) split; ``sp_size`` > 1: x is the
+    sequence shard and is all-gathered first."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp_size):
+        ctx.group, ctx.sp_size, ctx.has_bias = group, sp_size, bias is not None
+        ctx.save_for_backward(x, weight)
+        full = all_gather_dim0(x, group, sp_size) if sp_size > 1 else x
+        out = torch.matmul(full, weight.t())
+        if bias is not None:
+            out = out + bias
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        sp = ctx.sp_size > 1
+        if sp:
+            # re-gather the input shard while the input gradient is computed (Megatron's
+            # overlap of the backward all-gather with the dgrad GEMM)
+            xc = x.contiguous()
+            flat = torch.empty(ctx.sp_size * xc.numel(), dtype=x.dtype, device=x.device)
+            gather = dist.all_gather_into_tensor(flat, xc.view(-1), group=ctx.group,
+                                                 async_op=True)
+        grad_in = torch.matmul(grad, weight)
+        if sp:
+            gather.wait()
+            full = flat.view(ctx.sp_size * x.shape[0], *x.shape[1:])
+        else:
+            full = x
+        if sp:
+            # reduce-scatter overlapped with the weight gradient
+            grad_in = grad_in.contiguous()
+            out = torch.empty(grad_in.numel() // ctx.sp_size, dtype=grad_in.dtype,
+                              device=grad_in.device)
+            work = dist.reduce_scatter_tensor(out, grad_in.view(-1), group=ctx.group,
+                                              async_op=True)
+            result = out.view(grad_in.shape[0] // ctx.sp_size, *grad_in.shape[1:])
+        else:
+            result = grad_in.contiguous()
+            work = dist.all_reduce(result, group=ctx.group, async_op=True)
+        grad_w = torch.matmul(_flat(grad).t(), _flat(full))
+        grad_b = _flat(grad).sum(0) if ctx.has_bias else None
+        work.wait()
+        return result, grad_w, grad_b, None, None
+
+
+class RowParallelLinear(torch.autograd.Function):
+    """y = sum over ranks of x_r W_r^T (input features split), all-reduced (``g``) or, with
+    ``sp_size`` > 1, reduce-scattered along the sequence (``g-bar``); no bias."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, sp_size):
+        ctx.group, ctx.sp_size = group, sp_size
+        ctx.save_for_backward(x, weight)
+        out = torch.matmul(x, weight.t())
+        if sp_size > 1:
+            return reduce_scatter_dim0(out, group, sp_size)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if ctx.sp_size > 1:
+            grad = all_gather_dim0(grad, ctx.group, ctx.sp_size)
+        grad_in = torch.matmul(grad, weight)
+        grad_w = torch.matmul(_flat(grad).t(), _flat(x))
+        return grad_in, grad_w, None, None
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, start: int
+                             ) -> torch.Tensor:
+    """This rank's partial embedding: rows of tokens in [start, start + rows), zeros for the
+    others (the sum over ranks is the lookup; Shoeybi et al. Sec. 3, input embedding)."""
+    rows = weight.shape[0]
+    outside = (tokens < start) | (tokens >= start + rows)
+    local = (tokens - start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split along the vocabulary (this rank's columns
+    ``[start, start + V_local)``), as Megatron computes it: all-reduce the max logit, the
+    target logit and the sum of exponentials (three all-reduces of one fp32 value per token).
+    Saves the local softmax for backward: d loss / d logits = softmax - onehot(target)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        logits = logits.float()
+        lmax = logits.max(dim=-1).values
+        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        z = logits - lmax.unsqueeze(-1)
+        vl = logits.shape[-1]
+        outside = (target < start) | (target >= start + vl)
+        idx = (target - start).masked_fill(outside, 0)
+        pred = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(pred, group=group)
+        ez = z.exp()
+        sum_exp = ez.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - pred
+        ez.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(ez, idx, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, outside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, idx.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
+        g.mul_(grad.unsqueeze(-1))
+        return g, None, None, None
+
+
+class Recompute(torch.autograd.Function):
+    """``Recompute.apply(fn, *inputs)``: ``fn(*inputs)`` without keeping its activations;
+    only the inputs are saved, and backward runs ``fn`` again (with its collectives) and
+    back-propagates through it. Parameters used by ``fn`` receive their gradients inside."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads)
+        ctx.fn = None
+        return (None, *[x.grad if x.requires_grad else None for x in inputs])

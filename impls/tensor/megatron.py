@@ -1,0 +1,124 @@
+"""``tensor.megatron`` (Shoeybi et al. 2019) and ``tensor.megatron-sp`` (Korthikanti et al.
+2022): the model is :class:`megatron_model.MegatronGPT`; predictions come from
+``parbench.analytic.tensor`` (closed forms) and activation memory per layer is measured beside
+``parbench.analytic.activations.reference_layer_activation_bytes``."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parbench import comm
+from parbench.analytic import shape_from
+from parbench.analytic import tensor as tensor_model
+from parbench.analytic.activations import (korthikanti_layer_bytes,
+                                          reference_layer_activation_bytes)
+from parbench.config import CaseConfig, ConfigError
+from parbench.scheme import Prediction, register
+
+from .base import TensorParallelScheme
+from .megatron_model import MegatronGPT
+
+
+def megatron_prediction(case: CaseConfig, sp: bool) -> Prediction:
+    m, p = case.model, case.parallel
+    shape = shape_from(m)
+    tp = p.tp
+    transfers = tensor_model.megatron_step_traffic(
+        shape, p.micro_batch_size, tp, p.num_microbatches, p.recompute, sp)
+    wire, calls = tensor_model.per_rank(transfers, tp)
+    states = tensor_model.model_states(tensor_model.megatron_params(shape, tp),
+                                       case.run.optimizer)
+    return Prediction(
+        wire_bytes=wire, calls=calls, model_state_bytes=[dict(states) for _ in range(tp)],
+        figures={"padded_vocab": tensor_model.padded_vocab(m.vocab_size, tp),
+                 "transfers": [t.as_dict() for t in transfers],
+                 "paper": tensor_model.megatron_paper_traffic(
+                     shape, p.micro_batch_size, tp, p.num_microbatches, p.recompute, sp)})
+
+
+def activation_figures(case: CaseConfig, sp: bool) -> dict:
+    """Korthikanti et al.'s per-layer activation bytes adapted to the reference model
+    (``reference_layer_activation_bytes``), for this case's tp / sp / recompute."""
+    m, p = case.model, case.parallel
+    sp = sp and p.tp > 1
+    return {"act_layer_formula": reference_layer_activation_bytes(
+        m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,
+        p.recompute, m.ffn, bytes_per_element=4, proj_input_copy=False),
+        # Table 2 verbatim: 16-bit activations, 1-byte dropout masks, f = 4h, eager softmax
+        "act_layer_korthikanti": korthikanti_layer_bytes(
+            m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,
+            p.recompute)}
+
+
+@register
+class Megatron1D(TensorParallelScheme):
+    name = "tensor.megatron"
+    description = ("Megatron 1D: column/row-parallel linears, conjugate f/g, vocab-parallel "
+                   "embedding and cross-entropy (padded vocabulary)")
+    options = ("recompute",)
+    sp = False
+    model_cls = MegatronGPT
+
+    def build_model(self):
+        ctx = self.ctx
+        return self.model_cls(ctx.model, ctx.run.seed, self.group, self.tp, self.tp_rank,
+                           sp=self.sp, recompute=ctx.parallel.recompute).to(ctx.device)
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        if case.parallel.sp and not cls.sp:
+            raise ConfigError(f"sp=true is scheme tensor.megatron-sp, not {cls.name}")
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        return megatron_prediction(case, cls.sp)
+
+    def activation_formula(self) -> dict:
+        return activation_figures(self.ctx.case, self.sp)
+
+    def metrics(self) -> dict:
+        """Plus the largest difference between this rank's gradient of a tp-replicated
+        parameter (LayerNorms, row-parallel biases, position embedding) and tp rank 0's:
+        0.0 when they are identical, as Megatron 1D relies on (checked outside the ledger)."""
+        out = super().metrics()
+        worst = torch.zeros(1, dtype=torch.float64)
+        with comm.unrecorded():
+            for p in self.model.sequence_parallel_params():
+                if p.grad is None:
+                    continue
+                ref = p.grad.detach().clone()
+                dist.broadcast(ref, src=self.ctx.mesh.ranks("tp")[0], group=self.group)
+                worst = torch.maximum(worst, (p.grad - ref).abs().max().double().view(1))
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        out["replicated_grad_max_diff"] = float(worst)
+        return out
+
+
+@register
+class MegatronSP(Megatron1D):
+    name = "tensor.megatron-sp"
+    description = ("Megatron sequence parallelism: LayerNorm regions sharded along the "
+                   "sequence, all-gather / reduce-scatter around the parallel linears")
+    options = ("recompute",)
+    sp = True
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        s, t = case.model.seq_length, case.parallel.tp
+        if s % t:
+            raise ConfigError(f"tp={t} does not divide seq_length={s} (sequence parallelism "
+                              "shards the sequence)")
+
+    def after_backward(self) -> None:
+        """All-reduce the partial gradients of the tp-replicated parameters in one buffer."""
+        if self.tp == 1:
+            return
+        grads = [p.grad for p in self.model.sequence_parallel_params()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

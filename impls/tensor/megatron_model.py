@@ -1,0 +1,205 @@
+"""Megatron 1D tensor parallelism (Shoeybi et al. 2019) and its sequence-parallel form
+(Korthikanti et al. 2022) on the reference GPT.
+
+One tp rank holds (t = tp, r = its index in the tp group):
+
+- the token embedding's rows ``[r V'/t, (r+1) V'/t)`` of the vocabulary padded to V', a
+  multiple of t (Megatron's ``--make-vocab-size-divisible-by``, here 1 x t; padding rows are
+  zeros, never looked up, and their logits are masked to -inf so that the loss and the
+  gradients are those of the unpadded vocabulary); the position embedding whole;
+- per layer: the QKV projection split by heads (column-parallel: the Q, K and V rows of heads
+  ``[r a/t, (r+1) a/t)``), the attention projection split by input features (row-parallel,
+  bias whole), fc1 column- and fc2 row-parallel, both LayerNorms whole;
+- the final LayerNorm whole and the LM head split by vocabulary rows (the token embedding
+  itself when tied).
+
+Without sequence parallelism the LayerNorms, row-parallel biases and position embedding see
+identical inputs and gradients on every tp rank, so their gradients agree without any
+communication (each rank reports its own copy, and the verdict compares every rank's). With
+sequence parallelism (``sp``) the LayerNorm regions hold a sequence shard
+``[s/t, b, h]``; those parameters' gradients are partial sums and are all-reduced over tp once
+per step in one coalesced buffer, as Megatron does for ``sequence_parallel`` parameters.
+The embedding's partial lookups are reduce-scattered along the sequence and each rank adds
+its shard of the position embedding (so the position embedding joins that all-reduce).
+
+``recompute``: ``selective`` recomputes the attention core (softmax(QK^T)V) in backward,
+``full`` each transformer layer from its input (Korthikanti et al. Sec. 5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parbench.model import build_model
+
+from .collectives import ReduceFromRegion, ReduceScatterToSequence
+from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
+                     VocabParallelCrossEntropy, vocab_parallel_embedding)
+from .shards import Placement, blocks, take
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """V' = the smallest multiple of tp not below V (make-vocab-size-divisible-by = 1)."""
+    return -(-vocab // tp) * tp
+
+
+class MegatronLayout:
+    """Which full indices rank ``r`` of ``t`` holds, parameter by parameter."""
+
+    def __init__(self, cfg, tp: int):
+        self.cfg, self.tp = cfg, tp
+        self.vp = padded_vocab(cfg.vocab_size, tp)
+
+    def qkv_rows(self, r: int) -> torch.Tensor:
+        h, t = self.cfg.hidden_size, self.tp
+        w = h // t
+        return torch.cat([blocks(j * h + r * w, w) for j in range(3)])
+
+    def placement(self, name: str, shape: tuple) -> Placement:
+        """The placement of full parameter ``name`` (of shape ``shape``)."""
+        cfg, t = self.cfg, self.tp
+        h, f = cfg.hidden_size, cfg.ffn
+        rows_v = self.vp // t
+        leaf = name.split(".")[-2:]
+        kind = ".".join(leaf)
+        if name in ("embed.tok.weight", "head.out.weight"):
+            return Placement(name, shape, lambda r: (blocks(r * rows_v, rows_v), None))
+        if kind in ("qkv.weight", "qkv.bias"):
+            return Placement(name, shape, lambda r: (self.qkv_rows(r),) + (None,) *
+                             (len(shape) - 1))
+        if kind in ("fc1.weight", "fc1.bias"):
+            return Placement(name, shape, lambda r: (blocks(r * f // t, f // t),) + (None,) *
+                             (len(shape) - 1))
+        if kind == "proj.weight":
+            return Placement(name, shape, lambda r: (None, blocks(r * h // t, h // t)))
+        if kind == "fc2.weight":
+            return Placement(name, shape, lambda r: (None, blocks(r * f // t, f // t)))
+        return Placement(name, shape)  # LayerNorms, row-parallel biases, positions
+
+
+class MegatronGPT(nn.Module):
+    """This rank's shard of the reference GPT, computing in ``[s, b, h]``. Parameters carry
+    the full model's names (``named_parameters`` lists the local shards)."""
+
+    layout_cls = MegatronLayout
+
+    def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool = False,
+                 recompute: str = "none"):
+        super().__init__()
+        self.cfg, self.group, self.tp, self.rank = cfg, group, tp, rank
+        self.sp, self.recompute = sp and tp > 1, recompute
+        self.layout = self.layout_cls(cfg, tp)
+        self.heads = cfg.num_heads // tp
+        self.vocab_start = rank * (self.layout.vp // tp)
+        full = build_model(cfg, seed)
+        self.placements: dict[str, Placement] = {}
+        self.tied = cfg.tie_embeddings
+        self._params = nn.ParameterDict()
+        for name, p in full.named_parameters():
+            pl = self.layout.placement(name, tuple(p.shape))
+            self.placements[name] = pl
+            local = p.detach().clone() if pl.replicated else take(p.detach(), pl.index(rank))
+            self._params[name.replace(".", "__")] = nn.Parameter(local)
+        del full
+        #: hook for SavedActivations around each layer's forward (step 0 only)
+        self.layer_probe = None
+
+    # ---- parameters --------------------------------------------------------------------
+    def p(self, name: str) -> nn.Parameter:
+        return self._params[name.replace(".", "__")]
+
+    def shards(self) -> dict[str, tuple[torch.Tensor, Placement]]:
+        """full name -> (local parameter, placement)."""
+        return {n: (self.p(n), pl) for n, pl in self.placements.items()}
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradients are partial under sequence parallelism (replicated
+        ones: LayerNorms, row-parallel biases, position embedding)."""
+        return [self.p(n) for n, pl in self.placements.items() if pl.replicated]
+
+    # ---- forward -----------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h] (sp: this rank's sequence shard)."""
+        tok = tokens.t()
+        x = vocab_parallel_embedding(tok, self.p("embed.tok.weight"), self.vocab_start)
+        s = tok.shape[0]
+        if self.sp:
+            x = ReduceScatterToSequence.apply(x, self.group, self.tp)
+            lo = self.rank * (s // self.tp)
+            rows = slice(lo, lo + s // self.tp)
+        else:
+            x = self.reduce(x)
+            rows = slice(0, s)
+        if self.cfg.position_embeddings:
+            x = x + self.p("embed.pos.weight")[rows].unsqueeze(1)
+        return x
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``g`` after the embedding's partial lookups: all-reduce forward."""
+        return ReduceFromRegion.apply(x, self.group)
+
+    def column(self, x, weight, bias):
+        return ColumnParallelLinear.apply(x, weight, bias, self.group,
+                                          self.tp if self.sp else 1)
+
+    def row(self, x, weight, bias):
+        y = RowParallelLinear.apply(x, weight, self.group, self.tp if self.sp else 1)
+        return y + bias
+
+    def layer_norm(self, x, prefix: str):
+        return F.layer_norm(x, (self.cfg.hidden_size,), self.p(f"{prefix}.weight"),
+                            self.p(f"{prefix}.bias"))
+
+    def attention_core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T/sqrt(d))V of this rank's heads: [s, b, 3h/t] -> [s, b, h/t]."""
+        s, b, _ = qkv.shape
+        hd = self.cfg.hidden_size // self.cfg.num_heads
+        q, k, v = qkv.view(s, b, 3, self.heads, hd).permute(2, 1, 3, 0, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * hd)
+
+    def block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        pre = f"blocks.{i}"
+        qkv = self.column(self.layer_norm(x, f"{pre}.ln1"), self.p(f"{pre}.attn.qkv.weight"),
+                          self.p(f"{pre}.attn.qkv.bias"))
+        if self.recompute == "selective":
+            attn = Recompute.apply(self.attention_core, qkv)
+        else:
+            attn = self.attention_core(qkv)
+        x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"), self.p(f"{pre}.attn.proj.bias"))
+        u = self.column(self.layer_norm(x, f"{pre}.ln2"), self.p(f"{pre}.mlp.fc1.weight"),
+                        self.p(f"{pre}.mlp.fc1.bias"))
+        return x + self.row(F.gelu(u), self.p(f"{pre}.mlp.fc2.weight"),
+                            self.p(f"{pre}.mlp.fc2.bias"))
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of padded vocabulary rows -> -inf (they take no part in the softmax)."""
+        valid = self.cfg.vocab_size - self.vocab_start
+        if valid >= logits.shape[-1]:
+            return logits
+        pad = torch.arange(logits.shape[-1], device=logits.device) >= valid
+        return logits.masked_fill(pad, float("-inf"))
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final LN, vocab-parallel LM head and cross-entropy: the mean token loss."""
+        w = self.p("embed.tok.weight") if self.tied else self.p("head.out.weight")
+        logits = self.column(self.layer_norm(x, "head.ln"), w, None)
+        logits = self.mask_padding(logits)
+        loss = VocabParallelCrossEntropy.apply(logits, targets.t(), self.vocab_start,
+                                               self.group)
+        return loss.mean()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i in range(self.cfg.num_layers):
+            probe = self.layer_probe(i) if self.layer_probe else None
+            if probe is not None:
+                probe.__enter__()
+            if self.recompute == "full":
+                x = Recompute.apply(lambda y, i=i: self.block(i, y), x)
+            else:
+                x = self.block(i, x)
+            if probe is not None:
+                probe.__exit__(None, None, None)
+        return self.head(x, targets)

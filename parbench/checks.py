@@ -1,0 +1,207 @@
+"""The checks one rank makes after each checked step (merged by ``parbench.verdict``).
+
+- the golden comparison: loss, gradients and parameters against the golden run;
+- the stepwise golden (``StepwiseGolden``): loss and gradients against the golden model loaded
+  with the scheme's own weights before the step, on identical weights, every step;
+- the update check (``UpdateCheck``): the scheme's new parameters against the run's optimizer
+  applied to the scheme's own weights and reported gradients;
+- the initialisation: the scheme's parameters before step 0 equal the golden ones exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .results import StepCheck
+from .verdict import compare
+
+
+#: the update check's tolerance, elementwise: |ours - expected| <= UPDATE_RTOL |expected| +
+#: UPDATE_ATOL_LR * lr. The expected update is the same optimizer arithmetic applied to the
+#: same fp32 tensors, so the only differences are a few ulps where vectorised and scalar
+#: kernels round differently: 2^-20 is 8 ulps of fp32 relative, and lr * 2^-20 bounds an
+#: update's rounding on parameters near zero.
+UPDATE_RTOL = 2.0 ** -20
+UPDATE_ATOL_LR = 2.0 ** -20
+
+
+class UpdateCheck:
+    """Did the scheme's optimizer step do what the run's optimizer does with the gradients the
+    scheme reports? A shadow optimizer (``make_optimizer``, the same arithmetic) holds the
+    scheme's own parameters of the previous step, is handed the scheme's reported gradients,
+    steps, and its result is compared element by element with the scheme's new parameters.
+
+    This separates the optimizer from the gradients: reduction-order noise in a gradient
+    (held to the golden run's tolerance) cannot hide a bug in the update, whose tolerance is a
+    few ulps. A weight-decay error of dw moves a parameter p by lr * dw * p per step, so the
+    smallest error this check detects is about ``UPDATE_RTOL / lr`` (``detectable_wd_error``).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], run):
+        from .model import make_optimizer
+        self.run = run
+        self.shadow = {n: t.detach().float().clone() for n, t in params.items()}
+        self.opt = make_optimizer(list(self.shadow.values()), run)
+
+    def check(self, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+              ) -> tuple[float, bool]:
+        """(largest |ours - expected| in units of the tolerance, ok); then the shadow takes
+        the scheme's new parameters as its own."""
+        names = [n for n in self.shadow if n in grads and n in params]
+        if len(names) != len(self.shadow):
+            return float("inf"), False
+        for n in names:
+            self.shadow[n].grad = grads[n].detach().float().to(self.shadow[n].device)
+        self.opt.step()
+        worst, ok = 0.0, True
+        atol = UPDATE_ATOL_LR * self.run.lr
+        for n in names:
+            expected = self.shadow[n].detach()
+            got = params[n].detach().float().to(expected.device)
+            excess = ((got - expected).abs() / (atol + UPDATE_RTOL * expected.abs())).max()
+            worst = max(worst, float(excess)) if expected.numel() else worst
+            with torch.no_grad():
+                self.shadow[n].copy_(got)
+            self.shadow[n].grad = None
+        ok = worst <= 1.0
+        return worst, ok
+
+
+def detectable_wd_error(run) -> float | None:
+    """The smallest weight-decay error the update check sees in one step: a decay off by dw
+    moves a parameter p by lr * dw * |p|, against a tolerance of UPDATE_RTOL |p| +
+    UPDATE_ATOL_LR lr; on a parameter of magnitude 1 (LayerNorm weights start at 1) that is
+    dw = UPDATE_RTOL / lr + UPDATE_ATOL_LR (about 1e-3 at lr 1e-3, a tenth of the default
+    weight decay 0.01)."""
+    if run.optimizer != "adamw":
+        return None
+    return UPDATE_RTOL / run.lr + UPDATE_ATOL_LR
+
+
+def golden_detectable_wd_error(run) -> float:
+    """Without the update check, a decay error dw shows only through the parameters against
+    the golden run: after the checked steps it has moved a parameter of magnitude 1 by
+    steps * lr * dw, against param_atol + rtol."""
+    return (run.param_atol + run.rtol) / (run.lr * run.steps)
+
+
+class StepwiseGolden:
+    """The golden model at the scheme's own weights ("teacher forcing"): before checked step
+    t the scheme holds parameters p_t; the single-device reference model loaded with p_t gives
+    the loss and gradients the step must produce, on identical weights, so every step's
+    gradients are held to the tight tolerance of step 0 (rtol, atol), with no drift. With the
+    update check (p_(t+1) = optimizer(p_t, g_t) to a few ulps) and p_0 equal to the golden
+    initialisation exactly, the whole trajectory is verified step by step; the comparison with
+    the golden trajectory itself remains, reported as drift.
+    """
+
+    def __init__(self, case):
+        from .model import build_model
+        self.model = build_model(case.model, case.run.seed)
+        self.params = dict(self.model.named_parameters())
+
+    @property
+    def initial(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def at(self, weights: dict[str, torch.Tensor], inputs, targets
+           ) -> tuple[float, dict[str, torch.Tensor]]:
+        """(loss, gradients) of the reference model at ``weights`` on the global batch."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(weights[n].detach().to(p.device, p.dtype))
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model(inputs, targets)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.detach().clone() for n, p in self.params.items()}
+
+
+def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None = None,
+               reference: tuple[float, dict] | None = None) -> StepCheck:
+    """This rank's tensors of checked step ``step``.
+
+    With ``reference`` (the stepwise golden's loss and gradients at the scheme's weights
+    before the step) the loss and gradients are held to (rtol, atol) at every step, and the
+    parameters' distance from the golden trajectory is reported as drift; ``update`` checks
+    the step itself. Without (schemes with another update rule, whose golden run simulates
+    it): the golden trajectory -- step 0's gradients to (rtol, atol), later gradients and all
+    parameters to param_atol, as AdamW amplifies fp32 noise in near-zero gradients.
+    """
+    grads = scheme.full_grads()
+    params = scheme.full_params()
+    p = compare(params, golden.params[step], run.rtol, run.param_atol)
+    if reference is not None:
+        ref_loss, ref_grads = reference
+        g = compare(grads, ref_grads, run.rtol, run.atol)
+    else:
+        ref_loss = golden.losses[step]
+        g = compare(grads, golden.grads[step], run.rtol,
+                    run.atol if step == 0 else run.param_atol)
+    out = StepCheck(step=step, grad_max_abs=g["max_abs"], grad_ok=g["ok"],
+                    param_max_abs=p["max_abs"], param_ok=p["ok"] or reference is not None,
+                    names=sorted(set(g["names"]) | set(p["names"])),
+                    missing=g["missing"] + p["missing"], stepwise=reference is not None)
+    if update is not None:
+        out.update_excess, out.update_ok = update.check(grads, params)
+    if loss is not None:
+        d = abs(float(loss) - ref_loss)
+        out.loss, out.golden_loss, out.loss_abs = float(loss), golden.losses[step], d
+        out.loss_ok = d <= run.atol + run.rtol * abs(ref_loss)
+    return out
+
+
+def check_initial(params: dict[str, torch.Tensor], stepwise: StepwiseGolden) -> float:
+    """Largest |p_0 - golden initialisation| over this rank's parameters (must be 0: every
+    scheme builds its shard from the same seeded full weights)."""
+    init = stepwise.initial
+    worst = 0.0
+    for n, t in params.items():
+        if n not in init:
+            return float("inf")
+        worst = max(worst, float((t.detach().float().cpu() - init[n]).abs().max()))
+    return worst
+
+
+class RankChecker:
+    """Everything one rank checks, step after step, for one case."""
+
+    def __init__(self, scheme, case, golden):
+        self.scheme, self.run, self.golden = scheme, case.run, golden
+        self.update = self.stepwise = None
+        self.init_max_abs = None
+        if type(scheme).checks_update:
+            with comm.unrecorded():
+                start = scheme.full_params()
+            self.update = UpdateCheck(start, case.run)
+            self.stepwise = StepwiseGolden(case)
+            self.init_max_abs = check_initial(start, self.stepwise)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights before this step: this rank's, completed from the other
+        ranks' (all_gather_object, outside the ledger) when this rank holds part of it (a
+        pipeline stage)."""
+        mine = self.update.shadow
+        complete = torch.tensor([int(set(mine) >= set(self.stepwise.params))])
+        dist.all_reduce(complete, op=dist.ReduceOp.MIN)
+        if complete.item():
+            return mine
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, {n: t.cpu() for n, t in mine.items()})
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for n, t in part.items():
+                full.setdefault(n, t)
+        return full
+
+    def check(self, step: int, loss, inputs, targets) -> StepCheck:
+        with comm.unrecorded():
+            reference = None
+            if self.stepwise is not None:
+                reference = self.stepwise.at(self._full_weights(), inputs, targets)
+            out = check_step(self.scheme, self.golden, step, loss, self.run, self.update,
+                             reference)
+        if step == 0 and self.init_max_abs is not None:
+            out.init_max_abs = self.init_max_abs
+            out.init_ok = self.init_max_abs == 0.0
+        return out
