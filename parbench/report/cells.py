@@ -44,6 +44,16 @@ def verdict(row: Row, markup: bool = True) -> str:
     return "[red]FAIL[/]" if markup else "FAIL"
 
 
+def update_check(row: Row) -> str:
+    """'ok 0.0' (largest error in units of the tolerance), and the smallest weight-decay
+    error this row's comparison sees."""
+    seen = fmt_sci(row.detectable_wd_error)
+    if row.update_ok is None:
+        return f"n/a (own rule)\nwd ≥ {seen}"
+    state = "ok" if row.update_ok else "[red]FAIL[/]"
+    return f"{state} {row.max_update_excess or 0:.2g}\nwd ≥ {seen}"
+
+
 def short_scheme(name: str) -> str:
     return name.replace("baseline.", "")
 

@@ -34,19 +34,28 @@ def _uniform_tolerance(rows: list[Row]) -> dict | None:
     return dict(next(iter(tols))) if len(tols) == 1 else None
 
 
-def _caption(rows: list[Row], shared: list[Row], uniform: dict | None) -> str:
-    caption = ("bytes per rank per step, largest rank; 'x =' means every rank equals its "
-               "prediction; KiB = 2^10 B, MiB = 2^20 B")
-    if uniform:
-        caption += (f"; tolerance rtol {uniform.get('rtol', 0):.0e}, atol "
-                    f"{uniform.get('atol', 0):.0e}, params {uniform.get('param_atol', 0):.0e}"
-                    " (tensor-wise)")
+def _caption(rows: list[Row], shared: list[Row], uniform: dict | None,
+             compact: bool = False) -> str:
     stored = sum(r.golden_source.startswith("stored") for r in rows)
-    caption += f"; golden runs: {stored} from committed files, {len(rows) - stored} live"
+    if compact:
+        caption = ("bytes per rank per step, largest rank; '=' every rank equals its closed "
+                   "form on every step, '≠' not (--wide shows both); KiB = 2^10 B; golden: "
+                   f"{stored} stored, {len(rows) - stored} live")
+    else:
+        caption = ("bytes per rank per step, largest rank; 'x =' means every rank equals its "
+                   "prediction on every checked step; KiB = 2^10 B, MiB = 2^20 B; golden "
+                   f"runs: {stored} from committed files, {len(rows) - stored} live")
+        if uniform:
+            caption += (f"; losses and gradients against the golden model at the scheme's "
+                        f"weights: rtol {uniform.get('rtol', 0):.0e}, atol "
+                        f"{uniform.get('atol', 0):.0e} (tensor-wise); drift from the golden "
+                        f"trajectory: param_atol {uniform.get('param_atol', 0):.0e} where the "
+                        "update check does not apply")
     if shared:
         caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
-                    f"{shared[0].host_cpus} cores (marked *): their wall-clock times and "
-                    "measured bubbles include core sharing")
+                    f"{shared[0].host_cpus} cores (marked *)" +
+                    ("" if compact else ": their wall-clock times and measured bubbles "
+                     "include core sharing"))
     return caption
 
 
@@ -62,8 +71,8 @@ def compact_table(fam: str, rows: list[Row], ratios: dict) -> Table:
     the replayed bubble for pipelines)."""
     shared = [r for r in rows if r.shares_cores]
     t = Table(title=f"{fam} — {len(rows)} case(s)",
-              caption=_caption(rows, shared, _uniform_tolerance(rows)) +
-              "; '≠': differs from the prediction (see --wide)", box=box.SIMPLE_HEAD,
+              caption=_caption(rows, shared, _uniform_tolerance(rows), compact=True),
+              box=box.SIMPLE_HEAD,
               show_edge=False, padding=(0, 1), collapse_padding=True)
     t.add_column("scheme", overflow="fold")
     t.add_column("deg", no_wrap=True)
@@ -95,8 +104,9 @@ def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
     shared = [r for r in rows if r.shares_cores]
     t = Table(title=f"{fam} — {len(rows)} case(s)", caption=_caption(rows, shared, uniform),
               show_lines=True)
-    cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param", "tolerance",
-            "step ms", "tok/s", "peak/rank", "model states", "wire bytes", "ours / baseline"]
+    cols = ["scheme", "degrees", "golden", "max |Δ| loss/grad/param(drift)",
+            "update check / wd error seen", "tolerance", "step ms", "tok/s", "peak/rank",
+            "model states", "wire bytes", "ours / baseline"]
     if uniform:
         cols.remove("tolerance")
     for col in cols:
@@ -118,7 +128,7 @@ def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
             r.scheme, cells.degrees(r) + ("*" if r in shared else ""), cells.verdict(r),
             "\n".join(cells.fmt_sci(v) for v in (r.max_loss_abs, r.max_grad_abs,
                                                  r.max_param_abs)),
-            *tol_cell, cells.fmt_ms(r.step_time_s),
+            cells.update_check(r), *tol_cell, cells.fmt_ms(r.step_time_s),
             f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "—",
             cells.peak(r), cells.states(r), cells.wire_detail(r), rat_s,
             *([cells.paper_states(r) or "—"] if paper else []),
