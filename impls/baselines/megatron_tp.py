@@ -32,6 +32,7 @@ from parbench.model import build_model
 from parbench.scheme import register
 
 from impls.tensor.base import TensorParallelScheme
+from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.megatron import Megatron1D, megatron_prediction
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import take
@@ -242,13 +243,7 @@ class MegatronCoreTP(TensorParallelScheme):
     def after_backward(self) -> None:
         if not self.sp or self.tp == 1:
             return
-        grads = [p.grad for p in self.model.sequence_parallel_params()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat([p.grad for p in self.model.sequence_parallel_params()], self.group)
 
     @classmethod
     def predict(cls, case: CaseConfig):

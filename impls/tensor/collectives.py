@@ -105,3 +105,14 @@ class AllReduceSum(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place with one all-reduce of their concatenation
+    (Megatron-Core's bucketed reduction of the sequence-parallel parameters' gradients)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -92,10 +92,6 @@ class CubeGPT(GridGPT):
         self.hidden_group = grid.z
         self.heads = cfg.num_heads // grid.q
 
-    def coords(self, t: int) -> tuple[int, int, int]:
-        q = self.q
-        return t // (q * q), (t // q) % q, t % q
-
     def rows(self, batch: int) -> slice:
         n = batch // (self.q * self.q)
         blk = self.grid.i * self.q + self.grid.j

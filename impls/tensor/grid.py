@@ -73,6 +73,12 @@ class GridGPT(nn.Module):
     a slice of sequences), the hidden group and ``head_dim``/``heads``."""
 
     hidden_group = None
+    q: int = 1
+
+    def coords(self, t: int) -> tuple[int, int, int]:
+        """The (slowest, middle, fastest) grid coordinates of tp index ``t`` on q x q x .."""
+        q = self.q
+        return t // (q * q), (t // q) % q, t % q
 
     def __init__(self, cfg, seed: int, tp_index: int):
         super().__init__()

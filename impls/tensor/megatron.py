@@ -16,6 +16,7 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
+from .collectives import all_reduce_flat
 from .megatron_model import MegatronGPT
 
 
@@ -115,10 +116,4 @@ class MegatronSP(Megatron1D):
         """All-reduce the partial gradients of the tp-replicated parameters in one buffer."""
         if self.tp == 1:
             return
-        grads = [p.grad for p in self.model.sequence_parallel_params()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat([p.grad for p in self.model.sequence_parallel_params()], self.group)

@@ -116,10 +116,6 @@ class SummaGPT(GridGPT):
         self.hidden_group = grid.row
         self.heads = cfg.num_heads // grid.q
 
-    def coords(self, t: int) -> tuple[int, int, int]:
-        q = self.q
-        return t // (q * q), (t // q) % q, t % q
-
     def rows(self, batch: int) -> slice:
         n = batch // (self.d * self.q)
         blk = self.grid.k * self.q + self.grid.i

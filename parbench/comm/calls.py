@@ -103,13 +103,18 @@ def _all_to_all_single(*a, **k):
     rank sends everything but its own block (uneven splits: MoE dispatch, context parallel's
     one-peer exchanges)."""
     inp, group = _arg(a, k, 1, "input"), _arg(a, k, 4, "group")
-    splits = _arg(a, k, 3, "input_split_sizes")
-    kept = None
-    if splits:
-        me = dist.get_rank(group) if group is not None else dist.get_rank()
-        row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
-        kept = int(splits[me]) * row
-    return _Call(inp, _nbytes(inp), group, kept_bytes=kept)
+    return _Call(inp, _nbytes(inp), group,
+                 kept_bytes=_kept(inp, _arg(a, k, 3, "input_split_sizes"), group))
+
+
+def _kept(inp: torch.Tensor, splits, group) -> int | None:
+    """The bytes of an all-to-all's input that stay on this rank (its own split), or None
+    when the input is cut into equal blocks."""
+    if not splits:
+        return None
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
+    return int(splits[me]) * row
 
 
 def _all_to_all_list(*a, **k):
@@ -203,12 +208,8 @@ def _functional_all_to_all(*a, **k):
     """funcol.all_to_all_single(self, output_split_sizes, input_split_sizes, group, tag)."""
     inp = a[0] if a else k["self"]
     group = _functional_group(_arg(a, k, 3, "group"))
-    splits = _arg(a, k, 2, "input_split_sizes")
-    kept = None
-    if splits:
-        row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
-        kept = int(splits[dist.get_rank(group)]) * row
-    return _Call(inp, _nbytes(inp), group, kept_bytes=kept)
+    return _Call(inp, _nbytes(inp), group,
+                 kept_bytes=_kept(inp, _arg(a, k, 2, "input_split_sizes"), group))
 
 
 FUNCTIONAL_WRAPPERS = [
