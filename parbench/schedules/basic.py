@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ._common import need_positive, no_extra, resolve_v
+from ._arguments import need_positive, no_extra, resolve_v
 from .actions import BACKWARD_FULL, FORWARD, Action, Schedule, linear_placement, split_fused
 from .closed_forms import (
     ClosedForm,

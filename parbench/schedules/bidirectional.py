@@ -31,7 +31,7 @@
 """
 from __future__ import annotations
 
-from ._common import need_even_p, need_positive, no_extra, resolve_v
+from ._arguments import need_even_p, need_positive, no_extra, resolve_v
 from .actions import (
     BACKWARD_FULL,
     BACKWARD_INPUT,

@@ -29,7 +29,7 @@ input, on the critical path) and W (gradient for the weights, free to move).
 """
 from __future__ import annotations
 
-from ._common import need_positive, no_extra, resolve_v
+from ._arguments import need_positive, no_extra, resolve_v
 from .actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,

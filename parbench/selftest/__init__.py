@@ -30,7 +30,8 @@ FAMILY_CASES = {
 CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgather",
              "local-sgd-sum", "1f1b-no-wd", "1f1b-unscaled-loss", "zbh1-skip-w",
              "ring-no-rescale", "cp-pos-embed-local", "tp-fg-swapped",
-             "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter")
+             "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter",
+             "ddp-debug-allreduce", "zero3-keeps-gathered-units")
 
 
 def base_case(m: Mutant, scheme: str, seed: int) -> CaseConfig:

@@ -3,6 +3,7 @@ with one method changed, registered as a scheme of its own (``mutant.<id>``) so 
 on the ranks exactly as the original does."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from impls.data.ddp import NativeDDP
@@ -187,3 +188,27 @@ class LocalSGDSum(LocalSGD):
         if is_sync_step(step, self.ctx.parallel.local_sgd_period):
             dist.all_reduce(self.flat, group=self.group)  # the bug: no division by dp
         return self.reduce_loss(total / self.dp_size, self.group)
+
+
+# ---- bugs that leave the numbers alone: only the bytes or the model states show them -------
+
+
+@mutant("ddp-debug-allreduce", base="data.ddp",
+        bug="a leftover debugging all-reduce of the loss every step (numbers unchanged)")
+class DDPDebugAllReduce(NativeDDP):
+    def train_step(self, inputs, targets, step):
+        loss = super().train_step(inputs, targets, step)
+        probe = torch.tensor([loss])
+        dist.all_reduce(probe, group=self.group)  # the bug: traffic the scheme should not make
+        return loss
+
+
+@mutant("zero3-keeps-gathered-units", base="zero.3",
+        bug="gathered units are kept after use instead of freed (numbers unchanged)")
+class Zero3KeepsGathered(Zero3):
+    def _free(self, i):
+        full = self._full.get(i)
+        if full is not None:
+            self.kept = getattr(self, "kept", {})
+            self.kept[i] = full  # the bug: a reference outlives the unit's use
+        super()._free(i)

@@ -180,3 +180,16 @@ def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, **env})
     assert wide.returncode == 0 and "update check" in wide.stdout and "tok/s" in wide.stdout
+
+
+def test_bytes_off_the_closed_form_fail_the_run_with_status_3(tmp_path):
+    """A native scheme whose numbers are right but whose traffic is not (a leftover
+    debugging all-reduce) is reported equivalent, not exact, and the run exits 3."""
+    suite = tmp_path / "bytes.yaml"
+    suite.write_text("name: bytes\ndefaults: {model: tiny, dp: 2, steps: 2, timed_steps: 0}\n"
+                     "cases:\n  - {scheme: mutant.ddp-debug-allreduce}\n")
+    out = tmp_path / "out"
+    p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=120)
+    assert p.returncode == 3, p.stdout + p.stderr
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert row["equivalent"] and row["wire_exact"] is False and row["calls_exact"] is False

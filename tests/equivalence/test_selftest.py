@@ -26,7 +26,11 @@ def test_every_mutant_is_killed_and_no_control_fails():
     assert result["mutants"] == (len(load()) if thorough else len(CI_SUBSET))
     assert not survivors, survivors
     assert result["false_alarms"] == 0, result["false_alarm_cases"]
+    by_id = {c["id"]: c for c in result["cases"]}
     # the weight-decay bugs are caught by the update check, not by luck of the tolerances
     for c in result["cases"]:
         if c["id"].endswith(("-no-wd", "-double-wd")):
             assert "update" in c["caught_by"], c
+    # bugs that leave the numbers alone are caught by the closed forms alone
+    assert by_id["ddp-debug-allreduce"]["caught_by"] == "wire+calls"
+    assert by_id["zero3-keeps-gathered-units"]["caught_by"] == "model_state"
