@@ -1,6 +1,6 @@
 """Native ZeRO-3 (P_os+g+p) (Rajbhandari et al. 2020, Sec. 5.3 and 7.2.2).
 
-Each rank holds only its shard of every unit (``impls/zero_common``) -- parameters, gradients
+Each rank holds only its shard of every unit (``impls/zero/layout``) -- parameters, gradients
 and AdamW states. A unit's parameters are all-gathered right before the unit runs in forward
 (the next unit's gather is issued before this one computes: prefetch), used, and freed; they
 are all-gathered again when backward reaches the unit (again prefetching the unit before it),

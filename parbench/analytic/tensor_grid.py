@@ -102,7 +102,7 @@ def cube_params(shape: Shape, q: int) -> RankParams:
     return _grid_params(shape, q, q ** 3)
 
 
-def _grid_common(shape: Shape, tokens: int, q: int, hidden_axis: str, m: int,
+def _grid_shared_terms(shape: Shape, tokens: int, q: int, hidden_axis: str, m: int,
                  e: int) -> list[Transfer]:
     """LayerNorm statistics and the LM head's partial logits, per step: each LayerNorm
     all-reduces the per-token sum and the sum of squares over the hidden group (2 all-reduces
@@ -128,7 +128,7 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, microbatches: i
     each. With the root visiting every rank once per q rounds (:class:`RootedCycle`) a rank
     sends 3 (q-1) A on ``tp_row`` and 3 (q-1) B on ``tp_col`` per linear -- the 3 (q-1)
     message rounds per product of Optimus' analysis (Colossal-AI's table: O(6(q-1)/q) over
-    both axes at d = 1). Plus the LayerNorm and head terms of :func:`_grid_common`, and once
+    both axes at d = 1). Plus the LayerNorm and head terms of :func:`_grid_shared_terms`, and once
     per step an all-reduce over ``tp_col`` of the gradients of every parameter replicated over
     grid rows (biases, LayerNorms, embeddings) and, for d > 1, over ``tp_dep`` of every
     gradient (Tesseract, Sec. 3.2: the depth layers hold the same weights) -- the
@@ -151,7 +151,7 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, microbatches: i
                                 f"{what}: W blocks (fwd, dX)"),
                     RootedCycle("tp_col", "reduce", q, B, q * shape.l * m,
                                 f"{what}: partial dW")]
-        out += _grid_common(shape, T, q, "tp_row", m, e)
+        out += _grid_shared_terms(shape, T, q, "tp_row", m, e)
         rep = summa_params(shape, q).replicated
         out.append(Transfer("tp_col", "all_reduce", q, rep * e, 1,
                             "gradients replicated over grid rows (once per step)"))
@@ -186,7 +186,7 @@ def cube_step_traffic(shape: Shape, b: int, q: int, microbatches: int = 1,
     ``tp_x``. The input / output axes are y / z for QKV and fc1, z / y for the projection
     and fc2. That is 2 (q-1) X + 2 (q-1) W + 2 (q-1)/q Y per linear -- Colossal-AI's
     O(6(q-1)/q^3) in units of the full activation per axis pair. Plus the LayerNorm and head
-    terms of :func:`_grid_common` on ``tp_z`` (the residual stream's hidden axis), and once
+    terms of :func:`_grid_shared_terms` on ``tp_z`` (the residual stream's hidden axis), and once
     per step the replicated parameters' gradients summed over their replica axes: all over
     ``tp_x``; those with features along z (LayerNorms, embeddings, projection and fc2 biases)
     over ``tp_y``; those along y (QKV and fc1 biases) over ``tp_z``.
@@ -208,7 +208,7 @@ def cube_step_traffic(shape: Shape, b: int, q: int, microbatches: int = 1,
                 Transfer("tp_x", "reduce_scatter", q, q * W, L * m, f"{what}: dW (bwd)"),
                 Transfer(ax_out, "reduce_scatter", q, Y, L * m, f"{what}: Y (fwd)"),
                 Transfer(ax_out, "all_gather", q, Y, L * m, f"{what}: dY (bwd)")]
-    out += _grid_common(shape, T, q, "tp_z", m, e)
+    out += _grid_shared_terms(shape, T, q, "tp_z", m, e)
     h, f = shape.h, shape.f
     rep = cube_params(shape, q).replicated
     on_y = L * (3 * h + f) // q
