@@ -31,8 +31,7 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model
 from parbench.scheme import register
 
-from impls.tensor.base import TensorParallelScheme
-from impls.tensor.megatron import Megatron1D, megatron_prediction
+from impls.tensor.megatron import MegatronFigures
 from impls.tensor.megatron_model import MegatronLayout
 
 warnings.filterwarnings("ignore", message=".*loss_parallel.*")
@@ -95,7 +94,7 @@ def _local(t):
 
 
 @register
-class DTensorTP(TensorParallelScheme):
+class DTensorTP(MegatronFigures):
     name = "baseline.dtensor.tp"
     baseline_of = "tensor.megatron"
     description = "torch DTensor parallelize_module: Colwise/Rowwise + loss_parallel"
@@ -169,13 +168,6 @@ class DTensorTP(TensorParallelScheme):
                     t = full
                 out[name] = t
         return out
-
-    @classmethod
-    def predict(cls, case: CaseConfig):
-        return megatron_prediction(case, cls.sp)
-
-    def activation_formula(self) -> dict:
-        return Megatron1D.activation_formula(self)
 
 
 @register

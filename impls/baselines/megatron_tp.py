@@ -31,9 +31,8 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model
 from parbench.scheme import register
 
-from impls.tensor.base import TensorParallelScheme
 from impls.tensor.collectives import all_reduce_flat
-from impls.tensor.megatron import Megatron1D, megatron_prediction
+from impls.tensor.megatron import MegatronFigures
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import take
 
@@ -211,7 +210,7 @@ class MegatronCoreGPT(nn.Module):
 
 
 @register
-class MegatronCoreTP(TensorParallelScheme):
+class MegatronCoreTP(MegatronFigures):
     name = "baseline.megatron.tp"
     baseline_of = "tensor.megatron"
     description = "Megatron-Core 0.16 Column/RowParallelLinear, VocabParallelEmbedding"
@@ -244,13 +243,6 @@ class MegatronCoreTP(TensorParallelScheme):
         if not self.sp or self.tp == 1:
             return
         all_reduce_flat([p.grad for p in self.model.sequence_parallel_params()], self.group)
-
-    @classmethod
-    def predict(cls, case: CaseConfig):
-        return megatron_prediction(case, cls.sp)
-
-    def activation_formula(self) -> dict:
-        return Megatron1D.activation_formula(self)
 
 
 @register

@@ -51,8 +51,22 @@ def activation_figures(case: CaseConfig, sp: bool) -> dict:
             p.recompute)}
 
 
+class MegatronFigures(TensorParallelScheme):
+    """The closed forms of a Megatron 1D / SP case (``sp``): ours and the baselines of the
+    same layers (DTensor, Megatron-Core) share them."""
+
+    sp = False
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        return megatron_prediction(case, cls.sp)
+
+    def activation_formula(self) -> dict:
+        return activation_figures(self.ctx.case, self.sp)
+
+
 @register
-class Megatron1D(TensorParallelScheme):
+class Megatron1D(MegatronFigures):
     name = "tensor.megatron"
     description = ("Megatron 1D: column/row-parallel linears, conjugate f/g, vocab-parallel "
                    "embedding and cross-entropy (padded vocabulary)")
@@ -70,13 +84,6 @@ class Megatron1D(TensorParallelScheme):
         super().check(case)
         if case.parallel.sp and not cls.sp:
             raise ConfigError(f"sp=true is scheme tensor.megatron-sp, not {cls.name}")
-
-    @classmethod
-    def predict(cls, case: CaseConfig) -> Prediction:
-        return megatron_prediction(case, cls.sp)
-
-    def activation_formula(self) -> dict:
-        return activation_figures(self.ctx.case, self.sp)
 
     def metrics(self) -> dict:
         """Plus the largest difference between this rank's gradient of a tp-replicated
