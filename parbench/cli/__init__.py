@@ -11,7 +11,7 @@ import os
 import sys
 
 from ..config import ConfigError
-from . import analytic, inspect, run
+from . import analytic, inspect, run, schedule
 
 USAGE = """usage: parbench VERB [key=value ...] [--json]
 
@@ -37,7 +37,7 @@ flags: --json (machine-readable output), --wide (every column of the result tabl
 
 VERBS = {"run": run.cmd_run, "list": inspect.cmd_list, "report": inspect.cmd_report,
          "mesh": inspect.cmd_mesh, "golden": inspect.cmd_golden,
-         "schedule": inspect.cmd_schedule, "estimate": analytic.cmd_estimate,
+         "schedule": schedule.cmd_schedule, "estimate": analytic.cmd_estimate,
          "traffic": analytic.cmd_traffic, "selftest": run.cmd_selftest}
 FLAGS = ("--json", "--wide")
 

@@ -1,4 +1,5 @@
-"""Verbs that describe or read, spawning no rank: list, report, mesh, schedule, golden."""
+"""Verbs that describe or read, spawning no rank: list, report, mesh, golden (and
+``schedule``, in ``cli/schedule.py``)."""
 from __future__ import annotations
 
 import json
@@ -88,11 +89,6 @@ def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
 
     emit(data, as_json, render)
     return 0
-
-
-def cmd_schedule(args, as_json: bool = False, wide: bool = False) -> int:
-    from .schedule import schedule_command
-    return schedule_command(args, as_json)
 
 
 def uses_golden_run(case) -> bool:

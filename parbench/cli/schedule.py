@@ -12,7 +12,7 @@ from ..overrides import coerce, number, parse_overrides
 MAX_SLOTS = 16384
 
 
-def schedule_command(args: list[str], as_json: bool) -> int:
+def cmd_schedule(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from ..schedules import SCHEDULES, ScheduleError, grid_text, make_schedule, simulate, summary
     from ..schedules import validate
 
