@@ -97,8 +97,9 @@ class StepwiseGolden:
     """
 
     def __init__(self, case):
+        from .golden import routing_groups
         from .model import build_model
-        self.model = build_model(case.model, case.run.seed)
+        self.model = build_model(case.model, case.run.seed, routing_groups(case))
         self.params = dict(self.model.named_parameters())
 
     @property

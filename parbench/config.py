@@ -35,7 +35,9 @@ RULES: dict[str, tuple[Any, str]] = {
 
 #: option fields that only some schemes read; a command-line override of one that no case of
 #: the suite reads is an error (see ``Scheme.options``)
-OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "parallel.sp", "parallel.vpp",
+OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "model.moe_every",
+                 "model.moe_capacity_factor", "model.moe_aux_loss_coef",
+                 "model.moe_z_loss_coef", "parallel.etp", "parallel.sp", "parallel.vpp",
                  "parallel.schedule", "parallel.zero_stage", "parallel.bucket_mb",
                  "parallel.local_sgd_period", "parallel.recompute", "parallel.tp_depth",
                  "parallel.cp_balance", "parallel.cp_ulysses")
@@ -61,6 +63,12 @@ class ModelConfig:
     position_embeddings: bool = True
     num_experts: int = _rule(0, "nonneg", "0 = dense")
     moe_top_k: int = _rule(1, "pos")
+    #: layer i is an MoE layer iff num_experts > 0 and i % moe_every == 0 (Megatron-Core's
+    #: moe_layer_freq); see parbench.moe for the routing, capacity and loss semantics
+    moe_every: int = _rule(1, "pos")
+    moe_capacity_factor: float = _rule(1.0, "nonneg", "0 = no capacity limit (no dropping)")
+    moe_aux_loss_coef: float = _rule(0.01, "nonneg", "load-balancing loss (Switch Eq. 4)")
+    moe_z_loss_coef: float = _rule(0.0, "nonneg", "router z-loss (ST-MoE Eq. 5)")
     init_std: float = _rule(0.02, "gt0")
 
     @property
@@ -84,6 +92,8 @@ class ParallelConfig:
     tp: int = _rule(1, "pos")
     cp: int = _rule(1, "pos")
     ep: int = _rule(1, "pos")
+    #: expert tensor-parallel size: 0 = tp (Megatron-Core's default)
+    etp: int = _rule(0, "nonneg", "0 = tp")
     dp: int = _rule(1, "pos")
     pp: int = _rule(1, "pos")
     vpp: int = _rule(1, "pos", "virtual stages (chunks) per pipeline rank")
@@ -107,6 +117,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     @property
     def global_batch_size(self) -> int:
@@ -265,7 +279,9 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     if p.sp and p.tp > 1 and m.seq_length % p.tp:
         raise ConfigError(f"sp with tp={p.tp} needs tp to divide seq_length={m.seq_length}")
     from .mesh import check_expert_layout
-    check_expert_layout(tp=p.tp, cp=p.cp, dp=p.dp, ep=p.ep, error=ConfigError)
+    check_expert_layout(tp=p.tp, cp=p.cp, dp=p.dp, ep=p.ep, etp=p.expert_tp, error=ConfigError)
+    if p.ep > 1 and not m.num_experts:
+        raise ConfigError(f"ep={p.ep} needs an MoE model (num_experts=0)")
     if p.ep > 1 and m.num_experts % p.ep:
         raise ConfigError(f"ep={p.ep} does not divide num_experts={m.num_experts}")
     if m.num_layers % (p.pp * p.vpp):

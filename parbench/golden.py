@@ -38,14 +38,26 @@ def _named(model) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.named_parameters()}
 
 
+def routing_groups(case: CaseConfig):
+    """The MoE routing groups the case's scheme routes (None for a dense model): the golden
+    run routes the same groups (``parbench.moe``)."""
+    if not case.model.num_experts:
+        return None
+    from .scheme import get_scheme
+    return get_scheme(case.run.scheme).routing_groups(case)
+
+
 def golden_key(case: CaseConfig, steps: int) -> str:
     """What a single-device reference run depends on: the model, the global batch, the seed,
-    the optimizer and the number of steps."""
+    the optimizer and the number of steps (and, for an MoE model, the routing groups)."""
     d = case.to_dict()
     keep_run = {k: d["run"][k] for k in ("seed", "optimizer", "lr", "weight_decay", "beta1",
                                          "beta2", "eps")}
-    return json.dumps([d["model"], case.parallel.global_batch_size, keep_run, steps],
-                      sort_keys=True)
+    parts = [d["model"], case.parallel.global_batch_size, keep_run, steps]
+    routing = routing_groups(case)
+    if routing is not None:
+        parts.append(routing.key())
+    return json.dumps(parts, sort_keys=True)
 
 
 def golden_name(key: str) -> str:
@@ -115,7 +127,7 @@ def from_tensors(tensors: dict[str, torch.Tensor], steps: int) -> GoldenRun:
 
 def _train(case: CaseConfig, steps: int) -> GoldenRun:
     torch.manual_seed(case.run.seed)
-    model = build_model(case.model, case.run.seed)
+    model = build_model(case.model, case.run.seed, routing_groups(case))
     opt = make_optimizer(model.parameters(), case.run)
     out = GoldenRun()
     for step in range(steps):

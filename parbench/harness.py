@@ -35,7 +35,7 @@ def get_mesh(case: CaseConfig, rank: int) -> Mesh:
     p = case.parallel
     key = (p.tp, p.cp, p.dp, p.pp, p.ep)
     if key not in _MESHES:
-        layout = MeshLayout(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep)
+        layout = MeshLayout(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, etp=p.etp)
         _MESHES[key] = Mesh.build(layout, rank)
     return _MESHES[key]
 

@@ -48,11 +48,17 @@ DENSE_ORDER = ("tp", "cp", "dp", "pp")
 EXPERT_ORDER = ("etp", "ep", "edp", "pp")
 
 
-def check_expert_layout(*, tp: int, cp: int, dp: int, ep: int, error=ValueError) -> None:
+def check_expert_layout(*, tp: int, cp: int, dp: int, ep: int, etp: int | None = None,
+                        error=ValueError) -> None:
     """The one place the rule is stated: ep re-partitions the tp*cp*dp ranks of a stage as
-    expert-tp x ep x expert-dp with expert-tp = tp, so ep must divide cp*dp."""
-    if (cp * dp) % ep:
+    expert-tp x ep x expert-dp (expert-tp = tp unless given), so etp*ep must divide
+    tp*cp*dp."""
+    etp = tp if etp is None else etp
+    if etp == tp and (cp * dp) % ep:
         raise error(f"ep={ep} does not divide cp*dp={cp * dp} "
+                    "(expert parallelism re-partitions the tp*cp*dp ranks of a stage)")
+    if (tp * cp * dp) % (etp * ep):
+        raise error(f"etp*ep={etp}*{ep} does not divide tp*cp*dp={tp * cp * dp} "
                     "(expert parallelism re-partitions the tp*cp*dp ranks of a stage)")
 
 #: Groups built for every mesh: name -> (order, axes). Names follow Megatron where it has one.
@@ -83,13 +89,19 @@ class MeshLayout:
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    #: expert tensor-parallel size; 0 = tp (Megatron-Core's default)
+    etp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "dp", "pp", "ep"):
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"{name}={v} must be >= 1")
-        check_expert_layout(tp=self.tp, cp=self.cp, dp=self.dp, ep=self.ep)
+        check_expert_layout(tp=self.tp, cp=self.cp, dp=self.dp, ep=self.ep, etp=self.expert_tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     @property
     def world_size(self) -> int:
@@ -97,7 +109,8 @@ class MeshLayout:
 
     def sizes(self, order: tuple[str, ...]) -> dict[str, int]:
         base = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp,
-                "etp": self.tp, "ep": self.ep, "edp": self.cp * self.dp // self.ep}
+                "etp": self.expert_tp, "ep": self.ep,
+                "edp": self.tp * self.cp * self.dp // (self.expert_tp * self.ep)}
         return {a: base[a] for a in order}
 
     def coords(self, rank: int, order: tuple[str, ...] = DENSE_ORDER) -> dict[str, int]:

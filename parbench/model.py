@@ -3,7 +3,8 @@
 Pre-LN blocks (Radford et al. 2019): LN -> causal multi-head attention -> residual,
 LN -> MLP(h -> f -> h, GELU) -> residual; learned token and position embeddings; final LN
 and an LM head (untied by default). Parameter count per layer is 12h^2 + 13h for f = 4h
-(Narayanan et al. 2021, Sec. 5.1).
+(Narayanan et al. 2021, Sec. 5.1). With ``num_experts > 0`` every ``moe_every``-th MLP is a
+mixture of experts (``parbench.moe``: router, capacity, dropping, auxiliary losses).
 
 Every parameter is initialised from its own generator seeded by (seed, full name), so any
 partition of the model (a pipeline stage, a shard) rebuilds exactly the same full weights
@@ -81,12 +82,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A pre-LN layer; layer ``index`` is an MoE layer when ``moe.is_moe_layer`` says so."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, routing=None):
         super().__init__()
+        from .moe import MoE, is_moe_layer
         self.ln1 = nn.LayerNorm(cfg.hidden_size)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -115,12 +119,12 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, lo: int = 0, hi: int | None = None,
-                 first: bool = True, last: bool = True, seed: int = 0):
+                 first: bool = True, last: bool = True, seed: int = 0, routing=None):
         super().__init__()
         hi = cfg.num_layers if hi is None else hi
         self.cfg, self.lo, self.hi, self.first, self.last = cfg, lo, hi, first, last
         self.embed = Embedding(cfg) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, routing) for i in range(lo, hi)})
         self.head = Head(cfg) if last else None
         init_parameters(self, seed, cfg.init_std)
         if cfg.tie_embeddings and first and last:
@@ -137,9 +141,9 @@ class GPTStage(nn.Module):
         return x
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPTStage:
-    """The whole reference model."""
-    return GPTStage(cfg, seed=seed)
+def build_model(cfg: ModelConfig, seed: int, routing=None) -> GPTStage:
+    """The whole reference model (``routing``: the MoE routing groups, ``parbench.moe``)."""
+    return GPTStage(cfg, seed=seed, routing=routing)
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:

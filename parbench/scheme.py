@@ -128,6 +128,8 @@ class Scheme(ABC):
     #: (``checks.UpdateCheck``); False for schemes with another update rule (local SGD's
     #: averaging, PipeDream's per-micro-batch updates), whose golden runs simulate the rule
     checks_update: ClassVar[bool] = True
+    #: runs MoE models (``num_experts > 0``); other schemes reject them before spawning
+    supports_moe: ClassVar[bool] = False
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -156,6 +158,16 @@ class Scheme(ABC):
             if axis not in cls.uses and getattr(p, axis) != 1:
                 raise ConfigError(f"{axis}={getattr(p, axis)} is not used by scheme "
                                   f"{cls.name} (it uses {', '.join(cls.uses)}); set {axis}=1")
+        if case.model.num_experts and not cls.supports_moe:
+            raise ConfigError(f"num_experts={case.model.num_experts}: scheme {cls.name} runs "
+                              "dense models (MoE: expert.alltoall, hybrid)")
+
+    @classmethod
+    def routing_groups(cls, case: CaseConfig):
+        """The MoE routing groups of this scheme, as the golden run must cut the batch: by
+        default one group per rank and micro-batch (``parbench.moe``)."""
+        from .moe import RoutingGroups
+        return RoutingGroups(rows=case.parallel.micro_batch_size)
 
     @classmethod
     def unavailable(cls) -> str | None:

@@ -41,7 +41,7 @@ def make_subgroup(mesh, name: str, members_of) -> tuple[object, list[int]]:
     Returns (group, its ranks in group order)."""
     from parbench.mesh import MeshLayout
     lay = mesh.layout
-    layout = MeshLayout(tp=lay.tp, cp=lay.cp, dp=lay.dp, pp=lay.pp, ep=lay.ep)
+    layout = MeshLayout(tp=lay.tp, cp=lay.cp, dp=lay.dp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
     partition = [m for tp_ranks in layout.groups("tp") for m in members_of(tp_ranks)]
     pg = mesh.subgroup(name, partition)
     mine = next(sorted(m) for m in partition if mesh.rank in m)

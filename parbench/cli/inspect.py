@@ -63,11 +63,11 @@ def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
 
     deg = {}
     for k, v in parse_overrides(args).items():
-        if k not in DEGREES:
-            raise ConfigError(f"unknown key {k!r} for mesh (use {', '.join(DEGREES)})")
+        if k not in DEGREES + ("etp",):
+            raise ConfigError(f"unknown key {k!r} for mesh (use {', '.join(DEGREES)}, etp)")
         deg[k] = number(k, v, integer=True, minimum=1)
     check_expert_layout(tp=deg.get("tp", 1), cp=deg.get("cp", 1), dp=deg.get("dp", 1),
-                        ep=deg.get("ep", 1), error=ConfigError)
+                        ep=deg.get("ep", 1), etp=deg.get("etp"), error=ConfigError)
     world = 1
     for axis in ("tp", "cp", "dp", "pp"):
         world *= deg.get(axis, 1)

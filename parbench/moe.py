@@ -1,0 +1,196 @@
+"""The mixture-of-experts layer of the reference model: routing, capacity, dropping, the
+auxiliary losses -- the specification every expert-parallel scheme must equal.
+
+Semantics (stated once, here):
+
+- **Router** (Switch, Fedus et al. 2021, Sec. 2.1; GShard, Lepikhin et al. 2020, Sec. 2.2):
+  logits = x W_r^T in fp32 (W_r: ``[E, h]``, no bias), p = softmax(logits); the top-k experts
+  of each token by p. Gates: k = 1 (Switch) the chosen expert's probability; k > 1 (GShard
+  top-2) the top-k probabilities renormalised to sum to 1.
+- **Routing groups.** Capacity and the auxiliary losses are computed per routing group: the
+  tokens one rank routes in one micro-batch ("per rank", GShard's local groups, DeepSpeed's
+  and Megatron's rule), never globally. The golden run holds the whole batch, so it is told the
+  grouping (``RoutingGroups``): rows of ``rows`` consecutive samples (a micro-batch) times a
+  chunk id per sequence position (the context-parallel and tensor-parallel token split).
+- **Capacity** (Switch Eq. 3): per expert and group, C = ceil(capacity_factor * k * T / E)
+  for T tokens in the group; ``capacity_factor = 0`` means no limit (C = T).
+- **Deterministic dropping.** Within a group tokens are ordered position-major, then by
+  sample (the order of Megatron's ``[s, b]`` activations flattened). All first choices take
+  slots before any second choice (GShard Algorithm 1); within one choice level slots go in
+  token order. An assignment whose slot index is >= C is dropped: it contributes nothing,
+  and the token passes through the residual.
+- **Load-balancing loss** (Switch Eq. 4 with top-k counts): aux = E * sum_e f_e P_e, f_e the
+  fraction of the group's k T assignments (before dropping) routed to e, P_e the group's mean
+  router probability of e. **Router z-loss** (ST-MoE, Zoph et al. 2022, Eq. 5): the group's
+  mean of logsumexp(logits)^2. Each layer adds coef_aux * aux + coef_z * z, averaged over its
+  groups, to the loss -- by gradient only (``AttachAux``, as Megatron's auxiliary-loss
+  scaler), so the reported loss is the token cross-entropy in every scheme and in the golden
+  run. A scheme that holds one group per micro-batch scales its groups' terms so that the
+  sum over all ranks and micro-batches is the mean over groups (``aux_scale``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def is_moe_layer(cfg, i: int) -> bool:
+    """Layer ``i`` is an MoE layer (Megatron-Core's ``moe_layer_freq`` = ``moe_every``)."""
+    return cfg.num_experts > 0 and i % cfg.moe_every == 0
+
+
+def capacity(capacity_factor: float, k: int, tokens: int, num_experts: int) -> int:
+    """Slots per expert in a group of ``tokens`` (Switch Eq. 3); no limit when the factor is
+    0."""
+    if capacity_factor <= 0:
+        return tokens
+    return math.ceil(capacity_factor * k * tokens / num_experts)
+
+
+@dataclass(frozen=True)
+class RoutingGroups:
+    """How the golden run cuts a ``[b, s]`` batch into the groups the ranks route: samples
+    in blocks of ``rows``; position j in chunk ``chunks[j]`` (None: one chunk)."""
+
+    rows: int
+    chunks: tuple[int, ...] | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return 1 + max(self.chunks) if self.chunks else 1
+
+    def ids(self, b: int, s: int) -> torch.Tensor:
+        """Group id of every token, flattened position-major ``[s * b]``."""
+        row = torch.arange(b) // self.rows
+        chunk = torch.tensor(self.chunks[:s]) if self.chunks else torch.zeros(s, dtype=torch.long)
+        return (row.unsqueeze(0) * self.num_chunks + chunk.unsqueeze(1)).reshape(-1)
+
+    def key(self) -> list:
+        return [self.rows, list(self.chunks) if self.chunks else None]
+
+
+@dataclass
+class Routing:
+    """The routing of ``T`` tokens: per token and choice the expert, the gate, the slot in
+    the expert's buffer of its group and whether it was kept; per group the capacity."""
+
+    expert: torch.Tensor  # [T, k] long
+    gate: torch.Tensor  # [T, k] float (differentiable)
+    slot: torch.Tensor  # [T, k] long
+    kept: torch.Tensor  # [T, k] bool
+    capacity: int  # the largest group's capacity (equal groups: every group's)
+    aux: torch.Tensor  # scalar: mean over groups of coef_aux aux + coef_z z (differentiable)
+    stats: dict
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
+          capacity_factor: float, aux_coef: float, z_coef: float) -> Routing:
+    """Route tokens ``x`` ``[T, h]`` in groups ``groups`` ``[T]`` (tokens of a group in
+    priority order)."""
+    num_experts = weight.shape[0]
+    logits = x.float() @ weight.float().t()
+    probs = torch.softmax(logits, dim=-1)
+    top_p, top_e = probs.topk(k, dim=-1)
+    gate = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
+    slot = torch.zeros_like(top_e)
+    kept = torch.zeros_like(top_e, dtype=torch.bool)
+    aux_terms, cap = [], 0
+    load = torch.zeros(num_experts, dtype=torch.long)
+    dropped = torch.zeros(num_experts, dtype=torch.long)
+    aux_val = z_val = 0.0
+    for g in torch.unique(groups).tolist():
+        idx = (groups == g).nonzero().squeeze(1)
+        t = idx.numel()
+        c = capacity(capacity_factor, k, t, num_experts)
+        cap = max(cap, c)
+        taken = torch.zeros(num_experts, dtype=torch.long)
+        for j in range(k):
+            onehot = F.one_hot(top_e[idx, j], num_experts)
+            pos = (onehot.cumsum(0) - 1 + taken).gather(1, top_e[idx, j:j + 1]).squeeze(1)
+            slot[idx, j] = pos
+            taken += onehot.sum(0)
+        load += taken.cpu()
+        kept[idx] = slot[idx] < c
+        dropped += torch.bincount(top_e[idx][~kept[idx]].cpu(), minlength=num_experts)
+        f = taken.to(probs.device, probs.dtype) / (t * k)
+        aux = num_experts * (f * probs[idx].mean(0)).sum()
+        z = torch.logsumexp(logits[idx], dim=-1).pow(2).mean()
+        aux_terms.append(aux_coef * aux + z_coef * z)
+        aux_val += float(aux.detach())
+        z_val += float(z.detach())
+    n = len(aux_terms)
+    stats = {"aux_loss": aux_val / n, "z_loss": z_val / n, "load": load, "dropped": dropped,
+             "capacity": cap, "groups": n}
+    return Routing(top_e, gate, slot, kept, cap, torch.stack(aux_terms).mean(), stats)
+
+
+class AttachAux(torch.autograd.Function):
+    """Identity on ``y``; in backward the auxiliary loss ``aux`` receives gradient 1, as if
+    it had been added to the loss (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        ctx.save_for_backward(aux)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def expert_mlp(x: torch.Tensor, fc1, fc2) -> torch.Tensor:
+    """One expert: the dense MLP's arithmetic (h -> f -> h, GELU)."""
+    return F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
+
+
+def combine_reference(x: torch.Tensor, r: Routing, experts) -> torch.Tensor:
+    """The single-device MoE output: sum over kept assignments of gate * expert(token)."""
+    out = torch.zeros_like(x)
+    for e, ex in enumerate(experts):
+        tok, choice = ((r.expert == e) & r.kept).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp(x[tok], ex.fc1, ex.fc2) * r.gate[tok, choice].unsqueeze(1).to(x.dtype)
+        out = out.index_add(0, tok, y)
+    return out
+
+
+class MoE(nn.Module):
+    """Router plus E expert MLPs replacing a layer's MLP (names ``mlp.router.weight``,
+    ``mlp.experts.{e}.fc1.weight``, ...). Input ``[b, s, h]``."""
+
+    def __init__(self, cfg, routing: RoutingGroups | None = None):
+        super().__init__()
+        from .model import MLP
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.num_experts)])
+        self.routing = routing
+        #: multiplies this layer's auxiliary terms (see the module docstring)
+        self.aux_scale = 1.0
+        #: the last forward's routing statistics (load, dropped, aux / z loss)
+        self.last: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        xt = x.transpose(0, 1).reshape(s * b, h)
+        groups = (self.routing or RoutingGroups(rows=b)).ids(b, s).to(x.device)
+        cfg = self.cfg
+        r = route(xt, self.router.weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
+                  cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef)
+        self.last = r.stats
+        y = combine_reference(xt, r, self.experts)
+        y = AttachAux.apply(y, r.aux * self.aux_scale)
+        return y.view(s, b, h).transpose(0, 1)
+
+
+def set_aux_scale(module: nn.Module, scale: float) -> None:
+    """Set ``aux_scale`` on every MoE layer of ``module``."""
+    for m in module.modules():
+        if hasattr(m, "aux_scale"):
+            m.aux_scale = scale
