@@ -40,7 +40,7 @@ OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "model.moe_every",
                  "model.moe_z_loss_coef", "parallel.etp", "parallel.sp", "parallel.vpp",
                  "parallel.schedule", "parallel.zero_stage", "parallel.bucket_mb",
                  "parallel.local_sgd_period", "parallel.recompute", "parallel.tp_depth",
-                 "parallel.cp_balance", "parallel.cp_ulysses")
+                 "parallel.cp_balance", "parallel.cp_ulysses", "parallel.cp_kind")
 
 
 # --------------------------------------------------------------------------------------
@@ -113,6 +113,8 @@ class ParallelConfig:
     cp_balance: str = "zigzag"
     #: USP (Ulysses x ring): the Ulysses degree of the cp grid; cp / cp_ulysses ring ranks
     cp_ulysses: int = _rule(1, "pos")
+    #: the hybrid's context-parallel attention: allgather | ring-attention | ulysses
+    cp_kind: str = "allgather"
 
     @property
     def world_size(self) -> int:

@@ -30,7 +30,6 @@ Semantics (stated once, here):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +43,12 @@ def is_moe_layer(cfg, i: int) -> bool:
 
 
 def capacity(capacity_factor: float, k: int, tokens: int, num_experts: int) -> int:
-    """Slots per expert in a group of ``tokens`` (Switch Eq. 3); no limit when the factor is
-    0."""
-    if capacity_factor <= 0:
-        return tokens
-    return math.ceil(capacity_factor * k * tokens / num_experts)
+    """Slots per expert in a group of ``tokens`` (Switch Eq. 3, the factor read as the decimal
+    it prints as: ``analytic.shape.expert_capacity``); no limit (``tokens``) when the factor
+    is 0."""
+    from .analytic.shape import expert_capacity
+    c = expert_capacity(tokens, num_experts, k, capacity_factor)
+    return tokens if c is None else c
 
 
 @dataclass(frozen=True)

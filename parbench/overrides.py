@@ -77,6 +77,10 @@ def field_types(obj) -> dict[str, Any]:
     return {f.name: f.type for f in fields(obj)}
 
 
+#: short names Megatron / DeepSpeed users type: ``zero=1`` is ``zero_stage=1``
+ALIASES = {"zero": "zero_stage"}
+
+
 def resolve_key(key: str) -> tuple[str, str]:
     """(section, field) of a dotted or bare key; unknown keys raise ConfigError."""
     types = {s: field_types(cls) for s, cls in zip(SECTIONS, (ModelConfig, ParallelConfig,
@@ -89,6 +93,7 @@ def resolve_key(key: str) -> tuple[str, str]:
         if name not in types[sec]:
             raise ConfigError(f"unknown key {key!r}: {sec} has no field {name!r}")
         return sec, name
+    key = ALIASES.get(key, key)
     hits = [s for s in SECTIONS if key in types[s]]
     if not hits:
         raise ConfigError(f"unknown key {key!r} (see `parbench list` for the fields)")

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parbench.model import build_model
+from parbench.model import GPTStage
 
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
@@ -80,23 +80,32 @@ class MegatronLayout:
 
 class MegatronGPT(nn.Module):
     """This rank's shard of the reference GPT, computing in ``[s, b, h]``. Parameters carry
-    the full model's names (``named_parameters`` lists the local shards)."""
+    the full model's names (``named_parameters`` lists the local shards).
+
+    ``stage`` = (lo, hi, first, last) keeps layers [lo, hi) and the embedding / head when
+    first / last (a pipeline stage; default: the whole model). ``forward`` takes tokens
+    (first) or hidden states and returns the loss (last) or hidden states. Subclasses may
+    override ``attention_core``, ``mlp``, ``positions`` and ``keep`` (which parameters this
+    rank holds at all)."""
 
     layout_cls = MegatronLayout
 
     def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool = False,
-                 recompute: str = "none"):
+                 recompute: str = "none", stage: tuple | None = None):
         super().__init__()
         self.cfg, self.group, self.tp, self.rank = cfg, group, tp, rank
         self.sp, self.recompute = sp and tp > 1, recompute
         self.layout = self.layout_cls(cfg, tp)
         self.heads = cfg.num_heads // tp
         self.vocab_start = rank * (self.layout.vp // tp)
-        full = build_model(cfg, seed)
+        self.lo, self.hi, self.first, self.last = stage or (0, cfg.num_layers, True, True)
+        full = GPTStage(cfg, self.lo, self.hi, self.first, self.last, seed)
         self.placements: dict[str, Placement] = {}
         self.tied = cfg.tie_embeddings
         self._params = nn.ParameterDict()
         for name, p in full.named_parameters():
+            if not self.keep(name):
+                continue
             pl = self.layout.placement(name, tuple(p.shape))
             self.placements[name] = pl
             local = p.detach().clone() if pl.replicated else take(p.detach(), pl.index(rank))
@@ -106,6 +115,10 @@ class MegatronGPT(nn.Module):
         self.layer_probe = None
 
     # ---- parameters --------------------------------------------------------------------
+    def keep(self, name: str) -> bool:
+        """Does this rank hold (a shard of) parameter ``name``?"""
+        return True
+
     def p(self, name: str) -> nn.Parameter:
         return self._params[name.replace(".", "__")]
 
@@ -132,8 +145,12 @@ class MegatronGPT(nn.Module):
             x = self.reduce(x)
             rows = slice(0, s)
         if self.cfg.position_embeddings:
-            x = x + self.p("embed.pos.weight")[rows].unsqueeze(1)
+            x = x + self.p("embed.pos.weight")[self.positions(s)[rows]].unsqueeze(1)
         return x
+
+    def positions(self, s: int) -> torch.Tensor:
+        """Global positions of the ``s`` tokens this rank embeds (all, in order)."""
+        return torch.arange(s)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``g`` after the embedding's partial lookups: all-reduce forward."""
@@ -168,10 +185,13 @@ class MegatronGPT(nn.Module):
         else:
             attn = self.attention_core(qkv)
         x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"), self.p(f"{pre}.attn.proj.bias"))
-        u = self.column(self.layer_norm(x, f"{pre}.ln2"), self.p(f"{pre}.mlp.fc1.weight"),
-                        self.p(f"{pre}.mlp.fc1.bias"))
-        return x + self.row(F.gelu(u), self.p(f"{pre}.mlp.fc2.weight"),
-                            self.p(f"{pre}.mlp.fc2.bias"))
+        return x + self.mlp(i, self.layer_norm(x, f"{pre}.ln2"))
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel."""
+        pre = f"blocks.{i}.mlp"
+        u = self.column(x, self.p(f"{pre}.fc1.weight"), self.p(f"{pre}.fc1.bias"))
+        return self.row(F.gelu(u), self.p(f"{pre}.fc2.weight"), self.p(f"{pre}.fc2.bias"))
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits of padded vocabulary rows -> -inf (they take no part in the softmax)."""
@@ -191,8 +211,8 @@ class MegatronGPT(nn.Module):
         return loss.mean()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for i in range(self.cfg.num_layers):
+        x = self.embed(tokens) if self.first else tokens
+        for i in range(self.lo, self.hi):
             probe = self.layer_probe(i) if self.layer_probe else None
             if probe is not None:
                 probe.__enter__()
@@ -202,4 +222,4 @@ class MegatronGPT(nn.Module):
                 x = self.block(i, x)
             if probe is not None:
                 probe.__exit__(None, None, None)
-        return self.head(x, targets)
+        return self.head(x, targets) if self.last else x

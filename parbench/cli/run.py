@@ -17,13 +17,20 @@ def _run_options(ov: dict) -> dict:
             "resume": coerce(ov.pop("resume", "false"), bool, "resume"),
             "world_size": ov.pop("world_size", None),
             "deepspeed_config": ov.pop("deepspeed_config", None)}
-    if not opts["suite"]:
-        raise UsageError("run needs suite=NAME (see `parbench list`)")
+    if not opts["suite"] and "scheme" not in ov:
+        raise UsageError("run needs suite=NAME or scheme=NAME (see `parbench list`)")
     if opts["world_size"] is not None:
         opts["world_size"] = coerce(opts["world_size"], int, "world_size")
         if opts["world_size"] < 1:
             raise ConfigError(f"world_size={opts['world_size']} must be >= 1")
     return opts
+
+
+def one_case_suite(ov: dict):
+    """``parbench run scheme=NAME key=value ...``: one case from the command line, as a
+    suite named after the scheme."""
+    from ..suites import expand
+    return expand({}, ov, default_name=ov["scheme"].replace(".", "-"))
 
 
 def check_options_used(suite, overrides: dict) -> None:
@@ -70,7 +77,7 @@ def load_checked_suite(args: list[str]):
     opts = _run_options(ov)
     if opts["deepspeed_config"]:
         ov = {**deepspeed_overrides(opts["deepspeed_config"], opts["world_size"]), **ov}
-    suite = load_suite(opts["suite"], ov)
+    suite = load_suite(opts["suite"], ov) if opts["suite"] else one_case_suite(ov)
     skip_unavailable(suite)
     check_options_used(suite, ov)
     world = opts["world_size"]

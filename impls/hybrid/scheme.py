@@ -1,0 +1,244 @@
+"""``hybrid``: data, tensor (optionally sequence), context, expert and pipeline parallelism at
+once on the Megatron-Core mesh (Narayanan et al. 2021's PTD-P, with cp and ep).
+
+A rank holds, for each pipeline stage its schedule places on it, a ``model.HybridStage``:
+the tp shards of the stage's layers, its cp tokens, its E/ep experts of each MoE layer. The
+pipeline executor of ``impls.pipeline`` runs the schedule (one-pipe schedules with a fused
+backward: GPipe, 1F1B, interleaved 1F1B, looped BFS) on the pp group with boundary tensors
+``[s/cp (/t under SP), b, h]``. After the schedule, once per step:
+
+1. the gradients partial over tp (routers; under SP the tp-replicated parameters) are summed
+   over tp in one buffer;
+2. the dense gradients are averaged over the dp x cp ranks (``dp_cp``, one flat
+   all-reduce); every rank's loss is the mean over its own b s/cp tokens, and the dp x cp
+   ranks hold disjoint, equal token sets, so the average is the global mean gradient;
+3. the expert gradients are summed over the expert-data-parallel group (``edp``) and divided
+   by dp cp: an expert's holder already has the contributions of every token its ep group
+   dispatched to it, the edp replicas cover the rest, and each token's loss term carries
+   its rank's 1/(tokens) of a loss that must be averaged over the dp cp token sets;
+4. one AdamW step over the rank's tensors.
+
+MoE routing groups: a rank routes one group per micro-batch (its b samples x its tp block of
+its cp positions), so the auxiliary terms are scaled by 1/(m t) (summed over tp, averaged
+over dp cp: the mean over all groups), and ``routing_groups`` tells the golden run the same
+cut.
+"""
+from __future__ import annotations
+
+import torch
+
+from parbench import comm
+from parbench.analytic import hybrid as closed
+from parbench.analytic.shape import shape_from
+from parbench.batching import dp_slice, microbatches
+from parbench.config import CaseConfig, ConfigError
+from parbench.model import make_optimizer, stage_layers
+from parbench.moe import RoutingGroups
+from parbench.scheme import Prediction, Scheme, register
+from parbench.schedules import get_spec
+from parbench.schedules.actions import BACKWARD_FULL, FORWARD
+
+from impls.context.layout import positions
+from impls.context.ring import AttentionClock
+from impls.pipeline.executor import Executor
+from impls.pipeline.scheme import schedule_for
+from impls.pipeline.weights import StageSlot, SyncWeights
+from impls.tensor.collectives import all_reduce_flat
+from impls.tensor.shards import gather_full
+
+from .model import CP_KINDS, HybridStage, build_core
+
+
+class _Accumulate(SyncWeights):
+    """One weight version, gradients accumulated over the micro-batches; the scheme reduces
+    them and steps the optimizer itself."""
+
+    def make_optimizer(self, params):
+        return None
+
+    def step_end(self) -> None:
+        pass
+
+
+@register
+class HybridScheme(Scheme):
+    name = "hybrid"
+    family = "hybrid"
+    description = "PTD-P with cp and ep: Megatron TP(+SP) x CP x EP x DP x pipeline schedule"
+    uses = ("tp", "cp", "ep", "dp", "pp")
+    supports_moe = True
+    options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_kind", "etp",
+               "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
+               "moe_aux_loss_coef", "moe_z_loss_coef")
+
+    # ---- checks ---------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
+        p, m, r = case.parallel, case.model, case.run
+        if r.dtype != "fp32":
+            raise ConfigError(f"dtype={r.dtype!r} is not supported by hybrid (fp32 only)")
+        if p.zero_stage != 0:
+            raise ConfigError(f"zero_stage={p.zero_stage} is not supported by hybrid yet "
+                              "(0 only)")
+        if p.cp_kind not in CP_KINDS:
+            raise ConfigError(f"cp_kind={p.cp_kind!r} must be one of {', '.join(CP_KINDS)}")
+        if p.ep > 1 and p.tp > 1 and p.expert_tp != 1:
+            raise ConfigError(f"etp={p.etp} (= tp when 0): hybrid keeps experts whole and "
+                              "splits their tokens over tp; set etp=1")
+        if p.pp > 1 and m.tie_embeddings:
+            raise ConfigError("tie_embeddings=true with pp > 1 is not supported by hybrid")
+        s_l = m.seq_length // p.cp
+        if p.tp > 1 and (p.sp or m.num_experts) and s_l % p.tp:
+            raise ConfigError(f"tp={p.tp} must divide seq_length/cp={s_l} (sequence "
+                              "parallelism and the MoE token split cut the rank's tokens)")
+        if p.cp > 1 and p.cp_kind != "ulysses" and p.cp_balance == "zigzag" and \
+                m.seq_length % (2 * p.cp):
+            raise ConfigError(f"cp_balance='zigzag' needs 2*cp={2 * p.cp} to divide "
+                              f"seq_length={m.seq_length}")
+        if p.cp_kind == "ulysses" and (m.num_heads // p.tp) % p.cp:
+            raise ConfigError(f"cp={p.cp} must divide num_heads/tp={m.num_heads // p.tp} "
+                              "(Ulysses shards the rank's heads)")
+        sched = schedule_for(case, p.schedule)
+        kinds = {a.kind for row in sched.actions for a in row}
+        if len(sched.pipes) > 1 or not kinds <= {FORWARD, BACKWARD_FULL}:
+            raise ConfigError(f"schedule={p.schedule!r}: hybrid runs one-pipe schedules with "
+                              "a fused backward (gpipe, 1f1b, interleaved, bfs)")
+
+    @classmethod
+    def balance(cls, p) -> str:
+        return "none" if p.cp_kind == "ulysses" else p.cp_balance
+
+    @classmethod
+    def cp_positions(cls, case: CaseConfig, cp_rank: int) -> torch.Tensor:
+        p = case.parallel
+        return positions(case.model.seq_length, p.cp, cp_rank, cls.balance(p))
+
+    @classmethod
+    def routing_groups(cls, case: CaseConfig) -> RoutingGroups:
+        """A group per micro-batch of a rank: its cp rank's positions, cut into t blocks."""
+        p, s = case.parallel, case.model.seq_length
+        chunks = [0] * s
+        for c in range(p.cp):
+            pos = cls.cp_positions(case, c).tolist()
+            n = len(pos) // p.tp
+            for j, x in enumerate(pos):
+                chunks[x] = c * p.tp + j // n
+        return RoutingGroups(rows=p.micro_batch_size, chunks=tuple(chunks))
+
+    # ---- construction -------------------------------------------------------------------------
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        mesh, cfg, par = ctx.mesh, ctx.model, ctx.parallel
+        self.tp, self.cp, self.dp = mesh.size("tp"), mesh.size("cp"), mesh.size("dp")
+        self.cp_rank, self.dp_rank = mesh.index("cp"), mesh.index("dp")
+        self.m = par.num_microbatches
+        self.pos = tuple(self.cp_positions(ctx.case, self.cp_rank).tolist())
+        self.clock = AttentionClock(ctx.timeline)
+        core = None
+        if self.cp > 1:
+            every = [self.cp_positions(ctx.case, c) for c in range(self.cp)]
+            core = build_core(par.cp_kind, mesh.group("cp"), self.cp, every, self.clock,
+                              self.balance(par))
+        self.schedule = schedule_for(ctx.case, par.schedule)
+        S = self.schedule.num_stages  # noqa: N806
+        pp_rank = mesh.index("pp")
+        self.slots = {}
+        for key in self.schedule.stages_of(pp_rank):
+            lo, hi = stage_layers(cfg.num_layers, S, key[1])
+            stage = HybridStage(
+                cfg, ctx.run.seed, tp_group=mesh.group("tp"), tp=self.tp,
+                tp_rank=mesh.index("tp"), sp=par.sp, recompute=par.recompute,
+                stage=(lo, hi, key[1] == 0, key[1] == S - 1), positions=torch.tensor(self.pos), core=core,
+                ep_group=mesh.group("ep") if par.ep > 1 else None, ep=par.ep,
+                ep_rank=mesh.index("ep") if par.ep > 1 else 0,
+                aux_scale=1.0 / (self.m * self.tp)).to(ctx.device)
+            self.slots[key] = StageSlot(key[0], key[1], stage)
+        stages = [s.module for s in self.slots.values()]
+        self.partial = [p for st in stages for p in st.tp_partial_params()]
+        self.dense = [p for st in stages for p in st.dense_params()]
+        self.experts = [p for st in stages for p in st.expert_params()]
+        self.weights = _Accumulate(list(self.slots.values()), ctx.run)
+        self.opt = make_optimizer(self.dense + self.experts, ctx.run)
+        n = par.micro_batch_size
+        act = (cfg.seq_length // self.cp // (self.tp if stages[0].sp else 1), n,
+               cfg.hidden_size)
+        self.executor = Executor(schedule=self.schedule, pp_rank=pp_rank,
+                                 group=mesh.group("pp"), group_ranks=mesh.ranks("pp"),
+                                 slots=self.slots, act_shape=act, dtype=torch.float32,
+                                 device=ctx.device, timeline=ctx.timeline,
+                                 weights=self.weights, m=self.m)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def train_step(self, inputs, targets, step):
+        mesh, dev, tl = self.ctx.mesh, self.ctx.device, self.ctx.timeline
+        pos = torch.tensor(self.pos, dtype=torch.long)
+        x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(dev)
+        y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(dev)
+        mbs = microbatches(x, y, self.m)
+        self.weights.step_begin()
+        out = self.executor.run([a for a, _ in mbs], [b for _, b in mbs], step,
+                                track=False)
+        with tl.span("reduce"):
+            if self.partial:
+                all_reduce_flat([p.grad for p in self.partial], mesh.group("tp"))
+            n = self.dp * self.cp
+            if n > 1:
+                all_reduce_flat([p.grad for p in self.dense], mesh.group("dp_cp"))
+            if self.experts and mesh.size("edp") > 1:
+                all_reduce_flat([p.grad for p in self.experts], mesh.group("edp"))
+            for p in self.dense + self.experts:
+                p.grad.div_(n)
+        with tl.span("optim"):
+            self.opt.step()
+        last = any(s.module.last for s in self.slots.values())
+        total = self.reduce_loss(out.loss if last else 0.0)
+        return total / (self.tp * self.dp * self.cp)
+
+    # ---- the verdict's view -------------------------------------------------------------------
+    def _full(self, grads: bool) -> dict[str, torch.Tensor]:
+        mesh = self.ctx.mesh
+        out = {}
+        for slot in self.slots.values():
+            named = {}
+            for name, (local, pl) in slot.module.shards().items():
+                t = local.grad if grads else local
+                named[name] = (t if t is not None else torch.zeros_like(local), pl)
+            with comm.unrecorded():
+                out.update(gather_full(named, mesh.group("tp"), mesh.ranks("tp"),
+                                       mesh.index("tp")))
+        return out
+
+    def full_params(self):
+        return self._full(grads=False)
+
+    def full_grads(self):
+        return self._full(grads=True)
+
+    def metrics(self) -> dict:
+        stats = [st for s in self.slots.values() for st in s.module.moe_stats.values()]
+        if not stats:
+            return {}
+        load = sum(st["load"] for st in stats)
+        return {"moe_dropped": int(sum(int(st["dropped"].sum()) for st in stats)),
+                "moe_load_imbalance": float(load.max()) / max(float(load.float().mean()), 1e-9),
+                "moe_aux_loss": sum(st["aux_loss"] for st in stats) / len(stats)}
+
+    # ---- closed form --------------------------------------------------------------------------
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        p, m = case.parallel, case.model
+        c = closed.HybridConfig(
+            tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
+            placement=str(get_spec(p.schedule).placement), cp_kind=p.cp_kind,
+            micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
+            recompute=p.recompute, zero_stage=p.zero_stage)
+        shape = shape_from(m)
+        wire, calls, states = [], [], []
+        for r in range(p.world_size):
+            tr, st = closed.rank_step(shape, c, r)
+            w, n = closed.per_axis(tr)
+            wire.append(w)
+            calls.append(n)
+            states.append(st)
+        return Prediction(wire_bytes=wire, calls=calls, model_state_bytes=states)

@@ -1,0 +1,216 @@
+"""The five-axis hybrid's step on one rank, in closed form: every transfer per axis and the
+model states, for any degrees tp x cp x dp x pp (ep re-partitioning the tp x cp x dp ranks of a
+stage with expert-tp 1).
+
+Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :mod:`.context`):
+
+- **tp** (Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022 Sec. 4.2.2): per layer per
+  micro-batch on the rank's b x s/cp tokens, 4 all-reduces (6 with full recomputation), or
+  with sequence parallelism the all-gather / reduce-scatter pairs of
+  :func:`.tensor.megatron_layer_traffic`. An MoE layer's MLP keeps the dense MLP's ``f`` and
+  ``g`` (its tokens are split over tp and recombined by ``g``); under sequence parallelism
+  its tokens already are the rank's shard, so an MoE layer has only the attention half.
+  The first stage reduces the embedding's partial lookups, the last stage all-reduces the
+  LM head's input gradient and 3 per-token values of the vocab-parallel loss. Once per step
+  the gradients that are partial over tp (routers; under SP every tp-replicated parameter)
+  are all-reduced in one buffer.
+- **cp** (:func:`.context.attention_traffic` at the rank's h/t width): all-gather, ring
+  attention or Ulysses; recomputation repeats the core's forward traffic.
+- **ep** (GShard Sec. 2.2 / Switch Sec. 2): per MoE layer per micro-batch 2 all-to-alls
+  forward and 2 backward (2 more forward with full recomputation) of the padded dispatch
+  buffer E x C x h, C = ceil(capacity_factor k T / E) for the T = b s/(cp t) tokens a rank
+  routes.
+- **pp** (Narayanan et al. 2021 Sec. 4.1): a send of the boundary activation (b s/cp h, /t
+  under SP) per micro-batch per stage boundary each way.
+- **dp_cp / edp**: the dense gradients all-reduced once per step over the dp x cp ranks
+  (Megatron-Core's ``dp_cp`` group), the experts' over the expert-data-parallel group
+  edp = t cp d / ep; with ZeRO-1 (the distributed optimizer) each becomes a reduce-scatter
+  of the padded flat buffer and an all-gather of the updated parameters (Rajbhandari et al.
+  2020, Sec. 5; 2 Psi per rank either way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import Transfer
+from .context import attention_traffic
+from .pipeline import num_stages, stages_on_rank
+from .shape import Shape, expert_capacity
+from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """What the closed form reads (the case's fields)."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    sp: bool = False
+    placement: str = "linear"
+    cp_kind: str = "allgather"
+    micro_batch: int = 1
+    microbatches: int = 1
+    recompute: str = "none"
+    zero_stage: int = 0
+    e: int = 4  # bytes per element (fp32)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One rank's parameters of one stage, by gradient group (elements and tensors)."""
+
+    dense: int
+    dense_tensors: int
+    expert: int
+    expert_tensors: int
+    tp_partial: int  # dense elements whose gradient is partial over tp
+
+
+def stage_params(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
+                 last: bool) -> StageParams:
+    """Elements a rank holds of stage [lo, hi): tp shards of the dense part (Megatron's
+    placements, vocabulary padded to a multiple of t), E/ep whole experts per MoE layer."""
+    h, f, t = shape.h, shape.f, c.tp
+    dense = tensors = partial = 0
+    replicated = 0
+
+    def add(n, *, repl=False, count=1):
+        nonlocal dense, tensors, replicated
+        dense += n * count
+        tensors += count
+        if repl:
+            replicated += n * count
+    if first:
+        add(padded_vocab(shape.V, t) // t * h)
+        if shape.position_embeddings:
+            add(shape.s * h, repl=True)
+    expert = expert_tensors = 0
+    for i in range(lo, hi):
+        add(h, repl=True, count=4)  # ln1, ln2 weight and bias
+        add(3 * h // t * h)
+        add(3 * h // t)
+        add(h * h // t)
+        add(h, repl=True)  # proj bias
+        if shape.is_moe_layer(i):
+            add(shape.num_experts * h)
+            partial += shape.num_experts * h
+            per = shape.num_experts // c.ep
+            expert += per * (2 * h * f + f + h)
+            expert_tensors += 4 * per
+        else:
+            add(f // t * h)
+            add(f // t)
+            add(h * f // t)
+            add(h, repl=True)  # fc2 bias
+    if last:
+        add(h, repl=True, count=2)
+        if not shape.tie_embeddings:
+            add(padded_vocab(shape.V, t) // t * h)
+    if t == 1:
+        partial = 0
+    elif c.sp:
+        partial += replicated
+    return StageParams(dense, tensors, expert, expert_tensors, partial)
+
+
+def _stages(shape: Shape, c: HybridConfig, pp_rank: int):
+    S = num_stages(c.placement, c.pp, c.vpp)  # noqa: N806
+    per = shape.l // S
+    for _, st in stages_on_rank(c.placement, c.pp, pp_rank, c.vpp):
+        yield st, st * per, (st + 1) * per, st == 0, st == S - 1, S
+
+
+def stage_transfers(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
+                    last: bool) -> list[Transfer]:
+    """The tp, cp and ep transfers of one stage in one step (m micro-batches)."""
+    t, m, b, e = c.tp, c.microbatches, c.micro_batch, c.e
+    s_l = shape.s // c.cp
+    S = b * s_l * shape.h * e  # noqa: N806
+    moe = sum(shape.is_moe_layer(i) for i in range(lo, hi))
+    dense = hi - lo - moe
+    out: list[Transfer] = []
+    if t > 1:
+        out += megatron_layer_traffic(b, s_l, shape.h, t, c.recompute, c.sp, e, dense * m)
+        if c.sp:
+            k = 2 if c.recompute == "full" else 1
+            out += [Transfer("tp", "all_gather", t, S, (k + 2) * moe * m, "MoE layers: QKV"),
+                    Transfer("tp", "reduce_scatter", t, S, (k + 1) * moe * m,
+                             "MoE layers: attention projection")]
+        else:
+            out += megatron_layer_traffic(b, s_l, shape.h, t, c.recompute, False, e, moe * m)
+        if first:
+            out += ([Transfer("tp", "reduce_scatter", t, S, m, "embedding (fwd)"),
+                     Transfer("tp", "all_gather", t, S, m, "embedding grad (bwd)")] if c.sp
+                    else [Transfer("tp", "all_reduce", t, S, m, "embedding (fwd)")])
+        if last:
+            out += ([Transfer("tp", "all_gather", t, S, 2 * m, "LM head input (fwd, bwd)"),
+                     Transfer("tp", "reduce_scatter", t, S, m, "LM head input grad")]
+                    if c.sp else [Transfer("tp", "all_reduce", t, S, m, "LM head input grad")])
+            out.append(Transfer("tp", "all_reduce", t, b * s_l * 4, 3 * m,
+                                "vocab-parallel cross-entropy"))
+    if c.cp > 1:
+        out += attention_traffic(c.cp_kind, b, shape.s, shape.h // t, c.cp, 1, hi - lo, m, e,
+                                 c.recompute != "none")
+    if c.ep > 1 and moe:
+        tokens = b * s_l // t
+        cap = expert_capacity(tokens, shape.num_experts, shape.moe_top_k,
+                              shape.moe_capacity_factor) or tokens
+        n = (6 if c.recompute == "full" else 4) * moe * m
+        out.append(Transfer("ep", "all_to_all", c.ep, shape.num_experts * cap * shape.h * e,
+                            n, "MoE dispatch and combine"))
+    return out
+
+
+def _grad_sync(axis: str, n: int, numel: int, c: HybridConfig, what: str) -> list[Transfer]:
+    if n < 2 or not numel:
+        return []
+    if c.zero_stage == 0:
+        return [Transfer(axis, "all_reduce", n, numel * c.e, 1, what)]
+    padded = -(-numel // n) * n
+    return [Transfer(axis, "reduce_scatter", n, padded * c.e, 1, what),
+            Transfer(axis, "all_gather", n, padded * c.e, 1, what + ": updated parameters")]
+
+
+def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer], dict]:
+    """(transfers, model states) of global rank ``rank`` in one step."""
+    t, cp, dp = c.tp, c.cp, c.dp
+    pp_rank = rank // (t * cp * dp)
+    out: list[Transfer] = []
+    dense = dense_tensors = expert = expert_tensors = partial = 0
+    for st, lo, hi, first, last, S in _stages(shape, c, pp_rank):  # noqa: N806
+        out += stage_transfers(shape, c, lo, hi, first, last)
+        p = stage_params(shape, c, lo, hi, first, last)
+        dense += p.dense
+        dense_tensors += p.dense_tensors
+        expert += p.expert
+        expert_tensors += p.expert_tensors
+        partial += p.tp_partial
+        act = c.micro_batch * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
+        if st < S - 1 and c.pp > 1:
+            out.append(Transfer("pp", "send", 2, act, c.microbatches, "activations"))
+        if st > 0 and c.pp > 1:
+            out.append(Transfer("pp", "send", 2, act, c.microbatches, "activation grads"))
+    if partial and t > 1:
+        out.append(Transfer("tp", "all_reduce", t, partial * c.e, 1,
+                            "gradients partial over tp (routers; SP: replicated params)"))
+    out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
+    out += _grad_sync("edp", t * cp * dp // c.ep, expert, c, "expert gradients")
+    states = _states(c, dense, dense_tensors, dp * cp)
+    ex = _states(c, expert, expert_tensors, t * cp * dp // c.ep)
+    return out, {k: states[k] + ex[k] for k in states}
+
+
+def _states(c: HybridConfig, numel: int, tensors: int, n: int) -> dict[str, int]:
+    """fp32 params and grads; AdamW's 2 moments (+ a 4-byte step per tensor), over the
+    whole group (ZeRO-0) or the rank's shard of the padded flat buffer (ZeRO-1)."""
+    if not numel:
+        return {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
+    if c.zero_stage == 0:
+        opt = 2 * c.e * numel + 4 * tensors
+    else:
+        opt = 2 * c.e * (-(-numel // n)) + 4
+    return {"params": c.e * numel, "grads": c.e * numel, "optimizer": opt, "other": 0}
