@@ -216,13 +216,17 @@ class HybridScheme(Scheme):
         return self._full(grads=True)
 
     def metrics(self) -> dict:
+        """Routing of the last step, summed over this rank's MoE layers (last micro-batch):
+        assignments per expert, dropped per expert, max/mean load, mean aux and z-loss."""
         stats = [st for s in self.slots.values() for st in s.module.moe_stats.values()]
         if not stats:
             return {}
-        load = sum(st["load"] for st in stats)
-        return {"moe_dropped": int(sum(int(st["dropped"].sum()) for st in stats)),
-                "moe_load_imbalance": float(load.max()) / max(float(load.float().mean()), 1e-9),
-                "moe_aux_loss": sum(st["aux_loss"] for st in stats) / len(stats)}
+        load = [sum(v) for v in zip(*(st["load"] for st in stats))]
+        dropped = [sum(v) for v in zip(*(st["dropped"] for st in stats))]
+        return {"moe_load_per_expert": load, "moe_dropped_per_expert": dropped,
+                "moe_load_imbalance": max(load) / max(sum(load) / len(load), 1e-9),
+                "moe_aux_loss": sum(st["aux_loss"] for st in stats) / len(stats),
+                "moe_z_loss": sum(st["z_loss"] for st in stats) / len(stats)}
 
     # ---- closed form --------------------------------------------------------------------------
     @classmethod
