@@ -67,6 +67,8 @@ class HybridScheme(Scheme):
     description = "PTD-P with cp and ep: Megatron TP(+SP) x CP x EP x DP x pipeline schedule"
     uses = ("tp", "cp", "ep", "dp", "pp")
     supports_moe = True
+    #: the stage model (the self-test's mutants swap in broken ones)
+    stage_class = HybridStage
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_kind", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef")
@@ -146,7 +148,7 @@ class HybridScheme(Scheme):
         self.slots = {}
         for key in self.schedule.stages_of(pp_rank):
             lo, hi = stage_layers(cfg.num_layers, S, key[1])
-            stage = HybridStage(
+            stage = self.stage_class(
                 cfg, ctx.run.seed, tp_group=mesh.group("tp"), tp=self.tp,
                 tp_rank=mesh.index("tp"), sp=par.sp, recompute=par.recompute,
                 stage=(lo, hi, key[1] == 0, key[1] == S - 1), positions=torch.tensor(self.pos), core=core,
@@ -185,15 +187,21 @@ class HybridScheme(Scheme):
             n = self.dp * self.cp
             if n > 1:
                 all_reduce_flat([p.grad for p in self.dense], mesh.group("dp_cp"))
-            if self.experts and mesh.size("edp") > 1:
-                all_reduce_flat([p.grad for p in self.experts], mesh.group("edp"))
-            for p in self.dense + self.experts:
+            for p in self.dense:
                 p.grad.div_(n)
+            self.reduce_experts([p.grad for p in self.experts], n)
         with tl.span("optim"):
             self.opt.step()
         last = any(s.module.last for s in self.slots.values())
         total = self.reduce_loss(out.loss if last else 0.0)
         return total / (self.tp * self.dp * self.cp)
+
+    def reduce_experts(self, grads: list[torch.Tensor], n: int) -> None:
+        """Expert gradients: summed over edp, divided by dp cp (module docstring, step 3)."""
+        if grads and self.ctx.mesh.size("edp") > 1:
+            all_reduce_flat(grads, self.ctx.mesh.group("edp"))
+        for g in grads:
+            g.div_(n)
 
     # ---- the verdict's view -------------------------------------------------------------------
     def _full(self, grads: bool) -> dict[str, torch.Tensor]:
