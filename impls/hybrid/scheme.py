@@ -236,16 +236,38 @@ class HybridScheme(Scheme):
                 "moe_aux_loss": sum(st["aux_loss"] for st in stats) / len(stats),
                 "moe_z_loss": sum(st["z_loss"] for st in stats) / len(stats)}
 
+    @classmethod
+    def figures(cls, case: CaseConfig, per_rank: list, out_dir):
+        """UB-Mesh Table 1 for this case: rank 0's measured ledger beside the closed form at
+        this configuration and the traffic model at the paper's (``report.traffic_table``);
+        written as ``ubmesh-table1.md`` in the results directory."""
+        from parbench.report import traffic_table as table
+        r0 = next((r for r in per_rank if r.rank == 0), None)
+        if r0 is None or not r0.ledger:
+            return []
+        tr, _ = closed.rank_step(shape_from(case.model), cls.hybrid_config(case), 0)
+        p = case.parallel
+        config = (f"hybrid tp={p.tp} (recompute={p.recompute}, sp={p.sp}) cp={p.cp} "
+                  f"({p.cp_kind}) ep={p.ep} (top-{case.model.moe_top_k} of "
+                  f"{case.model.num_experts}) pp={p.pp} (m={p.num_microbatches}) dp={p.dp}, "
+                  f"fp32, model {case.model.name}")
+        path = out_dir / "ubmesh-table1.md"
+        path.write_text(table.render(table.measured(r0.ledger), table.modelled(tr), 0, config))
+        return [path]
+
     # ---- closed form --------------------------------------------------------------------------
     @classmethod
-    def predict(cls, case: CaseConfig) -> Prediction:
-        p, m = case.parallel, case.model
-        c = closed.HybridConfig(
+    def hybrid_config(cls, case: CaseConfig) -> closed.HybridConfig:
+        p = case.parallel
+        return closed.HybridConfig(
             tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
             placement=str(get_spec(p.schedule).placement), cp_kind=p.cp_kind,
             micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
             recompute=p.recompute, zero_stage=p.zero_stage)
-        shape = shape_from(m)
+
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        p, c, shape = case.parallel, cls.hybrid_config(case), shape_from(case.model)
         wire, calls, states = [], [], []
         for r in range(p.world_size):
             tr, st = closed.rank_step(shape, c, r)

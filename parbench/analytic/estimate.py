@@ -4,14 +4,24 @@ All figures are bytes or FLOPs unless a key says otherwise (``*_gb`` = 10^9 byte
 paper's unit). Per-rank figures are for the most loaded pipeline rank for memory and for one
 rank of the first pipeline stage for communication. With context parallelism, gradients are
 reduced and ZeRO partitions over the dp x cp ranks, as in Megatron-Core.
+
+MoE models (Megatron-Core layout, :func:`params.expert_layout`): dense parameters (the
+router included) are replicated over dp x cp, expert parameters over the expert-data-parallel
+group ``edp = tp cp dp / (etp ep)``. Model states are computed for each group with its own
+size -- ZeRO partitions each group's flat buffer over its own ranks, as Megatron-Core's
+distributed optimizer does -- and gradient traffic is reported on axis ``dp`` for the dense
+part and ``edp`` for the expert part. Expert all-to-alls (GShard, Lepikhin et al. 2020;
+Switch, Fedus et al. 2021) are counted on MoE layers only.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 from . import activations, comm, flops, memory
 from . import params as param_model
-from .shape import GB, Shape, require_positive_int, shape_from
+from .shape import (GB, Shape, exact_factor, expert_capacity, moe_layer_count,
+                    require_positive_int, shape_from)
 
 
 def _microbatches(micro_batch: int, dp: int, global_batch: int | None,
@@ -46,6 +56,98 @@ def _model_states_block(psi: float, dp: int, zero_stage: int, chosen: str) -> di
         block["selected"]["paper"] = memory.zero_model_states(psi, dp, zero_stage,
                                                               chosen).as_dict()
     return block
+
+
+_GROUP_NAMES = {"dense": "dp x cp (dense parameters: replicated over the dp*cp ranks)",
+                "expert": "edp = tp*cp*dp/(etp*ep) (expert parameters: E/ep experts per rank, "
+                          "each split over etp)"}
+
+
+def _add(a: dict, b: dict) -> dict:
+    return {k: _add(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items()}
+
+
+def _moe_model_states_block(stages: list[dict], layout: dict, zero_stage: int,
+                            chosen: str) -> dict:
+    """Model states of the most loaded pipeline rank of an MoE model: the dense part over
+    dp x cp and the expert part over edp, each partitioned by ZeRO over its own group
+    (Rajbhandari et al. 2020, Sec. 5.1, applied per group), and their sum."""
+    best = None
+    for st in stages:
+        parts = {"dense": _model_states_block(st["dense"], layout["dense_dp"], zero_stage,
+                                              chosen),
+                 "expert": _model_states_block(st["expert"], layout["edp"], zero_stage,
+                                               chosen)}
+        load = sum(p["selected"]["padded"]["total"] for p in parts.values())
+        if best is None or load > best[0]:
+            best = (load, st["stage"], parts)
+    _, stage, parts = best
+    d, x = parts["dense"], parts["expert"]
+    by_acc = _add(d["by_accounting"], x["by_accounting"])
+    groups = {}
+    for kind, size in (("dense", layout["dense_dp"]), ("expert", layout["edp"])):
+        p = parts[kind]
+        groups[kind] = {"group": _GROUP_NAMES[kind], "group_size": size,
+                        "per_rank_params": p["per_rank_params"],
+                        "padded": p["selected"]["padded"],
+                        "unpadded": p["selected"]["unpadded"]}
+    return {
+        "per_rank_params": d["per_rank_params"] + x["per_rank_params"],
+        "pipeline_stage": stage,
+        "by_accounting": by_acc,
+        "zero_paper_gb": {k: memory.round_sig(v / GB, 3)
+                          for k, v in by_acc[memory.MIXED_ADAM.name].items()},
+        "units": d["units"],
+        "selected": {"zero_stage": zero_stage, "accounting": chosen,
+                     "padded": _add(d["selected"]["padded"], x["selected"]["padded"]),
+                     "unpadded": _add(d["selected"]["unpadded"], x["selected"]["unpadded"])},
+        "groups": groups,
+        "scope": "the most loaded pipeline rank; each part's ZeRO partition is over its own "
+                 "group (dense: dp x cp, expert: edp)",
+    }
+
+
+def _by_layer_kind(fn: Callable[..., int], shp: Shape, *args: Any, **kw: Any) -> int:
+    """``fn(shape, ...)`` -- a FLOP count of the form a * num_layers + c -- for a model whose
+    layers are of two kinds: n_moe MoE layers and num_layers - n_moe dense ones."""
+    n_moe = shp.num_moe_layers
+    if n_moe in (0, shp.num_layers):
+        return fn(shp, *args, **kw)
+    kinds = {"moe": replace(shp, moe_every=1), "dense": replace(shp, num_experts=0)}
+    one = {k: fn(replace(v, num_layers=1), *args, **kw) for k, v in kinds.items()}
+    per = {k: fn(replace(v, num_layers=2), *args, **kw) - one[k] for k, v in kinds.items()}
+    return one["dense"] - per["dense"] + n_moe * per["moe"] \
+        + (shp.num_layers - n_moe) * per["dense"]
+
+
+def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: int,
+                 sp: bool, moe_layers: int, m: int, e: int, full: bool) -> tuple[list, dict]:
+    """All-to-all traffic of the expert-parallel group on one rank, and how it was counted.
+
+    T = the tokens one rank routes per micro-batch: its b * s/cp tokens, divided by tp under
+    sequence parallelism (Megatron-Core routes each rank's sequence-parallel shard). With a
+    capacity factor the dispatch buffer holds E slots of C = ceil(cf k T / E) rows (Switch,
+    Sec. 2.2; dropped tokens leave padding), without one k T rows. 2 all-to-alls forward and
+    2 backward per MoE layer per micro-batch, 2 more with full recomputation (GShard,
+    Lepikhin et al. 2020; Switch, Fedus et al. 2021, Sec. 2.2)."""
+    ep, E, k = layout["ep"], shp.num_experts, shp.moe_top_k  # noqa: N806
+    split = tp if sp and tp > 1 else 1
+    if (micro_batch * s_local) % split:
+        raise ValueError(f"sp with tp={tp} needs tp to divide the micro_batch*seq_length/cp="
+                         f"{micro_batch * s_local} tokens a rank routes")
+    tokens = micro_batch * s_local // split
+    cf = shp.moe_capacity_factor
+    cap = expert_capacity(tokens, E, k, cf)
+    rows = k * tokens if cap is None else E * cap
+    info = {"tokens_per_rank": tokens, "top_k": k, "capacity_factor": cf,
+            "capacity_per_expert": cap, "rows_per_all_to_all": rows,
+            "moe_layers_on_rank": moe_layers, "ep": ep, "etp": layout["etp"],
+            "edp": layout["edp"],
+            "all_to_alls_per_moe_layer_per_micro_batch": 6 if full else 4}
+    tr = comm.expert_traffic(tokens, shp.h, ep, moe_layers, m, k, e, full,
+                             capacity_factor=exact_factor(cf) if cf else None,
+                             num_experts=E)
+    return [t for t in tr if t.count], info
 
 
 def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool,
@@ -104,7 +206,8 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
              num_microbatches: int | None = None, tp: int = 1, pp: int = 1, dp: int = 1,
              cp: int = 1, ep: int = 1, vpp: int = 1, zero_stage: int = 0, sp: bool = False,
              recompute: str = "none", bytes_per_element: int = 2, cp_algorithm: str = "ring",
-             accounting: str | None = None) -> dict:
+             accounting: str | None = None, etp: int | None = None,
+             capacity_factor: float | None = None) -> dict:
     """Parameters, FLOPs, memory per rank and communication per axis for one configuration.
 
     Give a model ``shape`` (a :class:`Shape` or any object with its field names), or only the
@@ -116,6 +219,10 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     ``global_batch / (micro_batch * dp)``; otherwise ``num_microbatches`` (default 1).
     ``accounting`` names a :data:`memory.ACCOUNTINGS` entry for the selected ZeRO stage
     (default: ``fp32_adamw`` for 4-byte elements, else ``mixed_adam``).
+
+    MoE: ``etp`` is the expert tensor-parallel size (0 or ``None``: ``tp``);
+    ``capacity_factor`` overrides the shape's ``moe_capacity_factor`` (0: no capacity limit).
+    ``ep`` must divide ``num_experts`` and ``ep * etp`` must divide ``tp * cp * dp``.
     """
     for name, v in (("micro_batch", micro_batch), ("tp", tp), ("pp", pp), ("dp", dp),
                     ("cp", cp), ("ep", ep), ("vpp", vpp)):
@@ -146,24 +253,33 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
         }
 
     shp = shape_from(shape)
+    if capacity_factor is not None:
+        shp = replace(shp, moe_capacity_factor=capacity_factor)
     B = micro_batch * dp * m  # noqa: N806
     s_local = shp.s // cp if shp.s % cp == 0 else None
     if s_local is None:
         raise ValueError(f"cp={cp} does not divide seq_length={shp.s}")
-    counts = param_model.param_counts(shp, pp, tp, ep, vpp)
+    layout = param_model.expert_layout(shp, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp)
+    counts = param_model.param_counts(shp, pp, tp, ep, vpp, etp=etp)
     psi_rank = max(st["total"] for st in counts["stages"])
     layers = shp.num_layers // pp
+    if shp.moe:
+        inputs.update({"etp": layout["etp"], "edp": layout["edp"], "moe_every": shp.moe_every,
+                       "moe_capacity_factor": shp.moe_capacity_factor,
+                       "moe_top_k": shp.moe_top_k})
 
     dense4 = not shp.moe and shp.f == 4 * shp.h
     fl = {
-        "forward_per_iteration": flops.shape_forward_flops(shp, B),
-        "training_per_iteration": flops.shape_training_flops(shp, B),
-        "training_per_iteration_recompute": flops.shape_training_flops(shp, B, recompute=True),
+        "forward_per_iteration": _by_layer_kind(flops.shape_forward_flops, shp, B),
+        "training_per_iteration": _by_layer_kind(flops.shape_training_flops, shp, B),
+        "training_per_iteration_recompute": _by_layer_kind(flops.shape_training_flops, shp, B,
+                                                           recompute=True),
         "megatron_eq3": flops.megatron_eq3_flops(B, shp.s, shp.l, shp.h, shp.V)
         if dense4 else None,
         "params_rule_6N": flops.params_rule_flops(param_model.active_params(shp), B * shp.s),
-        "per_device_training": flops.shape_training_flops(
-            shp, B, recompute=recompute == "full") / (tp * pp * dp * cp),
+        "per_device_training": _by_layer_kind(
+            flops.shape_training_flops, shp, B, recompute=recompute == "full")
+        / (tp * pp * dp * cp),
     }
 
     per_layer = activations.layer_activation_bytes(s_local, micro_batch, shp.h, shp.a, tp, sp,
@@ -197,30 +313,48 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
         else:
             raise ValueError(f"cp_algorithm={cp_algorithm!r} must be ring, ulysses or "
                              "allgather")
-    if shp.moe and ep > 1:
-        tokens = micro_batch * s_local // (tp if sp else 1)
-        tr += comm.expert_traffic(tokens, shp.h, ep, layers, m, shp.moe_top_k, e, full)
+    expert_info = None
+    if shp.moe:
+        first = param_model.stage_layer_indices(shp.num_layers, pp, vpp)[0]
+        ep_tr, expert_info = _expert_comm(shp, layout, micro_batch, s_local, tp, sp,
+                                          moe_layer_count(shp, first), m, e, full)
+        tr += ep_tr
     if pp > 1:
         s_p2p = s_local // tp if sp and s_local % tp == 0 else s_local
         tr += comm.pipeline_p2p_traffic(micro_batch, s_p2p, shp.h, pp, m, 0, vpp,
                                         bytes_per_element=e)
-    if dp * cp > 1:
-        dp_tr = comm.zero_traffic(counts["stages"][0]["total"], dp * cp, zero_stage, e, e)
-        tr += [comm.Transfer("dp", t.op, t.group_size, t.message_bytes, t.count, t.what)
-               for t in dp_tr]
+    st0 = counts["stages"][0]
+    grads = (("dp", dp * cp, st0["dense"] if shp.moe else st0["total"], ""),
+             ("edp", layout["edp"], st0.get("expert", 0), "expert "))
+    for axis, group, numel, what in grads:
+        if group > 1 and numel:
+            tr += [comm.Transfer(axis, t.op, t.group_size, t.message_bytes, t.count,
+                                 what + t.what)
+                   for t in comm.zero_traffic(numel, group, zero_stage, e, e)]
 
     act["per_layer_by_recompute"] = _activations_by_recompute(shp, micro_batch, s_local, tp,
                                                               sp, e)
+    if shp.moe:
+        states = _moe_model_states_block(counts["stages"], layout, zero_stage, chosen)
+        act["note"] = ("per layer as for a dense MLP of ffn_hidden_size; the MoE dispatch "
+                       "buffers and the k routed copies are not counted")
+        scope = ("one rank of the first pipeline stage, one iteration; dense gradients "
+                 "reduced over dp x cp (axis dp), expert gradients over "
+                 "edp = tp*cp*dp/(etp*ep) (axis edp)")
+    else:
+        states = _model_states_block(psi_rank, dp * cp, zero_stage, chosen)
+        scope = "one rank of the first pipeline stage, one iteration; gradients reduced " \
+                "over dp x cp"
+    out_comm = {"per_layer": per_layer_traffic(shp, micro_batch, tp, cp, sp, recompute, e),
+                "per_axis": comm.summarize(tr),
+                "transfers": [t.as_dict() for t in tr],
+                "scope": scope}
+    if expert_info is not None:
+        out_comm["expert"] = expert_info
     return {
         "inputs": inputs,
         "parameters": counts,
         "flops": fl,
-        "memory": {"model_states": _model_states_block(psi_rank, dp * cp, zero_stage, chosen),
-                   "activations": act},
-        "communication": {"per_layer": per_layer_traffic(shp, micro_batch, tp, cp, sp,
-                                                         recompute, e),
-                          "per_axis": comm.summarize(tr),
-                          "transfers": [t.as_dict() for t in tr],
-                          "scope": "one rank of the first pipeline stage, one iteration; "
-                                   "gradients reduced over dp x cp"},
+        "memory": {"model_states": states, "activations": act},
+        "communication": out_comm,
     }

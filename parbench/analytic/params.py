@@ -1,11 +1,12 @@
 """Exact parameter counts of the reference GPT: whole model, per layer, per pipeline stage and
-per tensor-parallel rank.
+per tensor- / expert-parallel rank.
 
 The reference model (``parbench/model.py``), with h = hidden, f = ffn hidden, V = vocabulary,
 s = sequence length, E = experts:
 
 ==============================  ==========================  ==============================
-component                       full count                  per tensor-parallel rank (t)
+component                       full count                  per rank (tensor-parallel t,
+                                                            expert ep x etp)
 ==============================  ==========================  ==============================
 token embedding                 V h                         V h / t   (vocab-parallel)
 position embedding (optional)   s h                         s h       (replicated)
@@ -15,7 +16,7 @@ proj h -> h, bias               h^2 + h                     h^2 / t + h       (r
                                                                                replicated)
 MLP  h -> f, bias; f -> h, bias 2hf + f + h                 (2hf + f) / t + h (column, row)
 router h -> E, no bias (MoE)    h E                         h E       (replicated)
-E expert MLPs (MoE)             E (2hf + f + h)             (E / ep)((2hf + f)/t + h)
+E expert MLPs (MoE)             E (2hf + f + h)             (E / ep)((2hf + f)/etp + h)
 final LN                        2h                          2h        (replicated)
 LM head h -> V, no bias         V h (0 if tied)             V h / t   (vocab-parallel)
 ==============================  ==========================  ==============================
@@ -26,12 +27,23 @@ Megatron-LM", Sec. 5.1). The tensor-parallel split is Megatron 1D (Shoeybi et al
 Sec. 3): column-parallel linears split their weight and bias, row-parallel linears split the
 weight and keep the bias whole, LayerNorms are replicated, and the embedding and LM head are
 split along the vocabulary.
+
+MoE layers (layer i with i % moe_every == 0, see :class:`Shape`) replace the MLP by the router
+and the experts. The expert layout is Megatron-Core's (``parallel_state``: expert-tensor x
+expert x expert-data parallel groups): the E experts are split over ``ep`` ranks (E / ep
+each, as in GShard, Lepikhin et al. 2020, Sec. 2.2), each expert's two linears are split over
+``etp`` ranks like the dense MLP over t (``etp`` 0 or ``None`` means t, Megatron-Core's
+default), and the ``ep x etp`` pattern repeats over ``edp = t cp dp / (etp ep)``
+expert-data-parallel ranks (:func:`expert_layout`). Every other parameter -- the router
+included -- is *dense*: split over t and replicated over the dp x cp ranks. The per-rank
+counts are therefore given in two parts, ``dense`` and ``expert``, each with its own
+data-parallel group.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from .shape import Shape, divides, require_positive_int
+from .shape import Shape, divides, moe_layer_count, require_nonneg_int, require_positive_int
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,15 +83,72 @@ def _check_ep(shape: Shape, ep: int) -> None:
         divides("ep", ep, "num_experts", shape.num_experts)
 
 
+def resolve_etp(tp: int, etp: int | None) -> int:
+    """The expert tensor-parallel size: ``etp``, or ``tp`` when it is 0 or ``None``
+    (Megatron-Core's ``expert_tensor_parallel_size`` default)."""
+    if etp is None:
+        return tp
+    require_nonneg_int("etp", etp)
+    return etp or tp
+
+
+def _check_etp(shape: Shape, tp: int, etp: int | None) -> int:
+    e = resolve_etp(tp, etp)
+    if not shape.moe and e != tp:
+        raise ValueError(f"etp={e} needs num_experts > 0 (num_experts={shape.num_experts}); "
+                         f"a dense model has no expert to split (leave etp=0, i.e. tp={tp})")
+    if shape.moe:
+        divides("etp", e, "ffn_hidden_size", shape.f)
+    return e
+
+
+def expert_layout(shape: Shape, *, tp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1,
+                  etp: int | None = None) -> dict[str, int]:
+    """The data-parallel group of each kind of parameter, Megatron-Core layout.
+
+    Dense parameters are replicated over the ``dp * cp`` ranks (gradients reduced over them,
+    as Megatron-Core does with context parallelism). Expert parameters: the ``tp * cp * dp``
+    ranks of a pipeline stage are re-partitioned as ``etp x ep x edp`` (Megatron-Core
+    ``initialize_model_parallel`` with ``expert_model_parallel_size`` and
+    ``expert_tensor_parallel_size``), so ``ep * etp`` must divide ``tp * cp * dp`` and each
+    expert shard is replicated over ``edp = tp * cp * dp / (etp * ep)`` ranks. Raises
+    ``ValueError`` naming the field, its value and the rule it breaks.
+    """
+    for name, v in (("tp", tp), ("cp", cp), ("dp", dp)):
+        require_positive_int(name, v)
+    _check_ep(shape, ep)
+    e = _check_etp(shape, tp, etp)
+    stage = tp * cp * dp
+    if stage % (ep * e):
+        raise ValueError(f"ep*etp={ep * e} (ep={ep}, etp={e}) does not divide "
+                         f"tp*cp*dp={stage}: expert parallelism re-partitions the tp*cp*dp "
+                         "ranks of a stage as etp x ep x edp")
+    return {"tp": tp, "etp": e, "ep": ep, "dense_dp": dp * cp, "edp": stage // (ep * e)}
+
+
 def mlp_params(h: int, f: int, tp: int = 1) -> int:
     """One MLP h -> f -> h with biases: 2hf + f + h; per TP rank (2hf + f)/t + h."""
     return (2 * h * f + f) // tp + h
 
 
-def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1) -> dict[str, int]:
-    """Parameters of one layer on one (tp, ep) rank, by component (see the module table)."""
+#: the components of :func:`layer_breakdown` that are expert parameters (the rest is dense)
+EXPERT_PARTS = ("experts",)
+
+
+def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None,
+                    moe_layer: bool | None = None) -> dict[str, int]:
+    """Parameters of one layer on one (tp, ep, etp) rank, by component (see the module table).
+
+    ``moe_layer`` picks the kind of layer; by default an MoE layer when the model has experts
+    (layer 0 is always one). On a dense layer of an MoE model the MLP is split over tp.
+    """
     _check_tp(shape, tp)
     _check_ep(shape, ep)
+    e = _check_etp(shape, tp, etp)
+    moe = shape.moe if moe_layer is None else moe_layer
+    if moe and not shape.moe:
+        raise ValueError(f"moe_layer=True needs num_experts > 0 "
+                         f"(num_experts={shape.num_experts})")
     h, f = shape.h, shape.f
     parts = {
         "ln1": 2 * h,
@@ -87,17 +156,27 @@ def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1) -> dict[str, int]:
         "proj": h * h // tp + h,
         "ln2": 2 * h,
     }
-    if shape.moe:
+    if moe:
         parts["router"] = h * shape.num_experts
-        parts["experts"] = (shape.num_experts // ep) * mlp_params(h, f, tp)
+        parts["experts"] = (shape.num_experts // ep) * mlp_params(h, f, e)
     else:
         parts["mlp"] = mlp_params(h, f, tp)
     return parts
 
 
-def layer_params(shape: Shape, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of one layer: 4h^2 + 2hf + f + 9h dense (12h^2 + 13h for f = 4h)."""
-    return sum(layer_breakdown(shape, tp, ep).values())
+def layer_params(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None,
+                 moe_layer: bool | None = None) -> int:
+    """Parameters of one layer: 4h^2 + 2hf + f + 9h dense (12h^2 + 13h for f = 4h); an MoE
+    layer trades the MLP's 2hf + f + h for h E + E (2hf + f + h)."""
+    return sum(layer_breakdown(shape, tp, ep, etp=etp, moe_layer=moe_layer).values())
+
+
+def layer_split(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None,
+                moe_layer: bool | None = None) -> dict[str, int]:
+    """One layer's parameters on one rank as ``{"dense": ..., "expert": ...}``."""
+    parts = layer_breakdown(shape, tp, ep, etp=etp, moe_layer=moe_layer)
+    expert = sum(v for k, v in parts.items() if k in EXPERT_PARTS)
+    return {"dense": sum(parts.values()) - expert, "expert": expert}
 
 
 def embedding_params(shape: Shape, tp: int = 1) -> int:
@@ -122,22 +201,30 @@ def head_params(shape: Shape, tp: int = 1, separate_stage: bool = False) -> int:
     return 2 * shape.h + out
 
 
+def _layers_total(shape: Shape, moe_layers: int, dense_layers: int, tp: int = 1, ep: int = 1,
+                  etp: int | None = None) -> dict[str, int]:
+    out = {"dense": 0, "expert": 0}
+    for n, moe in ((moe_layers, True), (dense_layers, False)):
+        if n:
+            for k, v in layer_split(shape, tp, ep, etp=etp, moe_layer=moe).items():
+                out[k] += n * v
+    return out
+
+
 def total_params(shape: Shape) -> int:
     """Every unique parameter of the reference model (a tied head counted once)."""
-    return (embedding_params(shape) + shape.num_layers * layer_params(shape)
-            + head_params(shape))
+    n_moe = shape.num_moe_layers
+    layers = _layers_total(shape, n_moe, shape.num_layers - n_moe)
+    return embedding_params(shape) + layers["dense"] + layers["expert"] + head_params(shape)
 
 
 def active_params(shape: Shape) -> int:
-    """Parameters a token passes through (MoE: router plus ``moe_top_k`` experts per layer).
-
-    Equal to :func:`total_params` for a dense model.
-    """
-    if not shape.moe:
-        return total_params(shape)
-    per_layer = (layer_params(shape) - shape.num_experts * mlp_params(shape.h, shape.f)
-                 + shape.moe_top_k * mlp_params(shape.h, shape.f))
-    return embedding_params(shape) + shape.num_layers * per_layer + head_params(shape)
+    """Parameters a token passes through: on each MoE layer the router and ``moe_top_k`` of
+    the E experts (Fedus et al. 2021, Switch Transformer, Sec. 2: top-1 routing keeps the
+    FLOPs per token of the dense model). Equal to :func:`total_params` for a dense model."""
+    mlp = mlp_params(shape.h, shape.f)
+    return total_params(shape) - shape.num_moe_layers * (shape.num_experts - shape.moe_top_k) \
+        * mlp
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,31 +259,62 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1,
     return [num_layers // pp] * pp
 
 
+def stage_layer_indices(num_layers: int, pp: int, vpp: int = 1,
+                        layers_per_stage: Sequence[int] | None = None) -> list[list[int]]:
+    """The global (0-based) indices of the layers each pipeline rank holds.
+
+    Even split: virtual stage ``c * pp + r`` (chunk c of rank r) holds layers
+    ``[(c pp + r) n, (c pp + r + 1) n)``, n = num_layers / (pp vpp) -- Megatron-Core's
+    ``get_transformer_layer_offset`` (Narayanan et al. 2021, Sec. 2.2, interleaved schedule).
+    An explicit ``layers_per_stage`` split is contiguous per rank.
+    """
+    split = split_layers(num_layers, pp, vpp, layers_per_stage)
+    if layers_per_stage is not None or vpp == 1:
+        starts = [sum(split[:i]) for i in range(pp)]
+        return [list(range(a, a + n)) for a, n in zip(starts, split)]
+    n = num_layers // (pp * vpp)
+    return [[i for c in range(vpp) for i in range((c * pp + r) * n, (c * pp + r + 1) * n)]
+            for r in range(pp)]
+
+
 def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int = 1,
-                 layers_per_stage: Sequence[int] | None = None) -> list[dict[str, int]]:
+                 layers_per_stage: Sequence[int] | None = None, *,
+                 etp: int | None = None) -> list[dict[str, int]]:
     """Parameters on each pipeline rank (one tensor/expert-parallel rank of it).
 
     Stage 0 holds the embeddings, the last stage the final LN and the LM head (with
     interleaving, ``vpp`` > 1, rank 0 holds the first chunk and rank ``pp - 1`` the last, so
     the same ranks hold them). One dict per stage: ``stage``, ``layers``, ``embedding``,
-    ``transformer`` (all its layers), ``head`` and ``total``.
+    ``transformer`` (all its layers), ``head`` and ``total``; for an MoE model also
+    ``moe_layers`` (how many of its layers are MoE layers), ``expert`` (its expert
+    parameters, replicated over edp) and ``dense`` (the rest, replicated over dp x cp).
     """
-    split = split_layers(shape.num_layers, pp, vpp, layers_per_stage)
-    per_layer = layer_params(shape, tp, ep)
+    per_rank = stage_layer_indices(shape.num_layers, pp, vpp, layers_per_stage)
     rows = []
-    for i, n in enumerate(split):
+    for i, idx in enumerate(per_rank):
+        n, n_moe = len(idx), moe_layer_count(shape, idx)
+        layers = _layers_total(shape, n_moe, n - n_moe, tp, ep, etp)
         emb = embedding_params(shape, tp) if i == 0 else 0
         head = head_params(shape, tp, separate_stage=pp > 1) if i == pp - 1 else 0
-        rows.append({"stage": i, "layers": n, "embedding": emb,
-                     "transformer": n * per_layer, "head": head,
-                     "total": emb + n * per_layer + head})
+        trans = layers["dense"] + layers["expert"]
+        row = {"stage": i, "layers": n, "embedding": emb, "transformer": trans, "head": head,
+               "total": emb + trans + head}
+        if shape.moe:
+            row.update({"moe_layers": n_moe, "dense": row["total"] - layers["expert"],
+                        "expert": layers["expert"]})
+        rows.append(row)
     return rows
 
 
 def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int = 1,
-                 layers_per_stage: Sequence[int] | None = None) -> dict:
-    """Everything above in one nested dict (the ``parameters`` block of ``estimate``)."""
-    return {
+                 layers_per_stage: Sequence[int] | None = None, *,
+                 etp: int | None = None) -> dict:
+    """Everything above in one nested dict (the ``parameters`` block of ``estimate``).
+
+    For an MoE model ``per_layer`` and ``per_rank_per_layer`` are an MoE layer's (layer 0);
+    ``by_layer_kind`` gives both kinds, whole and per rank split into dense and expert parts.
+    """
+    out = {
         "total": total_params(shape),
         "active": active_params(shape),
         "per_layer": layer_params(shape),
@@ -204,6 +322,15 @@ def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
         and shape.f == 4 * shape.h else None,
         "embedding": embedding_params(shape),
         "head": head_params(shape),
-        "per_rank_per_layer": layer_params(shape, tp, ep),
-        "stages": stage_params(shape, pp, tp, ep, vpp, layers_per_stage),
+        "per_rank_per_layer": layer_params(shape, tp, ep, etp=etp),
+        "stages": stage_params(shape, pp, tp, ep, vpp, layers_per_stage, etp=etp),
     }
+    if shape.moe:
+        out["moe_layers"] = shape.num_moe_layers
+        out["moe_every"] = shape.moe_every
+        out["by_layer_kind"] = {
+            kind: {"layers": n, "per_layer": layer_params(shape, moe_layer=moe),
+                   "per_rank": layer_split(shape, tp, ep, etp=etp, moe_layer=moe)}
+            for kind, moe, n in (("moe", True, shape.num_moe_layers),
+                                 ("dense", False, shape.num_layers - shape.num_moe_layers))}
+    return out

@@ -8,7 +8,8 @@ namespace both work.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from fractions import Fraction
+from typing import Any, Iterable
 
 #: Binary units, used by the harness reports and by the UB-Mesh table (MB = 2^20, GB = 2^30).
 KiB = 2 ** 10
@@ -23,8 +24,14 @@ class Shape:
     """Shape of the reference GPT decoder.
 
     ``ffn_hidden_size`` of ``None`` or 0 means ``4 * hidden_size``. ``num_experts`` of 0 is a
-    dense model; with ``num_experts > 0`` every layer is an MoE layer (router ``h -> E``
-    without bias plus ``E`` expert MLPs) and ``moe_top_k`` experts are active per token.
+    dense model. With ``num_experts = E > 0``, layer ``i`` (0-based) is an MoE layer iff
+    ``i % moe_every == 0`` (Megatron-Core's ``moe_layer_freq = k``; ``moe_every = 1``: every
+    layer); its MLP is replaced by a router ``h -> E`` without bias and ``E`` expert MLPs of
+    the dense MLP's shape, of which ``moe_top_k`` are active per token (Fedus et al. 2021,
+    Switch Transformer; Lepikhin et al. 2020, GShard, which puts an MoE layer in every other
+    layer, ``moe_every = 2``). ``moe_capacity_factor`` (0 = no limit) bounds the tokens
+    each expert takes from one routing group of T tokens to
+    ``ceil(moe_capacity_factor * moe_top_k * T / E)`` (:func:`expert_capacity`).
     """
 
     vocab_size: int
@@ -37,6 +44,8 @@ class Shape:
     position_embeddings: bool = True
     num_experts: int = 0
     moe_top_k: int = 1
+    moe_every: int = 1
+    moe_capacity_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -50,6 +59,8 @@ class Shape:
             if self.moe_top_k > self.num_experts:
                 raise ValueError(f"moe_top_k={self.moe_top_k} must be <= "
                                  f"num_experts={self.num_experts}")
+        require_positive_int("moe_every", self.moe_every)
+        require_nonneg("moe_capacity_factor", self.moe_capacity_factor)
         divides("num_heads", self.num_heads, "hidden_size", self.hidden_size)
 
     # short names used in the formulas of the papers
@@ -81,16 +92,57 @@ class Shape:
     def moe(self) -> bool:
         return self.num_experts > 0
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` (0-based) is an MoE layer: ``num_experts > 0`` and ``i % moe_every == 0``
+        (Megatron-Core ``moe_layer_freq``)."""
+        return self.moe and i % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers of the whole model: ceil(num_layers / moe_every), 0 when dense."""
+        return moe_layer_count(self, range(self.num_layers))
+
+
+def moe_layer_count(shape: Shape, layers: Iterable[int]) -> int:
+    """How many of the (0-based, global) layer indices ``layers`` are MoE layers -- e.g. the
+    layers one pipeline rank holds (``params.stage_layer_indices``)."""
+    return sum(1 for i in layers if shape.is_moe_layer(i))
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int = 1,
+                    capacity_factor: float = 1.0) -> int | None:
+    """Tokens one expert takes from a routing group of ``tokens`` tokens:
+    C = ceil(capacity_factor * top_k * tokens / E): Fedus et al. 2021 (Switch Transformer,
+    Sec. 2.2: expert capacity = tokens per batch / experts x capacity factor) with the k
+    routed copies of each token counted as in GShard (Lepikhin et al. 2020) and in
+    Megatron-Core's ``get_capacity`` (ceil(k T / E x factor)). ``None`` when
+    ``capacity_factor`` is 0 (no limit: no token is dropped, no slot is padded). The factor is
+    taken as the decimal it prints as (1.1 is 11/10, so 1.1 x 10 tokens give 11, not the 12
+    of binary floating point)."""
+    require_nonneg_int("tokens", tokens)
+    require_positive_int("num_experts", num_experts)
+    require_positive_int("moe_top_k", top_k)
+    require_nonneg("moe_capacity_factor", capacity_factor)
+    if not capacity_factor:
+        return None
+    return int(-(-exact_factor(capacity_factor) * top_k * tokens // num_experts))
+
+
+def exact_factor(x: float) -> Fraction:
+    """``x`` as the rational number its shortest decimal form names (1.1 -> 11/10)."""
+    return Fraction(str(x)) if isinstance(x, float) else Fraction(x)
+
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length",
                  "ffn_hidden_size", "tie_embeddings", "position_embeddings", "num_experts",
-                 "moe_top_k")
+                 "moe_top_k", "moe_every", "moe_capacity_factor")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:
     """A :class:`Shape` from any object with the reference model's field names.
 
-    Missing optional fields take :class:`Shape`'s defaults; ``overrides`` win over both.
+    Missing optional fields take :class:`Shape`'s defaults (so a config without
+    ``moe_every`` or ``moe_capacity_factor`` reads as 1 and 1.0); ``overrides`` win over both.
     """
     if isinstance(model_cfg, Shape) and not overrides:
         return model_cfg
@@ -117,6 +169,12 @@ def require_positive_int(name: str, value: Any) -> None:
 def require_nonneg_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} must be a non-negative integer")
+
+
+def require_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+            or value == float("inf"):
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
 
 
 def require_positive(name: str, value: Any) -> None:

@@ -6,8 +6,8 @@ with ``--json``). Nothing here spawns a rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-
 
 from rich.table import Table
 
@@ -26,10 +26,18 @@ def _walk(d: dict, prefix: str = ""):
             yield key, v
 
 
+#: leaf names that are counts, sizes or choices even inside a byte-valued section
+_NOT_BYTES = ("params", "group_size", "zero_stage", "stage", "count", "layers", "tokens",
+              "rows", "capacity", "top_k", "ep", "etp", "edp", "per_micro_batch")
+
+
 def _fmt(key: str, v) -> str:
+    leaf = key.rsplit(".", 1)[-1]
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if any(w in key for w in ("bytes", "memory", "model_states", "activation", "padded",
-                                  "baseline", "P_os")) and "gb" not in key.lower():
+                                  "baseline", "P_os")) and "gb" not in key.lower() \
+                and not any(leaf == w or leaf.endswith(w) for w in _NOT_BYTES) \
+                and not leaf.startswith("moe_") and leaf != "bytes_per_element":
             return f"{fmt_bytes(v)}  ({v:,.0f} B)"
         if abs(v) >= 1e6:
             return f"{v:.4g}"
@@ -58,8 +66,11 @@ _ESTIMATE_INTS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v
                   "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
                   "num_microbatches": "num_microbatches"}
 _MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
-                 "seq_length", "num_experts", "moe_top_k", "tie_embeddings",
-                 "position_embeddings")
+                 "seq_length", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
+                 "tie_embeddings", "position_embeddings")
+#: MoE fields read into the analytic shape directly while ``ModelConfig`` lacks them:
+#: name -> (integer, minimum)
+_SHAPE_ONLY = {"moe_every": (True, 1), "moe_capacity_factor": (False, 0)}
 _CHOICES = {"recompute": ("none", "selective", "full"), "cp_algorithm": ("ring", "ulysses",
                                                                          "allgather")}
 
@@ -96,16 +107,25 @@ def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> 
     else:
         preset = ov.pop("model", "gpt3-175b")
         model_ov = {k: ov.pop(k) for k in list(ov) if k in _MODEL_FIELDS}
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        shape_ov = {k: number(k, model_ov.pop(k), integer=_SHAPE_ONLY[k][0],
+                              minimum=_SHAPE_ONLY[k][1])
+                    for k in list(model_ov) if k in _SHAPE_ONLY and k not in known}
         case = CaseConfig(model=ModelConfig()) if preset == "custom" else None
         case = apply_overrides(case or CaseConfig(),
                                ({} if preset == "custom" else {"model": preset}) | model_ov)
         validate_model(case.model)
-        shape = analytic.shape_from(case.model)
+        try:
+            shape = analytic.shape_from(case.model, **shape_ov)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     device_gb = ov.pop("device_gb", None)
     for k in list(ov):
         v = ov.pop(k)
         if k in _ESTIMATE_INTS:
             kwargs[_ESTIMATE_INTS[k]] = number(k, v, integer=True, minimum=1)
+        elif k == "etp":
+            kwargs["etp"] = number(k, v, integer=True, minimum=0)  # 0: etp = tp
         elif k == "zero_stage":
             kwargs[k] = number(k, v, integer=True, minimum=0)
             if kwargs[k] > 3:
@@ -129,7 +149,8 @@ def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> 
         else:
             raise ConfigError(f"unknown key {k!r} for estimate (model=, params=, "
                               f"megatron_args=, {', '.join(_MODEL_FIELDS)}, "
-                              f"{', '.join(_ESTIMATE_INTS)}, zero_stage=, sp=, recompute=, "
+                              f"{', '.join(_ESTIMATE_INTS)}, etp=, zero_stage=, sp=, "
+                              "recompute=, "
                               "cp_algorithm=, accounting=, dtype=, device_gb=)")
     if device_gb is not None:
         device_gb = number("device_gb", device_gb, minimum=0, strict=True)

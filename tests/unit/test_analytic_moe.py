@@ -1,0 +1,254 @@
+"""The analytic model of MoE models: MoE layers every ``moe_every`` layers, experts split over
+ep x etp and replicated over edp = tp*cp*dp/(etp*ep), capacity C = ceil(cf k T / E).
+
+Every expected figure is computed by hand in the test (the arithmetic is in the comments),
+not by the functions under test.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parbench.analytic import Shape, estimate
+from parbench.analytic.params import (active_params, expert_layout, layer_split, param_counts,
+                                      stage_layer_indices, total_params)
+from parbench.analytic.shape import expert_capacity, moe_layer_count, shape_from
+from parbench.cli import main
+
+# h = 8, f = 32, V = 16, s = 4, E = 4, two layers, an MoE layer every other layer:
+# layer 0 is MoE, layer 1 dense.
+SMALL = dict(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, seq_length=4,
+             ffn_hidden_size=32, num_experts=4, moe_top_k=1, moe_every=2)
+# By hand:
+#   LN1 + LN2 4h = 32; QKV 3h^2 + 3h = 216; proj h^2 + h = 72     -> attention block 320
+#   MLP 2hf + f + h = 512 + 32 + 8 = 552; router h E = 32
+#   embedding V h + s h = 128 + 32 = 160; head 2h + V h = 16 + 128 = 144
+ATTN, MLP, ROUTER, EMB, HEAD = 320, 552, 32, 160, 144
+
+
+def small(**kw) -> Shape:
+    return Shape(**(SMALL | kw))
+
+
+def test_moe_layers_follow_moe_every():
+    assert [small().is_moe_layer(i) for i in range(2)] == [True, False]
+    five = small(num_layers=5)
+    assert five.num_moe_layers == 3  # layers 0, 2, 4
+    assert five.num_moe_layers == moe_layer_count(five, range(5))
+    assert small(num_experts=0).num_moe_layers == 0
+    assert small(moe_every=1).num_moe_layers == 2
+
+
+def test_whole_model_counts_by_hand():
+    # layer 0: 320 + 32 + 4 * 552 = 2560; layer 1: 320 + 552 = 872
+    assert total_params(small()) == EMB + 2560 + 872 + HEAD == 3736
+    # top-1: the MoE layer passes a token through 1 of its 4 experts: 3 x 552 fewer
+    assert active_params(small()) == 3736 - 3 * MLP == 2080
+    assert active_params(small(moe_top_k=2)) == 3736 - 2 * MLP
+
+
+def test_per_rank_counts_by_hand():
+    # ep = 2, tp = 1: 2 experts per rank on the MoE layer, the router is dense
+    assert layer_split(small(), 1, 2, moe_layer=True) == {"dense": ATTN + ROUTER,
+                                                          "expert": 2 * MLP}
+    assert layer_split(small(), 1, 2, moe_layer=False) == {"dense": ATTN + MLP, "expert": 0}
+    (stage,) = param_counts(small(), ep=2)["stages"]
+    assert stage["dense"] == EMB + (ATTN + ROUTER) + (ATTN + MLP) + HEAD == 1528
+    assert stage["expert"] == 2 * MLP == 1104
+    assert stage["total"] == 2632 and stage["moe_layers"] == 1
+
+
+def test_expert_tensor_parallel_split_by_hand():
+    # tp = 2, etp = 1: attention and dense MLP split over tp, each expert whole;
+    # QKV (192 + 24)/2 = 108, proj 64/2 + 8 = 40, LNs 32 -> 180; router 32 replicated
+    moe = layer_split(small(), 2, 2, etp=1, moe_layer=True)
+    assert moe == {"dense": 180 + 32, "expert": 2 * 552}
+    # etp = 2: each expert (2hf + f)/2 + h = 272 + 8 = 280
+    assert layer_split(small(), 2, 2, etp=2, moe_layer=True)["expert"] == 2 * 280
+    # etp = 0 means etp = tp
+    assert layer_split(small(), 2, 2, etp=0, moe_layer=True)["expert"] == 2 * 280
+
+
+def test_expert_data_parallel_group():
+    shp = small()
+    assert expert_layout(shp, tp=1, cp=1, dp=4, ep=2) == {
+        "tp": 1, "etp": 1, "ep": 2, "dense_dp": 4, "edp": 2}
+    # tp = 2 (etp = tp), cp = 2, dp = 2: 8 ranks = 2 x 2 x edp, edp = 2
+    assert expert_layout(shp, tp=2, cp=2, dp=2, ep=2)["edp"] == 2
+    # etp = 1 instead: 8 = 1 x 2 x 4
+    assert expert_layout(shp, tp=2, cp=2, dp=2, ep=2, etp=1)["edp"] == 4
+
+
+def test_interleaved_stages_hold_the_megatron_layers():
+    # 8 layers, pp = 2, vpp = 2: chunks of 2; rank 0 holds virtual stages 0 and 2
+    assert stage_layer_indices(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    shp = small(num_layers=8, moe_every=3)  # MoE layers 0, 3, 6
+    rows = param_counts(shp, pp=2, vpp=2, ep=2)["stages"]
+    assert [r["moe_layers"] for r in rows] == [1, 2]
+    assert [r["expert"] for r in rows] == [2 * MLP, 2 * 2 * MLP]
+
+
+def test_capacity_by_hand():
+    assert expert_capacity(8, 4, 1, 1.0) == 2  # ceil(8 / 4)
+    assert expert_capacity(8, 4, 2, 1.5) == 6  # ceil(1.5 * 2 * 8 / 4)
+    assert expert_capacity(8, 4, 2, 0) is None
+    assert expert_capacity(40, 4, 1, 1.1) == 11  # 1.1 * 40 / 4 = 11 exactly, not 11.000...02
+
+
+def _small_estimate(**kw):
+    args = dict(micro_batch=2, dp=4, ep=2, zero_stage=1, bytes_per_element=4)
+    return estimate(small(), **(args | kw))
+
+
+def test_estimate_model_states_per_group_by_hand():
+    ms = _small_estimate()["memory"]["model_states"]
+    # fp32_adamw (4, 4, 8 bytes), ZeRO-1: optimizer states partitioned over each group.
+    # dense 1528 over dp*cp = 4: 4*1528 + 4*1528 + 8*382 = 15280
+    # expert 1104 over edp = 4/2 = 2: 4*1104 + 4*1104 + 8*552 = 13248
+    dense, expert = ms["groups"]["dense"], ms["groups"]["expert"]
+    assert (dense["group_size"], expert["group_size"]) == (4, 2)
+    assert dense["group"].startswith("dp x cp") and expert["group"].startswith("edp")
+    assert (dense["per_rank_params"], expert["per_rank_params"]) == (1528, 1104)
+    assert dense["padded"] == {"param": 6112, "grad": 6112, "optim": 3056, "total": 15280}
+    assert expert["padded"] == {"param": 4416, "grad": 4416, "optim": 4416, "total": 13248}
+    assert ms["selected"]["padded"]["total"] == 15280 + 13248
+    assert ms["per_rank_params"] == 2632
+    # ZeRO-3 partitions the parameters too: dense ceil(1528/4) = 382, expert 552 per rank
+    ms3 = _small_estimate(zero_stage=3)["memory"]["model_states"]
+    assert ms3["selected"]["padded"]["total"] == 16 * 382 + 16 * 552
+
+
+def test_estimate_all_to_all_bytes_by_hand():
+    out = _small_estimate()
+    ep = out["communication"]["per_axis"]["ep"]
+    # T = b s = 8 tokens, top-1, cf 1: C = 2, E C = 8 rows of h = 8 fp32: 256 bytes per a2a;
+    # 4 a2as (2 forward, 2 backward) on the one MoE layer of the rank, one micro-batch;
+    # ep = 2 sends half of each: 128 bytes
+    assert ep == {"count": 4, "message_bytes": 4 * 256, "wire_bytes": 4 * 128}
+    info = out["communication"]["expert"]
+    assert (info["tokens_per_rank"], info["capacity_per_expert"], info["moe_layers_on_rank"]) \
+        == (8, 2, 1)
+    # full recomputation: 6 a2as; 3 micro-batches: x3
+    ep = _small_estimate(recompute="full", num_microbatches=3)["communication"]["per_axis"]["ep"]
+    assert ep["count"] == 18 and ep["message_bytes"] == 18 * 256
+    # top-2, cf 1.5: C = 6, 24 rows = 768 bytes; no capacity: k T = 16 rows = 512 bytes
+    top2 = small(moe_top_k=2)
+    got = estimate(top2, micro_batch=2, dp=4, ep=2, bytes_per_element=4, capacity_factor=1.5)
+    assert got["communication"]["transfers"][0]["message_bytes"] == 768
+    assert got["inputs"]["moe_capacity_factor"] == 1.5
+    got = estimate(top2, micro_batch=2, dp=4, ep=2, bytes_per_element=4, capacity_factor=0)
+    assert got["communication"]["per_axis"]["ep"]["message_bytes"] == 4 * 512
+    # every layer MoE (moe_every = 1): two MoE layers, twice the a2as
+    every = estimate(small(moe_every=1), micro_batch=2, dp=4, ep=2, bytes_per_element=4)
+    assert every["communication"]["per_axis"]["ep"]["count"] == 8
+
+
+def test_estimate_gradient_traffic_per_group_by_hand():
+    axes = _small_estimate()["communication"]["per_axis"]
+    # ZeRO-1: reduce-scatter + all-gather of each group's flat buffer (fp32)
+    # dense: 1528 params = 6112 bytes over 4 ranks, 3/4 on the wire, twice
+    assert axes["dp"] == {"count": 2, "message_bytes": 2 * 6112, "wire_bytes": 2 * 4584}
+    # expert: 1104 params = 4416 bytes over edp = 2, 1/2 on the wire, twice
+    assert axes["edp"] == {"count": 2, "message_bytes": 2 * 4416, "wire_bytes": 2 * 2208}
+    # edp = 1 (dp = ep = 2): the expert gradients need no reduction
+    assert "edp" not in _small_estimate(dp=2)["communication"]["per_axis"]
+
+
+def test_estimate_flops_count_moe_layers_only():
+    out = estimate(small(), micro_batch=2, dp=4, ep=2)
+    B, s, h, f, V, E = 8, 4, 8, 32, 16, 4  # noqa: N806
+    moe_layer = B * s * (8 * h * h + 4 * h * f + 2 * h * E) + 4 * B * s * s * h
+    dense_layer = B * s * (8 * h * h + 4 * h * f) + 4 * B * s * s * h
+    assert out["flops"]["forward_per_iteration"] == moe_layer + dense_layer + 2 * B * s * h * V
+
+
+def test_dense_model_estimate_is_unchanged():
+    dense = dict(SMALL, num_experts=0)
+    kw = dict(micro_batch=2, dp=2, cp=2, tp=2, pp=2, zero_stage=2, bytes_per_element=4)
+    base = estimate(Shape(**{k: v for k, v in dense.items() if k != "moe_every"}), **kw)
+    # the MoE-only fields mean nothing without experts
+    assert estimate(Shape(**dense | {"moe_every": 3, "moe_capacity_factor": 2.0}),
+                    **kw) == base
+    assert estimate(Shape(**dense), etp=0, **kw) == base
+    assert "groups" not in base["memory"]["model_states"]
+    assert "edp" not in base["communication"]["per_axis"]
+    assert "etp" not in base["inputs"] and "moe_layers" not in base["parameters"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(ep=3), "ep=3 does not divide num_experts=4"),
+    (dict(ep=4, dp=2), r"ep\*etp=4 \(ep=4, etp=1\) does not divide tp\*cp\*dp=2"),
+    (dict(ep=2, tp=2, etp=2), r"ep\*etp=4 \(ep=2, etp=2\) does not divide tp\*cp\*dp=2"),
+    (dict(etp=3), "etp=3 does not divide ffn_hidden_size=32"),
+])
+def test_bad_expert_layouts_name_field_value_and_rule(kw, message):
+    with pytest.raises(ValueError, match=message):
+        estimate(small(), **kw)
+
+
+def test_bad_moe_inputs():
+    with pytest.raises(ValueError, match="ep=2 needs num_experts > 0"):
+        estimate(small(num_experts=0), ep=2, dp=2)
+    with pytest.raises(ValueError, match="etp=2 needs num_experts > 0"):
+        estimate(small(num_experts=0), etp=2)
+    with pytest.raises(ValueError, match="moe_every=0 must be a positive integer"):
+        small(moe_every=0)
+    with pytest.raises(ValueError, match="moe_capacity_factor=-1 must be"):
+        small(moe_capacity_factor=-1)
+
+
+def test_shape_from_reads_moe_fields_when_present():
+    class Cfg:
+        vocab_size, hidden_size, num_layers, num_heads, seq_length = 16, 8, 2, 2, 4
+        num_experts = 4
+
+    assert shape_from(Cfg()).moe_every == 1 and shape_from(Cfg()).moe_capacity_factor == 1.0
+    Cfg.moe_every, Cfg.moe_capacity_factor = 2, 0.0
+    assert (shape_from(Cfg()).moe_every, shape_from(Cfg()).moe_capacity_factor) == (2, 0.0)
+
+
+UBMESH = ["estimate", "model=ubmesh-moe-2t", "tp=16", "cp=16", "ep=8", "pp=3", "dp=4",
+          "sp=true", "recompute=full", "num_microbatches=26", "zero_stage=1"]
+
+
+def test_cli_ubmesh_moe_reports_expert_states_over_edp(capsys):
+    assert main([*UBMESH, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    h, f = 12288, 4 * 12288
+    ms = out["memory"]["model_states"]
+    expert = ms["groups"]["expert"]
+    # edp = tp cp dp / (etp ep) = 16 * 16 * 4 / (16 * 8) = 8
+    assert out["inputs"]["edp"] == expert["group_size"] == 8
+    assert ms["groups"]["dense"]["group_size"] == 64
+    # 16 / 8 = 2 experts per rank, each (2hf + f)/16 + h, on each of a stage's 32 layers
+    per_expert = (2 * h * f + f) // 16 + h
+    assert expert["per_rank_params"] == 32 * 2 * per_expert
+    # mixed_adam (2, 2, 12 bytes), ZeRO-1 over edp = 8
+    n = expert["per_rank_params"]
+    assert expert["padded"]["total"] == 4 * n + 12 * -(-n // 8)
+    axes = out["communication"]["per_axis"]
+    # 6 a2as per layer per micro-batch, 32 layers, 26 micro-batches (UB-Mesh Table 1: 4992)
+    assert axes["ep"]["count"] == 4992
+    assert {"dp", "edp"} <= set(axes)
+
+
+def test_cli_moe_every_and_errors(capsys):
+    assert main([*UBMESH, "moe_every=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parameters"]["moe_layers"] == 48
+    assert [r["moe_layers"] for r in out["parameters"]["stages"]] == [16, 16, 16]
+    assert out["communication"]["per_axis"]["ep"]["count"] == 6 * 16 * 26
+    assert main(["estimate", "model=ubmesh-moe-2t", "tp=16", "cp=16", "dp=4", "ep=3"]) == 2
+    assert "ep=3 does not divide num_experts=16" in capsys.readouterr().err
+    assert main(["estimate", "model=ubmesh-moe-2t", "tp=16", "dp=4", "ep=8"]) == 2
+    assert "does not divide tp*cp*dp=64" in capsys.readouterr().err
+    assert main(["estimate", "model=gpt3-175b", "ep=2", "dp=2"]) == 2
+    assert "ep=2 needs num_experts > 0" in capsys.readouterr().err
+
+
+def test_cli_prints_expert_states(capsys):
+    assert main([*UBMESH]) == 0
+    text = capsys.readouterr().out
+    assert "model_states.groups.expert.padded.total" in text
+    assert "edp = tp*cp*dp/(etp*ep)" in text
