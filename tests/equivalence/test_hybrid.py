@@ -94,3 +94,22 @@ def test_moe_routing_drops_tokens_and_the_golden_agrees(pools):
 def test_bad_hybrid_cases_are_rejected_before_spawning(ov, msg):
     with pytest.raises(ConfigError, match=msg):
         make_case(**ov)
+
+
+def test_traffic_suite_table_measured_equals_model(pools, tmp_path):
+    """The traffic suite's case (UB-Mesh Table 1's structure at small scale, 8 ranks): every
+    row of rank 0's measured ledger equals the closed form, and the paper's two printing
+    errors are flagged beside the traffic model at the paper's configuration."""
+    from parbench.report import traffic_table as table
+    from parbench.suites import load_suite
+    (case,) = load_suite("traffic").cases
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
+    (path,) = get_scheme("hybrid").figures(case, per_rank, tmp_path)
+    text = path.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "Parallelism" not in ln]
+    assert len(rows) == 5 and all(ln.endswith("| yes |") for ln in rows), text
+    assert "TP total: printed 1775 GB" in text and "PP share: printed 0.14%" in text
+    r0 = next(r for r in per_rank if r.rank == 0)
+    meas = table.measured(r0.ledger)
+    assert all(meas[row] for row in table.ROWS), meas  # every axis carries traffic
