@@ -25,13 +25,19 @@ FAMILY_CASES = {
                 "micro_batch_size": "2"},
     "tensor": {"model": "tiny", "tp": "2", "vocab_size": "61", "steps": "3",
                "timed_steps": "0", "micro_batch_size": "2", "num_microbatches": "2"},
+    "expert": {"model": "tiny", "dp": "2", "ep": "2", "num_experts": "4", "steps": "3",
+               "timed_steps": "0", "micro_batch_size": "2", "num_microbatches": "2"},
+    "hybrid": {"model": "tiny", "tp": "2", "dp": "2", "ep": "2", "etp": "1",
+               "num_experts": "4", "steps": "3", "timed_steps": "0",
+               "micro_batch_size": "2", "num_microbatches": "2"},
 }
 #: the mutants the ``ci`` profile runs (one per kind of check, a few per family)
 CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgather",
              "local-sgd-sum", "1f1b-no-wd", "1f1b-unscaled-loss", "zbh1-skip-w",
              "ring-no-rescale", "cp-pos-embed-local", "tp-fg-swapped",
              "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter",
-             "ddp-debug-allreduce", "zero3-keeps-gathered-units")
+             "ddp-debug-allreduce", "zero3-keeps-gathered-units",
+             "hybrid-moe-tokens-not-split", "ep-edp-mean", "ep-debug-alltoall")
 
 
 def base_case(m: Mutant, scheme: str, seed: int) -> CaseConfig:

@@ -42,5 +42,5 @@ def mutant(id: str, *, base: str, bug: str, overrides: dict | None = None):
 def load() -> dict[str, Mutant]:
     """Import every mutant module (each registers its mutants)."""
     from . import mutants_context, mutants_data, mutants_pipeline  # noqa: F401
-    from . import mutants_tensor  # noqa: F401
+    from . import mutants_expert, mutants_hybrid, mutants_tensor  # noqa: F401
     return CATALOGUE
