@@ -57,9 +57,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 @pytest.fixture
 def no_spawn(monkeypatch, tmp_path):
-    """Stop ``run`` and ``selftest`` before they spawn ranks; work in a scratch directory."""
+    """Stop ``run`` and ``selftest`` before they spawn ranks, and ``golden check`` before it
+    retrains every stored golden run (tests/unit/test_golden.py checks that); work in a
+    scratch directory."""
+    import parbench.golden
     import parbench.runner
     import parbench.selftest
+    monkeypatch.setattr(parbench.golden, "check", lambda *a, **k: [])
     def no_cases(suite, cases, out_dir, **kw):
         out_dir.mkdir(parents=True, exist_ok=True)
         return []
