@@ -1,8 +1,10 @@
-"""DeepSpeed-MoE (``deepspeed.moe.layer.MoE`` + engine) on the cases where its semantics are
-the reference's: it equals the golden run and ``expert.alltoall``, and its all-to-alls and
-gradient reductions are exactly the closed form of ours (4 all-to-alls of the [E, C, h]
-buffer per MoE layer per micro-batch; dense over dp, experts over edp). Where it differs --
-the kept subset of an over-full expert's tokens -- the difference is shown on its gate alone.
+"""DeepSpeed-MoE (``deepspeed.moe.layer.MoE`` + engine) and Megatron-Core's ``MoELayer`` on
+the cases where their semantics are the reference's: each equals the golden run and
+``expert.alltoall``. DeepSpeed's all-to-alls and gradient reductions are exactly the closed
+form of ours (4 all-to-alls of the [E, C, h] buffer per MoE layer per micro-batch; dense over
+dp, experts over edp); Megatron's carry the gate probabilities as well (6 per layer per
+micro-batch). Where DeepSpeed differs -- the kept subset of an over-full expert's tokens --
+the difference is shown on its gate alone.
 """
 from __future__ import annotations
 
@@ -75,3 +77,37 @@ def test_deepspeed_top1_keeps_another_subset_of_an_overfull_expert():
         assert torch.equal(kept_ds, ours.kept.squeeze(1)) == same
         assert int(out[1]) == ours.capacity  # the capacity itself agrees
         assert torch.isclose(out[0], torch.tensor(ours.stats["aux_loss"]))  # Switch Eq. 4
+
+
+def test_megatron_moe_top2_with_both_losses_equals_golden_and_native(pools):
+    """Top-2 with the balancing loss and the z-loss (which DeepSpeed cannot compare): Megatron's
+    all-to-alls are ours plus one of the E C gate probabilities each way per MoE layer per
+    micro-batch (its experts scale their outputs on the expert's rank)."""
+    cls = get_scheme("baseline.megatron.moe")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    ov = {"moe_top_k": 2, "moe_z_loss_coef": 1e-3}
+    ours, _ = run_on_pool(pools, case_for("expert.alltoall", **ov))
+    case = case_for("baseline.megatron.moe", **ov)
+    theirs, per_rank = run_on_pool(pools, case)
+    assert ours.equivalent and theirs.equivalent
+    for a, b in zip(ours.losses, theirs.losses):
+        assert abs(a - b) <= LOSS_AGREE * abs(a), (ours.losses, theirs.losses)
+    pred = get_scheme("expert.alltoall").predict(case)
+    f = pred.figures
+    per = f["moe_layers"] * case.parallel.num_microbatches
+    probs = f["a2a_message_bytes"] // case.model.hidden_size  # E C fp32 probabilities
+    for r in per_rank:
+        assert r.calls_by_axis_per_step[-1]["ep"] == pred.calls[r.rank]["ep"] + 2 * per
+        assert r.wire_by_axis_per_step[-1]["ep"] == pred.wire_bytes[r.rank]["ep"] + \
+            2 * per * probs / 2  # (ep - 1)/ep of each, ep = 2
+        assert r.wire_by_axis_per_step[-1]["dp"] == pred.wire_bytes[r.rank]["dp"]
+
+
+def test_megatron_moe_rejects_what_it_cannot_compare():
+    if get_scheme("baseline.megatron.moe").unavailable():
+        pytest.skip("megatron-core missing")
+    for ov, rule in [({"moe_capacity_factor": 1.0}, "would drop tokens in another order"),
+                     ({"ep": 1}, "ep=1")]:
+        with pytest.raises(ConfigError, match=rule):
+            case_for("baseline.megatron.moe", **ov)
