@@ -47,11 +47,12 @@ import torch.nn as nn
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import MLP, build_model, make_optimizer
+from parbench.model import MLP, build_model
 from parbench.moe import MoE as ReferenceMoE
 from parbench.scheme import Scheme, register
 
-from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU, _quiet
+from impls.baselines.deepspeed_common import stage0_engine
+from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU
 from impls.expert.scheme import ExpertAllToAll
 
 #: the gradients a checked step read, per scheme object (kept outside the scheme so that the
@@ -155,7 +156,7 @@ class DeepSpeedMoE(ExpertAllToAll):
         ds = _import_deepspeed()
         from deepspeed.moe.layer import MoE as DeepSpeedMoELayer
         from deepspeed.utils import groups
-        mesh, cfg, p = ctx.mesh, ctx.model, ctx.parallel
+        mesh, cfg = ctx.mesh, ctx.model
         self.dp, self.dp_rank = mesh.size("dp"), mesh.index("dp")
         self.ep, self.ep_rank = mesh.size("ep"), mesh.index("ep")
         install_mesh_groups(groups, mesh, self.ep)
@@ -168,16 +169,7 @@ class DeepSpeedMoE(ExpertAllToAll):
                                             self.ep_rank)
                 self.blocks.append(blk.mlp)
                 self._names.update(blk.mlp.names(f"blocks.{i}.mlp."))
-        model = model.to(ctx.device)
-        config = {"train_micro_batch_size_per_gpu": p.micro_batch_size,
-                  "gradient_accumulation_steps": p.num_microbatches,
-                  "train_batch_size": p.micro_batch_size * p.num_microbatches * p.dp,
-                  "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                  "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
-        with _quiet():
-            self.engine, _, _, _ = ds.initialize(
-                model=model, optimizer=make_optimizer(model.parameters(), ctx.run),
-                config=config, mpu=_MeshMPU(mesh), dist_init_required=False)
+        self.engine = stage0_engine(ds, model.to(ctx.device), ctx, _MeshMPU(mesh))
 
     def _named(self):
         return [(self._names.get(n, n), p) for n, p in self.engine.module.named_parameters()]

@@ -17,7 +17,6 @@ state, so the runner gives this scheme a fresh pool (``isolated``).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn as nn
@@ -70,10 +69,8 @@ class DeepSpeedPipe(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
-            os.path.expanduser("~"), ".cache", "parbench", "torch_extensions"))
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if ctx.device.type == "cpu" else "cuda")
-        import deepspeed
+        from impls.baselines.deepspeed_zero import _import_deepspeed
+        deepspeed = _import_deepspeed()
         from deepspeed.pipe import PipelineModule
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         cfg, par, run = ctx.model, ctx.parallel, ctx.run

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import build_model, make_optimizer
+from parbench.model import build_model
 from parbench.scheme import Scheme, register
 
-from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU, _quiet
+from impls.baselines.deepspeed_common import stage0_engine
+from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU
 from impls.context.layout import positions
 from impls.context.schemes import UlyssesScheme
 from impls.context.shard import ShardedGPT
@@ -109,16 +110,7 @@ class DeepSpeedUlysses(UlyssesScheme):
         attn = DistributedAttention(_local_attention, mesh.group("cp"), scatter_idx=2,
                                     gather_idx=1)
         module = ShardedGPT(gpt, _DistributedAttentionCore(attn))
-        p = ctx.parallel
-        config = {"train_micro_batch_size_per_gpu": p.micro_batch_size,
-                  "gradient_accumulation_steps": p.num_microbatches,
-                  "train_batch_size": p.micro_batch_size * p.num_microbatches * p.dp,
-                  "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                  "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
-        with _quiet():
-            self.engine, _, _, _ = ds.initialize(
-                model=module, optimizer=make_optimizer(module.parameters(), ctx.run),
-                config=config, mpu=_SequenceMPU(mesh), dist_init_required=False)
+        self.engine = stage0_engine(ds, module, ctx, _SequenceMPU(mesh))
 
     def _named(self):
         return [(n.removeprefix("gpt."), p) for n, p in self.engine.module.named_parameters()]

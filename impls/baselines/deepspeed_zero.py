@@ -29,10 +29,29 @@ from impls.data.base import DataParallelScheme
 from impls.zero.prediction import paper_prediction
 
 
+#: a build lock older than this has no live builder (DeepSpeed's CPU extension builds in
+#: about 90 s on a loaded 2-core machine)
+STALE_LOCK_S = 600
+
+
+def _clear_stale_locks(cache: str) -> None:
+    """Remove build locks left by a rank killed mid-compile (the harness ends a hung case);
+    torch's extension builder would otherwise wait on them forever."""
+    import glob
+    import time
+    for lock in glob.glob(os.path.join(cache, "*", "lock")):
+        try:
+            if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+                os.remove(lock)
+        except OSError:
+            pass
+
+
 def _import_deepspeed():
     cache = os.path.join(os.path.expanduser("~"), ".cache", "parbench", "torch_extensions")
     os.makedirs(cache, exist_ok=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
+    _clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     import deepspeed
     return deepspeed

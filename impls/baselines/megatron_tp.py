@@ -77,31 +77,47 @@ def _set_parallel_state(group, device) -> None:
     ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = dist.get_world_size(group)
     ps._MPU_TENSOR_MODEL_PARALLEL_RANK = dist.get_rank(group)
     ps._GLOBAL_MEMORY_BUFFER = _DeviceMemoryBuffer(device)
+    point_current_device_at_cpu(device)
+
+
+def point_current_device_at_cpu(device) -> None:
+    """Megatron-Core allocates on ``torch.cuda.current_device()`` (the sequence-parallel
+    mappings, the pipeline's receive buffers, the gradient buffers); on a CPU-only torch that
+    raises, so a process that runs only this case (``isolated``) points it at the CPU."""
     if torch.device(device).type == "cpu" and not torch.cuda.is_available():
-        # the sequence-parallel mappings allocate on torch.cuda.current_device(); this
-        # process runs only this case (``isolated``), so point it at the CPU
         torch.cuda.current_device = lambda: "cpu"
 
 
 class MegatronCoreGPT(nn.Module):
-    def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool, device):
+    """The reference GPT on Megatron-Core's tensor-parallel layers, computing in ``[s, b, h]``.
+
+    ``stage`` = (lo, hi, first, last) keeps layers [lo, hi) and the embedding / head when
+    first / last (a pipeline stage; default: the whole model); ``conf`` is the Megatron config
+    the layers are built with (default: a ``ModelParallelConfig`` for this tp / sp). Megatron's
+    global ``parallel_state`` (read by its cross-entropy) is the caller's to set."""
+
+    def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool,
+                 stage: tuple | None = None, conf=None):
         super().__init__()
         from megatron.core import ModelParallelConfig
         from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                    VocabParallelEmbedding)
-        _set_parallel_state(group, device)
         self.cfg, self.group, self.tp, self.rank, self.sp = cfg, group, tp, rank, sp and tp > 1
+        self.lo, self.hi, self.first, self.last = stage or (0, cfg.num_layers, True, True)
         self.layout = MegatronLayout(cfg, tp)
-        conf = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=self.sp,
-                                   use_cpu_initialization=True, perform_initialization=False,
-                                   params_dtype=torch.float32,
-                                   gradient_accumulation_fusion=False)
+        if conf is None:
+            conf = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=self.sp,
+                                       use_cpu_initialization=True, perform_initialization=False,
+                                       params_dtype=torch.float32,
+                                       gradient_accumulation_fusion=False)
         h, f, vp = cfg.hidden_size, cfg.ffn, self.layout.vp
         init = nn.init.zeros_
-        self.word = VocabParallelEmbedding(vp, h, init_method=init, config=conf, tp_group=group)
-        self.pos = nn.Embedding(cfg.seq_length, h) if cfg.position_embeddings else None
+        if self.first:
+            self.word = VocabParallelEmbedding(vp, h, init_method=init, config=conf,
+                                               tp_group=group)
+            self.pos = nn.Embedding(cfg.seq_length, h) if cfg.position_embeddings else None
         self.blocks = nn.ModuleList()
-        for _ in range(cfg.num_layers):
+        for _ in range(self.lo, self.hi):
             blk = nn.Module()
             blk.ln1, blk.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
             blk.qkv = ColumnParallelLinear(h, 3 * h, config=conf, init_method=init, bias=True,
@@ -115,36 +131,46 @@ class MegatronCoreGPT(nn.Module):
                                         input_is_parallel=True, skip_bias_add=False,
                                         tp_group=group)
             self.blocks.append(blk)
-        self.final_ln = nn.LayerNorm(h)
         self.tied = cfg.tie_embeddings
-        self.out = ColumnParallelLinear(h, vp, config=conf, init_method=init, bias=False,
-                                        gather_output=False, tp_group=group,
-                                        skip_weight_param_allocation=self.tied)
+        if self.last:
+            self.final_ln = nn.LayerNorm(h)
+            self.out = ColumnParallelLinear(h, vp, config=conf, init_method=init, bias=False,
+                                            gather_output=False, tp_group=group,
+                                            skip_weight_param_allocation=self.tied)
         self.vocab_start = rank * (vp // tp)
         self._names = self._name_map()
         self._load(build_model(cfg, seed))
         self.layer_probe = None
 
+    def _layers(self):
+        """(global layer index, block) of this stage."""
+        return zip(range(self.lo, self.hi), self.blocks)
+
     def _name_map(self) -> dict[str, nn.Parameter]:
         """Reference name -> this model's parameter."""
-        out = {"embed.tok.weight": self.word.weight}
-        if self.pos is not None:
-            out["embed.pos.weight"] = self.pos.weight
-        for i, blk in enumerate(self.blocks):
+        out = {}
+        if self.first:
+            out["embed.tok.weight"] = self.word.weight
+            if self.pos is not None:
+                out["embed.pos.weight"] = self.pos.weight
+        for i, blk in self._layers():
             pre = f"blocks.{i}"
             for ref, mod in (("ln1", blk.ln1), ("ln2", blk.ln2), ("attn.qkv", blk.qkv),
                              ("attn.proj", blk.proj), ("mlp.fc1", blk.fc1),
                              ("mlp.fc2", blk.fc2)):
                 out[f"{pre}.{ref}.weight"] = mod.weight
                 out[f"{pre}.{ref}.bias"] = mod.bias
-        out["head.ln.weight"], out["head.ln.bias"] = self.final_ln.weight, self.final_ln.bias
-        if not self.tied:
-            out["head.out.weight"] = self.out.weight
+        if self.last:
+            out["head.ln.weight"], out["head.ln.bias"] = self.final_ln.weight, self.final_ln.bias
+            if not self.tied:
+                out["head.out.weight"] = self.out.weight
         return out
 
     def _load(self, full: nn.Module) -> None:
         with torch.no_grad():
             for name, p in full.named_parameters():
+                if name not in self._names:
+                    continue  # another pipeline stage's
                 pl = self.layout.placement(name, tuple(p.shape))
                 local = p.detach() if pl.replicated else take(p.detach(), pl.index(self.rank))
                 self._names[name].copy_(local)
@@ -165,7 +191,7 @@ class MegatronCoreGPT(nn.Module):
 
     def sequence_parallel_params(self):
         """Megatron's ``sequence_parallel`` parameters: LayerNorms and row-parallel biases."""
-        out = [self.final_ln.weight, self.final_ln.bias]
+        out = [self.final_ln.weight, self.final_ln.bias] if self.last else []
         for blk in self.blocks:
             out += [blk.ln1.weight, blk.ln1.bias, blk.ln2.weight, blk.ln2.bias,
                     blk.proj.bias, blk.fc2.bias]
@@ -179,7 +205,8 @@ class MegatronCoreGPT(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.permute(2, 0, 1, 3).reshape(s, b, heads * hd)
 
-    def forward(self, tokens, targets):
+    def embed(self, tokens):
+        """tokens [b, s] -> hidden [s, b, h] (sp: this rank's sequence shard)."""
         from megatron.core import tensor_parallel
         x = self.word(tokens)  # [b, s, h], all-reduced
         if self.pos is not None:
@@ -187,7 +214,10 @@ class MegatronCoreGPT(nn.Module):
         x = x.transpose(0, 1).contiguous()
         if self.sp:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x, group=self.group)
-        for i, blk in enumerate(self.blocks):
+        return x
+
+    def layers(self, x):
+        for i, blk in self._layers():
             probe = self.layer_probe(i) if self.layer_probe else None
             if probe is not None:
                 probe.__enter__()
@@ -199,6 +229,11 @@ class MegatronCoreGPT(nn.Module):
             x = x + y
             if probe is not None:
                 probe.__exit__(None, None, None)
+        return x
+
+    def head(self, x, targets):
+        """Final LN, vocab-parallel head and Megatron's cross-entropy: the mean token loss."""
+        from megatron.core import tensor_parallel
         logits, _ = self.out(self.final_ln(x), weight=self.word.weight if self.tied else None)
         valid = self.cfg.vocab_size - self.vocab_start
         if valid < logits.shape[-1]:
@@ -208,15 +243,16 @@ class MegatronCoreGPT(nn.Module):
                                                             targets.t().contiguous())
         return loss.mean()
 
+    def forward(self, tokens, targets):
+        return self.head(self.layers(self.embed(tokens)), targets)
 
-@register
-class MegatronCoreTP(MegatronFigures):
-    name = "baseline.megatron.tp"
-    baseline_of = "tensor.megatron"
-    description = "Megatron-Core 0.16 Column/RowParallelLinear, VocabParallelEmbedding"
-    options = ()
+
+class MegatronCoreBaseline:
+    """Mixin (before the Scheme base) of the Megatron-Core baselines: each case runs in fresh
+    processes (Megatron keeps process-global state), and without megatron-core the scheme
+    reports itself unavailable and its cases are rejected before spawning."""
+
     isolated = True
-    sp = False
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -228,6 +264,19 @@ class MegatronCoreTP(MegatronFigures):
         missing = megatron_core_missing()
         if missing:
             raise ConfigError(f"scheme={cls.name}: {missing}")
+
+
+@register
+class MegatronCoreTP(MegatronCoreBaseline, MegatronFigures):
+    name = "baseline.megatron.tp"
+    baseline_of = "tensor.megatron"
+    description = "Megatron-Core 0.16 Column/RowParallelLinear, VocabParallelEmbedding"
+    options = ()
+    sp = False
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        super().check(case)
         if case.parallel.recompute != "none":
             raise ConfigError(f"recompute={case.parallel.recompute} is not used by {cls.name}")
         if cls.sp and case.model.seq_length % case.parallel.tp:
@@ -236,8 +285,9 @@ class MegatronCoreTP(MegatronFigures):
 
     def build_model(self):
         ctx = self.ctx
+        _set_parallel_state(self.group, ctx.device)
         return MegatronCoreGPT(ctx.model, ctx.run.seed, self.group, self.tp, self.tp_rank,
-                               self.sp, ctx.device).to(ctx.device)
+                               self.sp).to(ctx.device)
 
     def after_backward(self) -> None:
         if not self.sp or self.tp == 1:

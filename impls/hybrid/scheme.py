@@ -3,9 +3,14 @@ once on the Megatron-Core mesh (Narayanan et al. 2021's PTD-P, with cp and ep).
 
 A rank holds, for each pipeline stage its schedule places on it, a ``model.HybridStage``:
 the tp shards of the stage's layers, its cp tokens, its E/ep experts of each MoE layer. The
-pipeline executor of ``impls.pipeline`` runs the schedule (one-pipe schedules with a fused
-backward: GPipe, 1F1B, interleaved 1F1B, looped BFS) on the pp group with boundary tensors
-``[s/cp (/t under SP), b, h]``. After the schedule, once per step:
+pipeline executor of ``impls.pipeline`` runs the schedule on the pp group with boundary
+tensors ``[s/cp (/t under SP), b, h]``: any synchronous schedule of the pipeline family --
+GPipe, 1F1B, interleaved 1F1B, looped BFS, the split-backward ZB-H1, ZB-H2 and ZB-V (the
+tensor-parallel linears do only B's or W's part, ``parbench.backward_pass``), and the
+bidirectional Chimera, DualPipe and DualPipeV (two stage copies per rank; their gradients are
+added with the partner rank's first, ``impls.pipeline.replicas``). PipeDream and 2BW are
+refused: they update weights asynchronously and are checked against their own update rule,
+which a once-per-step optimizer does not follow. After the schedule, once per step:
 
 1. the gradients partial over tp (routers; under SP the tp-replicated parameters) are summed
    over tp in one buffer;
@@ -32,14 +37,14 @@ from parbench.analytic import hybrid as closed
 from parbench.analytic.shape import shape_from
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import make_optimizer, stage_layers
+from parbench.model import compute_dtype, make_optimizer, stage_layers
 from parbench.moe import RoutingGroups
 from parbench.scheme import Prediction, Scheme, register
 from parbench.schedules import get_spec
-from parbench.schedules.actions import BACKWARD_FULL, FORWARD
 
 from impls.context.layout import positions
 from impls.context.ring import AttentionClock
+from impls.pipeline import replicas
 from impls.pipeline.executor import Executor
 from impls.pipeline.scheme import schedule_for
 from impls.pipeline.weights import StageSlot, SyncWeights
@@ -47,6 +52,7 @@ from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
 from .model import CP_KINDS, HybridStage, build_core
+from .optimizer import GradientGroup
 
 
 class _Accumulate(SyncWeights):
@@ -67,8 +73,11 @@ class HybridScheme(Scheme):
     description = "PTD-P with cp and ep: Megatron TP(+SP) x CP x EP x DP x pipeline schedule"
     uses = ("tp", "cp", "ep", "dp", "pp")
     supports_moe = True
-    #: the stage model (the self-test's mutants swap in broken ones)
+    #: the stage model, the gradient groups' synchronisation and their mesh axes (dense,
+    #: experts); the self-test's mutants swap in broken ones
     stage_class = HybridStage
+    group_class = GradientGroup
+    gradient_axes = ("dp_cp", "edp")
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_kind", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef")
@@ -78,11 +87,9 @@ class HybridScheme(Scheme):
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
         p, m, r = case.parallel, case.model, case.run
-        if r.dtype != "fp32":
-            raise ConfigError(f"dtype={r.dtype!r} is not supported by hybrid (fp32 only)")
-        if p.zero_stage != 0:
-            raise ConfigError(f"zero_stage={p.zero_stage} is not supported by hybrid yet "
-                              "(0 only)")
+        if r.optimizer != "adamw":
+            raise ConfigError(f"optimizer={r.optimizer!r}: hybrid steps AdamW (its closed "
+                              "form counts AdamW's states)")
         if p.cp_kind not in CP_KINDS:
             raise ConfigError(f"cp_kind={p.cp_kind!r} must be one of {', '.join(CP_KINDS)}")
         if p.ep > 1 and p.tp > 1 and p.expert_tp != 1:
@@ -101,11 +108,11 @@ class HybridScheme(Scheme):
         if p.cp_kind == "ulysses" and (m.num_heads // p.tp) % p.cp:
             raise ConfigError(f"cp={p.cp} must divide num_heads/tp={m.num_heads // p.tp} "
                               "(Ulysses shards the rank's heads)")
-        sched = schedule_for(case, p.schedule)
-        kinds = {a.kind for row in sched.actions for a in row}
-        if len(sched.pipes) > 1 or not kinds <= {FORWARD, BACKWARD_FULL}:
-            raise ConfigError(f"schedule={p.schedule!r}: hybrid runs one-pipe schedules with "
-                              "a fused backward (gpipe, 1f1b, interleaved, bfs)")
+        if get_spec(p.schedule).asynchronous:
+            raise ConfigError(f"schedule={p.schedule!r} updates weights asynchronously "
+                              "(weight stashing, checked against its own update rule); "
+                              "hybrid steps once per step: use a synchronous schedule")
+        schedule_for(case, p.schedule)
 
     @classmethod
     def balance(cls, p) -> str:
@@ -137,6 +144,7 @@ class HybridScheme(Scheme):
         self.m = par.num_microbatches
         self.pos = tuple(self.cp_positions(ctx.case, self.cp_rank).tolist())
         self.clock = AttentionClock(ctx.timeline)
+        self.dtype = compute_dtype(ctx.run)
         core = None
         if self.cp > 1:
             every = [self.cp_positions(ctx.case, c) for c in range(self.cp)]
@@ -161,13 +169,23 @@ class HybridScheme(Scheme):
         self.dense = [p for st in stages for p in st.dense_params()]
         self.experts = [p for st in stages for p in st.expert_params()]
         self.weights = _Accumulate(list(self.slots.values()), ctx.run)
-        self.opt = make_optimizer(self.dense + self.experts, ctx.run)
+        dense_axis, expert_axis = self.gradient_axes
+        self.groups = [
+            self.group_class(params, mesh.group(axis) if mesh.size(axis) > 1 else None,
+                             mesh.size(axis), mesh.index(axis), divisor, par.zero_stage,
+                             self.dtype)
+            for params, axis, divisor in ((self.dense, dense_axis, self.dp * self.cp),
+                                          (self.experts, expert_axis, self.expert_divisor()))]
+        self.opt = make_optimizer([t for g in self.groups for t in g.masters], ctx.run)
         n = par.micro_batch_size
         act = (cfg.seq_length // self.cp // (self.tp if stages[0].sp else 1), n,
                cfg.hidden_size)
+        self.peer = None  # the partner rank of a bidirectional schedule's two copies
+        if len(self.schedule.pipes) > 1:
+            self.peer = mesh.ranks("pp")[self.schedule.p - 1 - pp_rank]
         self.executor = Executor(schedule=self.schedule, pp_rank=pp_rank,
                                  group=mesh.group("pp"), group_ranks=mesh.ranks("pp"),
-                                 slots=self.slots, act_shape=act, dtype=torch.float32,
+                                 slots=self.slots, act_shape=act, dtype=self.dtype,
                                  device=ctx.device, timeline=ctx.timeline,
                                  weights=self.weights, m=self.m)
 
@@ -178,41 +196,49 @@ class HybridScheme(Scheme):
         x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(dev)
         mbs = microbatches(x, y, self.m)
+        for g in self.groups:
+            g.begin()
         self.weights.step_begin()
         out = self.executor.run([a for a, _ in mbs], [b for _, b in mbs], step,
                                 track=False)
+        if self.peer is not None:
+            with tl.span("sync"):
+                self.sync_replicas()
         with tl.span("reduce"):
             if self.partial:
                 all_reduce_flat([p.grad for p in self.partial], mesh.group("tp"))
-            n = self.dp * self.cp
-            if n > 1:
-                all_reduce_flat([p.grad for p in self.dense], mesh.group("dp_cp"))
-            for p in self.dense:
-                p.grad.div_(n)
-            self.reduce_experts([p.grad for p in self.experts], n)
+            for g in self.groups:
+                g.reduce()
         with tl.span("optim"):
             self.opt.step()
+            for g in self.groups:
+                g.finish()
         last = any(s.module.last for s in self.slots.values())
         total = self.reduce_loss(out.loss if last else 0.0)
         return total / (self.tp * self.dp * self.cp)
 
-    def reduce_experts(self, grads: list[torch.Tensor], n: int) -> None:
-        """Expert gradients: summed over edp, divided by dp cp (module docstring, step 3)."""
-        if grads and self.ctx.mesh.size("edp") > 1:
-            all_reduce_flat(grads, self.ctx.mesh.group("edp"))
-        for g in grads:
-            g.div_(n)
+    def sync_replicas(self) -> None:
+        """A bidirectional schedule's two stage copies: add the partner rank's gradients."""
+        replicas.sync_gradients(self.slots, self.ctx.mesh.group("pp"), self.peer)
+
+    def expert_divisor(self) -> int:
+        """Expert gradients are summed over edp and divided by dp cp (module docstring,
+        step 3)."""
+        return self.dp * self.cp
 
     # ---- the verdict's view -------------------------------------------------------------------
     def _full(self, grads: bool) -> dict[str, torch.Tensor]:
         mesh = self.ctx.mesh
-        out = {}
-        for slot in self.slots.values():
-            named = {}
-            for name, (local, pl) in slot.module.shards().items():
-                t = local.grad if grads else local
-                named[name] = (t if t is not None else torch.zeros_like(local), pl)
-            with comm.unrecorded():
+        out: dict[str, torch.Tensor] = {}
+        with comm.unrecorded():
+            for g in self.groups:
+                g.materialize()
+            values = {k: v for g in self.groups for k, v in g.full(grads).items()}
+            slots = list(self.slots.values()) if self.peer is None else \
+                replicas.reported(self.slots, mesh.group("pp"), self.peer, check=not grads)
+            for slot in slots:
+                named = {name: (values[id(local)], pl)
+                         for name, (local, pl) in slot.module.shards().items()}
                 out.update(gather_full(named, mesh.group("tp"), mesh.ranks("tp"),
                                        mesh.index("tp")))
         return out
@@ -250,7 +276,7 @@ class HybridScheme(Scheme):
         config = (f"hybrid tp={p.tp} (recompute={p.recompute}, sp={p.sp}) cp={p.cp} "
                   f"({p.cp_kind}) ep={p.ep} (top-{case.model.moe_top_k} of "
                   f"{case.model.num_experts}) pp={p.pp} (m={p.num_microbatches}) dp={p.dp}, "
-                  f"fp32, model {case.model.name}")
+                  f"{case.run.dtype}, model {case.model.name}")
         path = out_dir / "ubmesh-table1.md"
         path.write_text(table.render(table.measured(r0.ledger), table.modelled(tr), 0, config))
         return [path]
@@ -263,7 +289,8 @@ class HybridScheme(Scheme):
             tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
             placement=str(get_spec(p.schedule).placement), cp_kind=p.cp_kind,
             micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
-            recompute=p.recompute, zero_stage=p.zero_stage)
+            recompute=p.recompute, zero_stage=p.zero_stage,
+            e=2 if case.run.dtype == "bf16" else 4)
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

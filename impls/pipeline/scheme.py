@@ -45,6 +45,7 @@ from parbench.schedules import (
     validate,
 )
 
+from . import replicas
 from .executor import Executor
 from .metrics import bubble_metrics
 from .prediction import pipeline_prediction
@@ -141,35 +142,16 @@ class PipelineScheme(Scheme):
     def _partner(self) -> int:
         return self.schedule.p - 1 - self.pp_rank
 
+    def _peer(self) -> int:
+        return self.group_ranks[self._partner()]
+
     def _replica_slots(self) -> list[StageSlot]:
         """This rank's slots in exchange order: (pipe 0, r), (pipe 1, p-1-r)."""
-        return [self.slots[k] for k in sorted(self.slots)]
-
-    def _exchange(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Send the concatenation of ``tensors`` to the partner rank and receive its own."""
-        dist = torch.distributed
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        other = torch.empty_like(flat)
-        peer = self.group_ranks[self._partner()]
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, self.group),
-                                        dist.P2POp(dist.irecv, other, peer, self.group)])
-        for w in works:
-            w.wait()
-        return other
+        return replicas.in_exchange_order(self.slots)
 
     def _sync_replicas(self):
-        """Add the two replicas' gradients of every stage (pipe 0 + pipe 1 on both ranks)."""
-        mine = self._replica_slots()  # [(0, r), (1, p-1-r)]
-        other = self._exchange([p.grad for s in mine for p in s.params])
-        # partner sent [(0, p-1-r), (1, r)]: its first part pairs with my (1, p-1-r)
-        n_far = sum(p.numel() for p in mine[1].params)
-        theirs = {mine[1].stage: other[:n_far], mine[0].stage: other[n_far:]}
-        for slot in mine:
-            offset, buf = 0, theirs[slot.stage]
-            for p in slot.params:
-                g = buf[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                p.grad.copy_(p.grad + g if slot.pipe == 0 else g + p.grad)
+        """Add the two replicas' gradients of every stage (``replicas.sync_gradients``)."""
+        replicas.sync_gradients(self.slots, self.group, self._peer())
 
     # ---- results -----------------------------------------------------------------------
     def _reported_slots(self, check_replicas: bool) -> list[StageSlot]:
@@ -177,18 +159,7 @@ class PipelineScheme(Scheme):
         two-replica schedule (after checking, if asked, that the pipe-1 copies agree)."""
         if len(self.schedule.pipes) == 1:
             return list(self.slots.values())
-        mine = self._replica_slots()
-        if check_replicas:
-            from parbench import comm
-            with comm.unrecorded():
-                other = self._exchange([p.detach() for s in mine for p in s.params])
-            n_far = sum(p.numel() for p in mine[1].params)
-            far = torch.cat([p.detach().reshape(-1) for p in mine[1].params])
-            if not torch.equal(far, other[:n_far]):
-                raise RuntimeError(f"rank {self.pp_rank}: the two replicas of stage "
-                                   f"{mine[1].stage} differ after the gradient "
-                                   "synchronisation")
-        return [mine[0]]
+        return replicas.reported(self.slots, self.group, self._peer(), check_replicas)
 
     def full_params(self):
         return {n: p.detach() for s in self._reported_slots(check_replicas=True)

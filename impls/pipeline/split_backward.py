@@ -24,7 +24,9 @@ How it is done here, on any stage module, without changing the model code:
   path of upper nodes towards the parameters of lower ones and count them twice.
 
 Because the same backward nodes compute the weight gradients from the same incoming
-gradients, W's results equal the fused backward's bit for bit. The graph is kept alive
+gradients, W's results equal the fused backward's bit for bit. Custom autograd functions that
+fuse an input-gradient collective with a weight gradient (the tensor-parallel linears) read
+``parbench.backward_pass`` to do only the pass's part. The graph is kept alive
 (``retain_graph``) between B and W -- the activation memory that zero-bubble schedules
 trade for the smaller bubble.
 """
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from parbench import backward_pass
 
 
 def _analyse(root, target, param_index: dict[int, int]):
@@ -134,7 +138,9 @@ class SplitBackward:
                 captured[i] = tuple(grad_outputs)
             handles.append(node.register_prehook(hook))
         try:
-            (dx,) = torch.autograd.grad(self.out, [self.boundary], grad_out, retain_graph=True)
+            with backward_pass.running(backward_pass.INPUT):
+                (dx,) = torch.autograd.grad(self.out, [self.boundary], grad_out,
+                                            retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
@@ -155,8 +161,9 @@ class SplitBackward:
                 if not pairs:
                     continue
                 edges, gs = [e for e, _ in pairs], [g for _, g in pairs]
-            res = torch.autograd.grad(edges, [self.params[j] for j in idx], gs,
-                                      retain_graph=True, allow_unused=True)
+            with backward_pass.running(backward_pass.WEIGHT):
+                res = torch.autograd.grad(edges, [self.params[j] for j in idx], gs,
+                                          retain_graph=True, allow_unused=True)
             for j, g in zip(idx, res):
                 if g is None:
                     continue

@@ -16,11 +16,18 @@ et al. 2022, Sec. 4.2.2), on sequence-first activations ``[s, b, h]``.
   target logit, sum of exponentials).
 - :class:`Recompute`: run a function without saving its activations and run it again in
   backward (activation recomputation, Chen et al. 2016; Korthikanti et al. Sec. 5).
+
+Under a split backward (zero-bubble schedules, ``parbench.backward_pass``) the two linears do
+only the pass's part: B the input gradient and its collective, W the weight gradient (the
+column linear re-gathers its sequence shard in W; the row linear keeps B's gathered gradient
+for W), so a split step moves the bytes of a fused one.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from parbench import backward_pass
 
 from .collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: F401
 
@@ -46,35 +53,50 @@ class ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        part = backward_pass.current()
+        if part == backward_pass.WEIGHT:  # W of a split backward: the weight part only
+            full = _gather_async(x, ctx)[1]() if ctx.sp_size > 1 else x
+            return None, *_weight_grads(grad, full, ctx.has_bias), None, None
         sp = ctx.sp_size > 1
-        if sp:
+        gather = None
+        if sp and part is None:
             # re-gather the input shard while the input gradient is computed (Megatron's
             # overlap of the backward all-gather with the dgrad GEMM)
-            xc = x.contiguous()
-            flat = torch.empty(ctx.sp_size * xc.numel(), dtype=x.dtype, device=x.device)
-            gather = dist.all_gather_into_tensor(flat, xc.view(-1), group=ctx.group,
-                                                 async_op=True)
-        grad_in = torch.matmul(grad, weight)
-        if sp:
-            gather.wait()
-            full = flat.view(ctx.sp_size * x.shape[0], *x.shape[1:])
-        else:
-            full = x
+            gather = _gather_async(x, ctx)
+        grad_in = torch.matmul(grad, weight).contiguous()
         if sp:
             # reduce-scatter overlapped with the weight gradient
-            grad_in = grad_in.contiguous()
             out = torch.empty(grad_in.numel() // ctx.sp_size, dtype=grad_in.dtype,
                               device=grad_in.device)
             work = dist.reduce_scatter_tensor(out, grad_in.view(-1), group=ctx.group,
                                               async_op=True)
             result = out.view(grad_in.shape[0] // ctx.sp_size, *grad_in.shape[1:])
         else:
-            result = grad_in.contiguous()
+            result = grad_in
             work = dist.all_reduce(result, group=ctx.group, async_op=True)
-        grad_w = torch.matmul(_flat(grad).t(), _flat(full))
-        grad_b = _flat(grad).sum(0) if ctx.has_bias else None
+        grads = (None, None)
+        if part is None:  # fused: the weight gradient while the collective runs
+            grads = _weight_grads(grad, gather[1]() if sp else x, ctx.has_bias)
         work.wait()
-        return result, grad_w, grad_b, None, None
+        return result, *grads, None, None
+
+
+def _gather_async(x: torch.Tensor, ctx):
+    """Start the all-gather of the sequence shard ``x``; (work, wait -> gathered input)."""
+    xc = x.contiguous()
+    flat = torch.empty(ctx.sp_size * xc.numel(), dtype=x.dtype, device=x.device)
+    work = dist.all_gather_into_tensor(flat, xc.view(-1), group=ctx.group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return flat.view(ctx.sp_size * x.shape[0], *x.shape[1:])
+    return work, wait
+
+
+def _weight_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
+    """(dW, db) of y = x W^T + b."""
+    return (torch.matmul(_flat(grad).t(), _flat(x)),
+            _flat(grad).sum(0) if has_bias else None)
 
 
 class RowParallelLinear(torch.autograd.Function):
@@ -94,10 +116,15 @@ class RowParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        part = backward_pass.current()
         if ctx.sp_size > 1:
-            grad = all_gather_dim0(grad, ctx.group, ctx.sp_size)
-        grad_in = torch.matmul(grad, weight)
-        grad_w = torch.matmul(_flat(grad).t(), _flat(x))
+            # B keeps the gathered gradient for W (one all-gather per backward either way)
+            kept = getattr(ctx, "gathered", None) if part == backward_pass.WEIGHT else None
+            grad = kept if kept is not None else all_gather_dim0(grad, ctx.group, ctx.sp_size)
+            ctx.gathered = grad if part == backward_pass.INPUT else None
+        grad_in = None if part == backward_pass.WEIGHT else torch.matmul(grad, weight)
+        grad_w = None if part == backward_pass.INPUT else \
+            torch.matmul(_flat(grad).t(), _flat(x))
         return grad_in, grad_w, None, None
 
 
@@ -164,6 +191,7 @@ class Recompute(torch.autograd.Function):
         with torch.enable_grad():
             out = ctx.fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, grads)
+        with backward_pass.running(None):  # the inner backward is a whole one
+            torch.autograd.backward(outs, grads)
         ctx.fn = None
         return (None, *[x.grad if x.requires_grad else None for x in inputs])

@@ -36,13 +36,13 @@ samples, e bytes per element, n = s/cp tokens per rank):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from fractions import Fraction
 
 from . import comm
 from .activations import layer_activation_bytes, reference_layer_activation_bytes
 from .comm import Transfer, summarize
-from .data_parallel import adamw_bytes, layer_tensors
+from .data_parallel import layer_tensors
+from .prediction import RankPrediction, flat_states
 from .shape import Shape, require_positive_int
 
 #: the native schemes' attention algorithms (scheme name without the family)
@@ -123,32 +123,13 @@ def replica_states(shape: Shape, optimizer: str = "adamw", elem_bytes: int = 4
                    ) -> dict[str, int]:
     """A whole replica's model states (the DDP rule of ``data_parallel``): Psi e parameters,
     Psi e gradients, AdamW's 8 Psi + 4 T; nothing else."""
-    sizes = [x for _, ts in layer_tensors(shape) for x in ts]
-    psi = sum(sizes)
-    return {"params": psi * elem_bytes, "grads": psi * elem_bytes,
-            "optimizer": adamw_bytes(psi, len(sizes), optimizer), "other": 0}
+    return flat_states([x for _, ts in layer_tensors(shape) for x in ts], optimizer,
+                       elem_bytes)
 
 
-@dataclass
-class ContextPrediction:
-    """One rank's step (every rank alike): transfers per axis, model states, figures."""
-
-    transfers: list[Transfer]
-    states: dict[str, int]
-    figures: dict = field(default_factory=dict)
-
-    @property
-    def wire_bytes(self) -> dict[str, float]:
-        return {a: float(v["wire_bytes"]) for a, v in summarize(self.transfers).items()
-                if v["count"]}
-
-    @property
-    def calls(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.transfers:
-            if t.group_size > 1 and t.count:
-                out[t.axis] = out.get(t.axis, 0) + t.count
-        return out
+class ContextPrediction(RankPrediction):
+    """One rank's step of a native context-parallel scheme (every rank alike): its attention
+    traffic and gradient all-reduce, a whole replica's model states (:func:`replica_states`)."""
 
 
 def context_prediction(kind: str, shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int = 1,

@@ -27,11 +27,11 @@ Rules (the implementations in ``impls/data`` and ``impls/zero`` must follow them
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .comm import Transfer, summarize
 from .memory import shard_numel
+from .prediction import RankPrediction, adamw_bytes  # noqa: F401  (adamw_bytes re-exported)
 from .shape import Shape
 
 MiB = 2 ** 20
@@ -70,18 +70,9 @@ def cap_elements(bucket_mb: float, elem_bytes: int) -> int:
     return max(1, int(bucket_mb * MiB / elem_bytes))
 
 
-def adamw_bytes(numel: int, tensors: int, optimizer: str) -> int:
-    """AdamW: exp_avg and exp_avg_sq in fp32 plus one 4-byte step per tensor; SGD: none."""
-    return 0 if optimizer == "sgd" else 8 * numel + 4 * tensors
-
-
-@dataclass
-class DataPrediction:
-    """One rank's step: transfers on axis dp, and model-state bytes by category."""
-
-    transfers: list[Transfer]
-    states: dict[str, int]
-    figures: dict = field(default_factory=dict)
+class DataPrediction(RankPrediction):
+    """One rank's step: transfers on axis dp (reported even when zero), and model-state bytes
+    by category."""
 
     @property
     def wire_bytes(self) -> dict[str, float]:

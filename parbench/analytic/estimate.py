@@ -11,12 +11,13 @@ group ``edp = tp cp dp / (etp ep)``. Model states are computed for each group wi
 size -- ZeRO partitions each group's flat buffer over its own ranks, as Megatron-Core's
 distributed optimizer does -- and gradient traffic is reported on axis ``dp`` for the dense
 part and ``edp`` for the expert part. Expert all-to-alls (GShard, Lepikhin et al. 2020;
-Switch, Fedus et al. 2021) are counted on MoE layers only.
+Switch, Fedus et al. 2021), the router and expert FLOPs and the routed activations
+(:func:`moe_layer_activation_bytes`) are counted on MoE layers only, every ``moe_every``-th.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from . import activations, comm, flops, memory
 from . import params as param_model
@@ -107,17 +108,19 @@ def _moe_model_states_block(stages: list[dict], layout: dict, zero_stage: int,
     }
 
 
-def _by_layer_kind(fn: Callable[..., int], shp: Shape, *args: Any, **kw: Any) -> int:
-    """``fn(shape, ...)`` -- a FLOP count of the form a * num_layers + c -- for a model whose
-    layers are of two kinds: n_moe MoE layers and num_layers - n_moe dense ones."""
-    n_moe = shp.num_moe_layers
-    if n_moe in (0, shp.num_layers):
-        return fn(shp, *args, **kw)
-    kinds = {"moe": replace(shp, moe_every=1), "dense": replace(shp, num_experts=0)}
-    one = {k: fn(replace(v, num_layers=1), *args, **kw) for k, v in kinds.items()}
-    per = {k: fn(replace(v, num_layers=2), *args, **kw) - one[k] for k, v in kinds.items()}
-    return one["dense"] - per["dense"] + n_moe * per["moe"] \
-        + (shp.num_layers - n_moe) * per["dense"]
+def _routed_rows(shp: Shape, micro_batch: int, s_local: int, tp: int, sp: bool
+                 ) -> tuple[int, int | None, int]:
+    """(T, C, R) of one rank and MoE layer per micro-batch: T the tokens it routes (its
+    b * s/cp, divided by tp under sequence parallelism), C = ceil(cf k T / E) the capacity
+    (``None``: no limit) and R the rows of the dispatch buffer, E C with a capacity (padding
+    included) or k T without."""
+    split = tp if sp and tp > 1 else 1
+    if (micro_batch * s_local) % split:
+        raise ValueError(f"sp with tp={tp} needs tp to divide the micro_batch*seq_length/cp="
+                         f"{micro_batch * s_local} tokens a rank routes")
+    tokens = micro_batch * s_local // split
+    cap = expert_capacity(tokens, shp.num_experts, shp.moe_top_k, shp.moe_capacity_factor)
+    return tokens, cap, shp.moe_top_k * tokens if cap is None else shp.num_experts * cap
 
 
 def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: int,
@@ -131,14 +134,8 @@ def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: i
     2 backward per MoE layer per micro-batch, 2 more with full recomputation (GShard,
     Lepikhin et al. 2020; Switch, Fedus et al. 2021, Sec. 2.2)."""
     ep, E, k = layout["ep"], shp.num_experts, shp.moe_top_k  # noqa: N806
-    split = tp if sp and tp > 1 else 1
-    if (micro_batch * s_local) % split:
-        raise ValueError(f"sp with tp={tp} needs tp to divide the micro_batch*seq_length/cp="
-                         f"{micro_batch * s_local} tokens a rank routes")
-    tokens = micro_batch * s_local // split
+    tokens, cap, rows = _routed_rows(shp, micro_batch, s_local, tp, sp)
     cf = shp.moe_capacity_factor
-    cap = expert_capacity(tokens, E, k, cf)
-    rows = k * tokens if cap is None else E * cap
     info = {"tokens_per_rank": tokens, "top_k": k, "capacity_factor": cf,
             "capacity_per_expert": cap, "rows_per_all_to_all": rows,
             "moe_layers_on_rank": moe_layers, "ep": ep, "etp": layout["etp"],
@@ -184,12 +181,67 @@ def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool
     return out
 
 
+def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f: int,
+                               tp: int, tokens: int, rows: int, num_experts: int,
+                               etp: int = 1, recompute: str = "none",
+                               bytes_per_element: int = 2) -> dict[str, float]:
+    """Activation bytes one MoE layer keeps for backward on one rank, by term, given the same
+    layer's count as a dense layer, ``dense_layer`` (``activations.layer_activation_bytes``
+    or ``reference_layer_activation_bytes`` at the same s = s/cp, b, t, sp and recompute).
+
+    Derivation, per rank and micro-batch, e = ``bytes_per_element``, T = ``tokens`` the rank
+    routes (its b s/cp, / t under sequence parallelism), E experts, k = moe_top_k,
+    C = ``shape.expert_capacity(T, E, k, cf)``:
+
+    - **Dense terms stay** (Korthikanti et al. 2022, Sec. 4.1, Table 2): the LayerNorm
+      inputs, the attention block, the LN2 output (the dense fc1 input; here the router's and
+      the dispatch's input, the same tensor) and the MLP's dropout mask. The dense MLP's
+      fc1 output and GeLU output (Korthikanti's "8 + 8" for f = 4h), 2 s b f e / t bytes, are
+      what the routed path replaces (``dense_mlp_replaced``, negative).
+    - **Router**: logits and probabilities, T x E each, fp32 (the router runs in fp32; the
+      softmax keeps its output, the z-loss's logsumexp its input, ``parbench.moe.route``):
+      2 x 4 T E bytes.
+    - **Dispatch buffer** (GShard, Lepikhin et al. 2020, Sec. 2.2 and Algorithm 2; Switch,
+      Fedus et al. 2021, Sec. 2.2: a fixed ``[E, C, h]`` buffer, a dropped token's slot left
+      as padding): every rank of the ep group sends each expert C slots, so after the
+      all-to-all a rank holds, for each of its E/ep experts, C rows from each of the ep
+      source ranks -- ep C rows per local expert, (E/ep) ep C = E C rows in all, padding
+      included. Without a capacity limit a rank sends its k T routed copies, and under
+      balanced routing receives as many (the exact count depends on the routing; k T is its
+      mean over the ep ranks). R = ``rows`` = E C or k T rows of h: the experts' fc1 input,
+      R h e.
+    - **Expert MLPs**: Korthikanti's fc1 output and GeLU output on the R received rows
+      instead of s b, each expert's f split over ``etp``: 2 R f e / etp.
+    - **Combine buffer**: the expert outputs the combine all-to-all brings back, R rows of h,
+      kept by the gate multiplication for the gates' gradient: R h e.
+
+    Not counted: the gates and expert indices (T k values each), the all-to-all send buffers
+    (an all-to-all keeps nothing for backward) and any gather of the routed tokens over
+    the etp ranks (not in the communication count either). Full recomputation keeps only the
+    layer input, as for a dense layer: every routed term is 0.
+    """
+    e = bytes_per_element
+    if recompute == "full":
+        terms = dict.fromkeys(("dense_mlp_replaced", "router", "dispatch", "expert_mlp",
+                               "combine"), 0)
+    else:
+        terms = {"dense_mlp_replaced": -2 * s * b * f * e / tp,
+                 "router": 2 * 4 * tokens * num_experts,
+                 "dispatch": rows * h * e,
+                 "expert_mlp": 2 * rows * f * e / etp,
+                 "combine": rows * h * e}
+    return {"dense_layer": dense_layer, **terms,
+            "total": dense_layer + sum(terms.values())}
+
+
 def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
-                              e: int) -> dict:
+                              e: int, moe: dict | None = None) -> dict:
     """Activation bytes of one layer per rank for every recompute mode: Korthikanti et al.
     Table 2 (``korthikanti``: e-byte activations, 1-byte dropout masks) and the reference
     model's exact count (``reference_model``: no dropout, fused attention, LayerNorm
-    statistics; the projection input a view of the kernel's output)."""
+    statistics; the projection input a view of the kernel's output); for an MoE model also
+    an MoE layer's (``*_moe``, :func:`moe_layer_activation_bytes` with the keywords
+    ``moe``)."""
     out = {}
     for mode in activations.RECOMPUTE:
         out[mode] = {
@@ -198,6 +250,10 @@ def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
             "reference_model": activations.reference_layer_activation_bytes(
                 s, b, shape.h, shape.a, tp, sp and tp > 1, mode, shape.f,
                 bytes_per_element=e, proj_input_copy=False)}
+        if moe is not None:
+            for kind in ("korthikanti", "reference_model"):
+                out[mode][kind + "_moe"] = moe_layer_activation_bytes(
+                    out[mode][kind], recompute=mode, **moe)["total"]
     return out
 
 
@@ -270,15 +326,13 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
 
     dense4 = not shp.moe and shp.f == 4 * shp.h
     fl = {
-        "forward_per_iteration": _by_layer_kind(flops.shape_forward_flops, shp, B),
-        "training_per_iteration": _by_layer_kind(flops.shape_training_flops, shp, B),
-        "training_per_iteration_recompute": _by_layer_kind(flops.shape_training_flops, shp, B,
-                                                           recompute=True),
+        "forward_per_iteration": flops.shape_forward_flops(shp, B),
+        "training_per_iteration": flops.shape_training_flops(shp, B),
+        "training_per_iteration_recompute": flops.shape_training_flops(shp, B, recompute=True),
         "megatron_eq3": flops.megatron_eq3_flops(B, shp.s, shp.l, shp.h, shp.V)
         if dense4 else None,
         "params_rule_6N": flops.params_rule_flops(param_model.active_params(shp), B * shp.s),
-        "per_device_training": _by_layer_kind(
-            flops.shape_training_flops, shp, B, recompute=recompute == "full")
+        "per_device_training": flops.shape_training_flops(shp, B, recompute=recompute == "full")
         / (tp * pp * dp * cp),
     }
 
@@ -287,14 +341,44 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     ref_layer = activations.reference_layer_activation_bytes(
         s_local, micro_batch, shp.h, shp.a, tp, sp, recompute, shp.f, bytes_per_element=e)
     sched = "interleaved" if vpp > 1 else "1f1b"
-    act = {
-        "per_layer_korthikanti": per_layer,
-        "first_stage_korthikanti": activations.first_stage_activation_bytes(
-            per_layer, shp.num_layers, pp, m, vpp, sched),
-        "per_layer_reference_model": ref_layer,
-        "first_stage_reference_model": activations.first_stage_activation_bytes(
-            ref_layer, shp.num_layers, pp, m, vpp, sched),
-    }
+    first = param_model.stage_layer_indices(shp.num_layers, pp, vpp)[0]
+    moe_kw = None
+    if not shp.moe:
+        act = {
+            "per_layer_korthikanti": per_layer,
+            "first_stage_korthikanti": activations.first_stage_activation_bytes(
+                per_layer, shp.num_layers, pp, m, vpp, sched),
+            "per_layer_reference_model": ref_layer,
+            "first_stage_reference_model": activations.first_stage_activation_bytes(
+                ref_layer, shp.num_layers, pp, m, vpp, sched),
+        }
+    else:
+        tokens, _, rows = _routed_rows(shp, micro_batch, s_local, tp, sp)
+        moe_kw = {"s": s_local, "b": micro_batch, "h": shp.h, "f": shp.f, "tp": tp,
+                  "tokens": tokens, "rows": rows, "num_experts": shp.num_experts,
+                  "etp": layout["etp"], "bytes_per_element": e}
+        n_moe = moe_layer_count(shp, first)
+        n_dense = len(first) - n_moe
+        moe_terms = moe_layer_activation_bytes(per_layer, recompute=recompute, **moe_kw)
+        moe_ref = moe_layer_activation_bytes(ref_layer, recompute=recompute, **moe_kw)["total"]
+
+        def first_stage(dense_layer: float, moe_layer: float) -> float:
+            # the first rank's layers summed, each as its kind, held for the micro-batches in
+            # flight (Korthikanti et al. Sec. 4.2.3): one "layer" of that sum per stage
+            return activations.first_stage_activation_bytes(
+                n_dense * dense_layer + n_moe * moe_layer, pp, pp, m, vpp, sched)
+
+        act = {
+            "per_layer_korthikanti": per_layer,
+            "per_moe_layer_korthikanti": moe_terms["total"],
+            "first_stage_korthikanti": first_stage(per_layer, moe_terms["total"]),
+            "per_layer_reference_model": ref_layer,
+            "per_moe_layer_reference_model": moe_ref,
+            "first_stage_reference_model": first_stage(ref_layer, moe_ref),
+            "first_stage_moe_layers": n_moe,
+            "first_stage_dense_layers": n_dense,
+            "moe_layer_terms_korthikanti": moe_terms,
+        }
 
     full = recompute == "full"
     tr: list[comm.Transfer] = []
@@ -315,7 +399,6 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
                              "allgather")
     expert_info = None
     if shp.moe:
-        first = param_model.stage_layer_indices(shp.num_layers, pp, vpp)[0]
         ep_tr, expert_info = _expert_comm(shp, layout, micro_batch, s_local, tp, sp,
                                           moe_layer_count(shp, first), m, e, full)
         tr += ep_tr
@@ -333,11 +416,14 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
                    for t in comm.zero_traffic(numel, group, zero_stage, e, e)]
 
     act["per_layer_by_recompute"] = _activations_by_recompute(shp, micro_batch, s_local, tp,
-                                                              sp, e)
+                                                              sp, e, moe_kw)
     if shp.moe:
         states = _moe_model_states_block(counts["stages"], layout, zero_stage, chosen)
-        act["note"] = ("per layer as for a dense MLP of ffn_hidden_size; the MoE dispatch "
-                       "buffers and the k routed copies are not counted")
+        act["note"] = ("per_layer_*: a dense layer; per_moe_layer_*: an MoE layer (router "
+                       "logits and probabilities, the padded dispatch buffer of E*C rows or "
+                       "k*T without capacity, the expert MLPs on those rows, the combine "
+                       "buffer: moe_layer_terms_korthikanti); first_stage_*: the first "
+                       "pipeline rank's layers, each counted as its kind")
         scope = ("one rank of the first pipeline stage, one iteration; dense gradients "
                  "reduced over dp x cp (axis dp), expert gradients over "
                  "edp = tp*cp*dp/(etp*ep) (axis edp)")

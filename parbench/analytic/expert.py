@@ -34,10 +34,8 @@ reference model's (``parbench.moe``); their cost is local, no traffic.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .comm import Transfer, as_number, summarize, wire_factor
-from .data_parallel import adamw_bytes
+from .comm import Transfer, as_number, wire_factor
+from .prediction import RankPrediction, flat_states
 from .shape import Shape, expert_capacity, require_positive_int, shape_from
 
 
@@ -110,32 +108,13 @@ def rank_states(shape: Shape, ep: int, optimizer: str = "adamw", elem_bytes: int
     """Model states of one rank: its dense and expert parameters, their gradients and AdamW's
     8 bytes per element plus a 4-byte step per tensor."""
     dense, expert = rank_tensors(shape, ep)
-    sizes = dense + expert
-    psi = sum(sizes)
-    return {"params": psi * elem_bytes, "grads": psi * elem_bytes,
-            "optimizer": adamw_bytes(psi, len(sizes), optimizer), "other": 0}
+    return flat_states(dense + expert, optimizer, elem_bytes)
 
 
-@dataclass
-class ExpertPrediction:
-    """One rank's step (every rank alike): transfers per axis, model states, figures."""
-
-    transfers: list[Transfer]
-    states: dict[str, int]
-    figures: dict = field(default_factory=dict)
-
-    @property
-    def wire_bytes(self) -> dict[str, float]:
-        return {a: float(v["wire_bytes"]) for a, v in summarize(self.transfers).items()
-                if v["count"]}
-
-    @property
-    def calls(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.transfers:
-            if t.group_size > 1 and t.count:
-                out[t.axis] = out.get(t.axis, 0) + t.count
-        return out
+class ExpertPrediction(RankPrediction):
+    """One rank's step of ``expert.alltoall`` (every rank alike): its all-to-alls and
+    gradient reductions, its dense and expert model states, the figures of
+    :func:`expert_prediction`."""
 
 
 def expert_prediction(model, *, ep: int, dp: int, micro_batch: int, microbatches: int = 1,

@@ -62,16 +62,18 @@ def megatron_eq3_flops(B: int, s: int, l: int, h: int, V: int) -> int:  # noqa: 
 def shape_forward_flops(shape: Shape, b: int, s: int | None = None) -> int:
     """Forward FLOPs for any :class:`Shape` (any f, MoE), same counting convention.
 
-    Per token and layer: QKV + projection 8h^2, MLP 4hf per active expert, router 2hE;
-    per sequence and layer: attention 4s^2h; logit layer 2shV. For a dense model with f = 4h
-    this is :func:`forward_flops`.
+    Per token and layer: QKV + projection 8h^2, and the MLP: 4hf on a dense layer; on an MoE
+    layer (``Shape.is_moe_layer``: every ``moe_every``-th layer) 4hf per active expert
+    (``moe_top_k`` of them) plus the router 2hE. Per sequence and layer: attention 4s^2h;
+    logit layer 2shV. For a dense model with f = 4h this is :func:`forward_flops`.
     """
     s = shape.s if s is None else s
     h, f = shape.h, shape.f
-    experts = shape.moe_top_k if shape.moe else 1
-    per_token_layer = 8 * h * h + 4 * h * f * experts + 2 * h * shape.num_experts
-    per_layer = b * s * per_token_layer + 4 * b * s * s * h
-    return shape.num_layers * per_layer + 2 * b * s * h * shape.V
+    n_moe = shape.num_moe_layers
+    dense_token = 8 * h * h + 4 * h * f
+    moe_token = 8 * h * h + 4 * h * f * shape.moe_top_k + 2 * h * shape.num_experts
+    per_token = (shape.num_layers - n_moe) * dense_token + n_moe * moe_token
+    return b * s * per_token + shape.num_layers * 4 * b * s * s * h + 2 * b * s * h * shape.V
 
 
 def shape_training_flops(shape: Shape, b: int, s: int | None = None,

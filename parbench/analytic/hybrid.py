@@ -21,12 +21,18 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   buffer E x C x h, C = ceil(capacity_factor k T / E) for the T = b s/(cp t) tokens a rank
   routes.
 - **pp** (Narayanan et al. 2021 Sec. 4.1): a send of the boundary activation (b s/cp h, /t
-  under SP) per micro-batch per stage boundary each way.
+  under SP) per micro-batch per stage boundary each way, unless both stages are on the rank
+  (the turn of the V placement of ZB-V and DualPipeV, Qi et al. 2024b). Schedules with a
+  split backward (B, W) move the same bytes as the fused ones. A bidirectional schedule
+  (Chimera, DualPipe) holds two stage copies per rank, sends m/2 micro-batches down each
+  pipe and once per step swaps the copies' gradients with the partner rank p-1-r.
 - **dp_cp / edp**: the dense gradients all-reduced once per step over the dp x cp ranks
   (Megatron-Core's ``dp_cp`` group), the experts' over the expert-data-parallel group
-  edp = t cp d / ep; with ZeRO-1 (the distributed optimizer) each becomes a reduce-scatter
-  of the padded flat buffer and an all-gather of the updated parameters (Rajbhandari et al.
-  2020, Sec. 5; 2 Psi per rank either way).
+  edp = t cp d / ep; with ZeRO 1-3 each becomes a reduce-scatter of the padded flat buffer
+  and an all-gather of the parameters (Rajbhandari et al. 2020, Sec. 5; 2 Psi per rank either
+  way; ZeRO-3 as torchtitan runs FSDP under a pipeline, gathered once per step). Bytes per
+  element e: 4 (fp32) or 2 (bf16 activations, parameters and gradients; the vocab-parallel
+  loss's per-token values stay fp32).
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ class HybridConfig:
     microbatches: int = 1
     recompute: str = "none"
     zero_stage: int = 0
-    e: int = 4  # bytes per element (fp32)
+    e: int = 4  # bytes per element: 4 fp32, 2 bf16
 
 
 @dataclass(frozen=True)
@@ -120,14 +126,21 @@ def stage_params(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
 def _stages(shape: Shape, c: HybridConfig, pp_rank: int):
     S = num_stages(c.placement, c.pp, c.vpp)  # noqa: N806
     per = shape.l // S
-    for _, st in stages_on_rank(c.placement, c.pp, pp_rank, c.vpp):
-        yield st, st * per, (st + 1) * per, st == 0, st == S - 1, S
+    for pipe, st in stages_on_rank(c.placement, c.pp, pp_rank, c.vpp):
+        yield pipe, st, st * per, (st + 1) * per, st == 0, st == S - 1, S
+
+
+def microbatches_per_pipe(c: HybridConfig) -> int:
+    """A bidirectional schedule sends half the m micro-batches down each pipe (Chimera,
+    Li and Hoefler 2021 Sec. 3.1; DualPipe)."""
+    return c.microbatches // 2 if c.placement == "bidirectional" else c.microbatches
 
 
 def stage_transfers(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
                     last: bool) -> list[Transfer]:
-    """The tp, cp and ep transfers of one stage in one step (m micro-batches)."""
-    t, m, b, e = c.tp, c.microbatches, c.micro_batch, c.e
+    """The tp, cp and ep transfers of one stage (copy) in one step (the micro-batches of its
+    pipe)."""
+    t, m, b, e = c.tp, microbatches_per_pipe(c), c.micro_batch, c.e
     s_l = shape.s // c.cp
     S = b * s_l * shape.h * e  # noqa: N806
     moe = sum(shape.is_moe_layer(i) for i in range(lo, hi))
@@ -181,7 +194,9 @@ def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer],
     pp_rank = rank // (t * cp * dp)
     out: list[Transfer] = []
     dense = dense_tensors = expert = expert_tensors = partial = 0
-    for st, lo, hi, first, last, S in _stages(shape, c, pp_rank):  # noqa: N806
+    mine = {(pipe, st) for pipe, st, *_ in _stages(shape, c, pp_rank)}
+    m = microbatches_per_pipe(c)
+    for pipe, st, lo, hi, first, last, S in _stages(shape, c, pp_rank):  # noqa: N806
         out += stage_transfers(shape, c, lo, hi, first, last)
         p = stage_params(shape, c, lo, hi, first, last)
         dense += p.dense
@@ -190,10 +205,14 @@ def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer],
         expert_tensors += p.expert_tensors
         partial += p.tp_partial
         act = c.micro_batch * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
-        if st < S - 1 and c.pp > 1:
-            out.append(Transfer("pp", "send", 2, act, c.microbatches, "activations"))
-        if st > 0 and c.pp > 1:
-            out.append(Transfer("pp", "send", 2, act, c.microbatches, "activation grads"))
+        # a boundary between two stages of this rank (the V placement's turn) stays local
+        if st < S - 1 and (pipe, st + 1) not in mine:
+            out.append(Transfer("pp", "send", 2, act, m, "activations"))
+        if st > 0 and (pipe, st - 1) not in mine:
+            out.append(Transfer("pp", "send", 2, act, m, "activation grads"))
+    if c.placement == "bidirectional":
+        out.append(Transfer("pp", "send", 2, (dense + expert) * c.e, 1,
+                            "gradients of both stage copies to the partner rank"))
     if partial and t > 1:
         out.append(Transfer("tp", "all_reduce", t, partial * c.e, 1,
                             "gradients partial over tp (routers; SP: replicated params)"))
@@ -205,12 +224,23 @@ def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer],
 
 
 def _states(c: HybridConfig, numel: int, tensors: int, n: int) -> dict[str, int]:
-    """fp32 params and grads; AdamW's 2 moments (+ a 4-byte step per tensor), over the
-    whole group (ZeRO-0) or the rank's shard of the padded flat buffer (ZeRO-1)."""
+    """Model states of one gradient group (``impls.hybrid.optimizer``'s layout): e bytes per
+    parameter and per gradient; AdamW's two fp32 moments and a 4-byte step per stepped
+    tensor; with bf16 (e = 2) the fp32 masters too (Rajbhandari et al. 2020 Sec. 3.1, K = 12).
+
+    ZeRO-0 steps every parameter tensor. ZeRO 1-3 keep one flat buffer padded to a multiple
+    of n and step the rank's shard of it (one tensor): ZeRO-1 keeps the full parameter and
+    gradient buffers, ZeRO-2 the full parameters and the gradient shard, ZeRO-3 both shards
+    (Sec. 5.1-5.3)."""
     if not numel:
         return {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
+    mixed = c.e != 4
     if c.zero_stage == 0:
-        opt = 2 * c.e * numel + 4 * tensors
-    else:
-        opt = 2 * c.e * (-(-numel // n)) + 4
-    return {"params": c.e * numel, "grads": c.e * numel, "optimizer": opt, "other": 0}
+        opt = (8 + (4 if mixed else 0)) * numel + 4 * tensors
+        return {"params": c.e * numel, "grads": c.e * numel, "optimizer": opt, "other": 0}
+    shard = -(-numel // n)
+    full = shard * n
+    opt = (8 + (4 if mixed else 0)) * shard + 4
+    return {"params": c.e * (full if c.zero_stage < 3 else shard),
+            "grads": c.e * (full if c.zero_stage == 1 else shard),
+            "optimizer": opt, "other": 0}

@@ -85,12 +85,19 @@ def _layers_per_stage(shape: Shape, stages: int) -> int:
     return shape.num_layers // stages
 
 
-def stage_numel(shape: Shape, stages: int, stage: int) -> int:
-    """Parameters of stage ``stage`` of ``stages``: its L/S layers (``layer_params``), the
-    embedding on stage 0 and the final LN and LM head on the last stage (a separate head:
-    the pipeline stages do not share the embedding)."""
+def _stage_layers(shape: Shape, stages: int, stage: int) -> range:
+    """The global indices of the L/S layers stage ``stage`` of ``stages`` holds."""
     per = _layers_per_stage(shape, stages)
-    out = per * layer_params(shape)
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_numel(shape: Shape, stages: int, stage: int) -> int:
+    """Parameters of stage ``stage`` of ``stages``: its L/S layers (``layer_params``; an MoE
+    layer only where ``Shape.is_moe_layer``), the embedding on stage 0 and the final LN and
+    LM head on the last stage (a separate head: the pipeline stages do not share the
+    embedding)."""
+    out = sum(layer_params(shape, moe_layer=shape.is_moe_layer(i))
+              for i in _stage_layers(shape, stages, stage))
     if stage == 0:
         out += embedding_params(shape)
     if stage == stages - 1:
@@ -98,19 +105,22 @@ def stage_numel(shape: Shape, stages: int, stage: int) -> int:
     return out
 
 
-def layer_tensors(shape: Shape) -> int:
+def layer_tensors(shape: Shape, moe_layer: bool | None = None) -> int:
     """Parameter tensors of one layer: LN1, LN2 (weight, bias each), QKV and projection
     (weight, bias each), and the MLP's two linears (weight, bias each) -- 12 dense; an MoE
-    layer has a router weight and E expert MLPs of 4 tensors instead of the MLP."""
+    layer has a router weight and E expert MLPs of 4 tensors instead of the MLP.
+    ``moe_layer`` picks the kind (default: MoE when the model has experts)."""
     attn = 2 + 2 + 2 + 2
-    return attn + (1 + 4 * shape.num_experts if shape.moe else 4)
+    moe = shape.moe if moe_layer is None else moe_layer
+    return attn + (1 + 4 * shape.num_experts if moe else 4)
 
 
 def stage_tensors(shape: Shape, stages: int, stage: int) -> int:
     """Parameter tensors of a stage (AdamW keeps one step counter per tensor): the layers'
-    (``layer_tensors``), the token and position embeddings on stage 0, the final LN (2) and
-    the untied head weight (1) on the last stage."""
-    out = _layers_per_stage(shape, stages) * layer_tensors(shape)
+    (``layer_tensors``, each of its kind), the token and position embeddings on stage 0, the
+    final LN (2) and the untied head weight (1) on the last stage."""
+    out = sum(layer_tensors(shape, shape.is_moe_layer(i))
+              for i in _stage_layers(shape, stages, stage))
     if stage == 0:
         out += 1 + int(shape.position_embeddings)
     if stage == stages - 1:

@@ -1,12 +1,17 @@
 """Realistic bugs in the five-axis hybrid (see mutants_data): each replaces one piece of
 ``impls.hybrid`` -- a gradient reduction over one of its groups, the MoE token split over
-tp, the auxiliary-loss scale -- and registers as a scheme of its own. The base case
+tp, the auxiliary-loss scale, the split backward's W pass, the bidirectional schedules'
+replica exchange -- and registers as a scheme of its own. The base case
 (``FAMILY_CASES['hybrid']``) is an MoE model on tp 2 x dp 2 with ep 2 (experts whole, edp 2)."""
 from __future__ import annotations
 
+from parbench import backward_pass
+
 from impls.hybrid.model import HybridStage
+from impls.hybrid.optimizer import GradientGroup
 from impls.hybrid.scheme import HybridScheme
 from impls.tensor.collectives import ReduceFromRegion
+from impls.tensor.layers import ColumnParallelLinear
 
 from .catalogue import mutant
 
@@ -23,11 +28,9 @@ class HybridRouterNotReduced(HybridScheme):
 
 
 class _EdpMean(HybridScheme):
-    def reduce_experts(self, grads, n):
-        super().reduce_experts(grads, n)
-        edp = self.ctx.mesh.size("edp")
-        for g in grads:
-            g.div_(edp)  # the bug: averaged over edp as if it were the data-parallel group
+    def expert_divisor(self):
+        # the bug: averaged over edp as if it were the data-parallel group
+        return super().expert_divisor() * self.ctx.mesh.size("edp")
 
 
 @mutant("hybrid-expert-grads-edp-mean", base="hybrid",
@@ -66,3 +69,56 @@ class _AuxScaleStage(HybridStage):
 class HybridAuxScale(HybridScheme):
     stage_class = _AuxScaleStage
 
+
+
+class _ObliviousColumn(ColumnParallelLinear):
+    @staticmethod
+    def backward(ctx, grad):
+        with backward_pass.running(None):  # the bug: the whole backward in B and again in W
+            return ColumnParallelLinear.backward(ctx, grad)
+
+
+class _ObliviousStage(HybridStage):
+    def column(self, x, weight, bias):
+        return _ObliviousColumn.apply(x, weight, bias, self.group, self.tp if self.sp else 1)
+
+
+@mutant("hybrid-split-w-reruns-allreduce", base="hybrid",
+        overrides={"dp": "1", "pp": "2", "schedule": "zb-h1", "num_microbatches": "4"},
+        bug="under a split backward the column-parallel linear ignores the pass: W runs its "
+            "input-gradient all-reduce again (right numbers, twice the tp backward bytes)")
+class HybridSplitReruns(HybridScheme):
+    stage_class = _ObliviousStage
+
+
+@mutant("hybrid-replicas-not-synced", base="hybrid",
+        overrides={"dp": "1", "pp": "2", "schedule": "chimera", "num_microbatches": "4"},
+        bug="Chimera's two stage copies keep the gradients of their own pipe's half of the "
+            "micro-batches (the partner exchange is skipped)")
+class HybridReplicasNotSynced(HybridScheme):
+    def sync_replicas(self):
+        pass
+
+
+@mutant("hybrid-zero1-shards-over-dp-only", base="hybrid",
+        overrides={"tp": "1", "cp": "2", "zero_stage": "1"},
+        bug="the distributed optimizer's reduce-scatter runs over dp, not dp x cp: the "
+            "context-parallel ranks' gradient contributions are never added")
+class HybridZeroOverDpOnly(HybridScheme):
+    gradient_axes = ("dp", "edp")
+
+
+class _KeepsGathered(GradientGroup):
+    def finish(self):
+        zero, self.zero = self.zero, min(self.zero, 2)
+        try:  # the bug: ZeRO-3 all-gathers after the step like ZeRO-1 and keeps the buffer
+            super().finish()
+        finally:
+            self.zero = zero
+
+
+@mutant("hybrid-zero3-keeps-gathered-params", base="hybrid", overrides={"zero_stage": "3"},
+        bug="ZeRO-3 all-gathers the updated parameters after the step and keeps them (full "
+            "parameters between steps, one all-gather too many)")
+class HybridZero3KeepsGathered(HybridScheme):
+    group_class = _KeepsGathered

@@ -9,12 +9,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from parbench.analytic import Shape, estimate
+from parbench.analytic import pipeline as closed_pipeline
+from parbench.analytic.estimate import moe_layer_activation_bytes
+from parbench.analytic.flops import shape_forward_flops, shape_training_flops
 from parbench.analytic.params import (active_params, expert_layout, layer_split, param_counts,
                                       stage_layer_indices, total_params)
 from parbench.analytic.shape import expert_capacity, moe_layer_count, shape_from
 from parbench.cli import main
+from parbench.config import ModelConfig
+from parbench.model import build_stage
 
 # h = 8, f = 32, V = 16, s = 4, E = 4, two layers, an MoE layer every other layer:
 # layer 0 is MoE, layer 1 dense.
@@ -161,6 +167,139 @@ def test_estimate_flops_count_moe_layers_only():
     moe_layer = B * s * (8 * h * h + 4 * h * f + 2 * h * E) + 4 * B * s * s * h
     dense_layer = B * s * (8 * h * h + 4 * h * f) + 4 * B * s * s * h
     assert out["flops"]["forward_per_iteration"] == moe_layer + dense_layer + 2 * B * s * h * V
+
+
+def test_shape_flops_count_experts_on_moe_layers_only():
+    # 4 layers, top-2, b = 2 sequences of s = 4: 8 tokens. Per token and layer:
+    #   attention linears 8h^2 = 512; dense MLP 4hf = 1024;
+    #   MoE layer: 2 experts 2 * 1024 = 2048 of expert MLP, router 2hE = 64
+    # per sequence and layer 4 s^2 h = 512 -> 4 layers x 2 sequences: 4096; logits 2 b s h V
+    # = 2048
+    b, tokens, h, f, E, k = 2, 8, 8, 32, 4, 2  # noqa: N806
+    expert_mlp = 4 * h * f * k  # 2048 per token per MoE layer
+    assert (expert_mlp, 2 * h * E) == (2048, 64)
+    fixed = 4096 + 2048
+
+    def by_hand(n_moe: int) -> int:
+        return tokens * (4 * 512 + n_moe * (2048 + 64) + (4 - n_moe) * 1024) + fixed
+
+    every1 = small(num_layers=4, moe_top_k=2, moe_every=1)
+    every2 = small(num_layers=4, moe_top_k=2, moe_every=2)  # MoE layers 0 and 2
+    assert by_hand(4) == 90112 and by_hand(2) == 72704
+    assert shape_forward_flops(every1, b) == 90112
+    assert shape_forward_flops(every2, b) == 72704
+    # the expert-MLP FLOPs alone: every other layer is exactly half of every layer
+    dense = small(num_layers=4, num_experts=0)
+    assert shape_forward_flops(dense, b) == by_hand(0) == 55296
+    moe_part = {n: shape_forward_flops(s, b) - shape_forward_flops(dense, b)
+                for n, s in ((4, every1), (2, every2))}
+    assert moe_part == {4: 4 * tokens * (2048 + 64 - 1024), 2: 2 * tokens * (2048 + 64 - 1024)}
+    assert moe_part[2] * 2 == moe_part[4]
+    # training: layers and logits 3x; with recomputation the layers 4x, the logits 3x
+    assert shape_training_flops(every2, b) == 3 * 72704
+    assert shape_training_flops(every2, b, recompute=True) == 4 * (72704 - 2048) + 3 * 2048
+    # the estimate reports the same counts
+    fl = estimate(every2, micro_batch=2, dp=1)["flops"]
+    assert fl["forward_per_iteration"] == 72704
+
+
+def test_pipeline_stages_count_moe_layers_only():
+    # 4 layers, an MoE layer every other layer (0 and 2), 2 stages of 2 layers:
+    # MoE layer ATTN + ROUTER + 4 MLP = 2560, dense layer ATTN + MLP = 872
+    shp = small(num_layers=4)
+    assert closed_pipeline.stage_numel(shp, 2, 0) == EMB + 2560 + 872 == 3592
+    # the last stage: final LN 2h and its own head V h (a separate stage)
+    assert closed_pipeline.stage_numel(shp, 2, 1) == 2560 + 872 + 144 == 3576
+    # 4 stages: stage 1 holds the dense layer 1 only
+    assert closed_pipeline.stage_numel(shp, 4, 1) == 872
+    # tensors: an MoE layer 8 + router 1 + 4 experts x 4 = 25, a dense layer 12;
+    # stage 0 adds token and position embeddings, the last stage final LN 2 and head 1
+    assert closed_pipeline.stage_tensors(shp, 2, 0) == 25 + 12 + 2
+    assert closed_pipeline.stage_tensors(shp, 2, 1) == 25 + 12 + 3
+    assert closed_pipeline.stage_tensors(shp, 4, 1) == 12
+
+
+@pytest.mark.parametrize("layers, stages, every", [(4, 2, 2), (4, 4, 2), (6, 3, 3), (4, 2, 1)])
+def test_pipeline_stages_are_the_moe_models(layers, stages, every):
+    cfg = ModelConfig(num_layers=layers, hidden_size=16, num_heads=2, seq_length=8,
+                      vocab_size=64, num_experts=4, moe_every=every)
+    shape, ids = shape_from(cfg), range(stages)
+    with torch.device("meta"):
+        built = [list(build_stage(cfg, 0, s, stages).parameters()) for s in ids]
+    assert [sum(t.numel() for t in ps) for ps in built] == \
+        [closed_pipeline.stage_numel(shape, stages, s) for s in ids]
+    assert [len(ps) for ps in built] == [closed_pipeline.stage_tensors(shape, stages, s)
+                                         for s in ids]
+
+
+def test_moe_layer_activations_by_hand():
+    # the estimate's defaults: b = 1, s = 4, h = 8, f = 32, E = 4, top-1, cf 1, 2-byte
+    # activations, tp = 1: T = 4 tokens, C = ceil(4 / 4) = 1, E C = 4 rows
+    act = estimate(small(), dp=2, ep=2)["memory"]["activations"]
+    s, b, h, a, f, E, e = 4, 1, 8, 2, 32, 4, 2  # noqa: N806
+    # Korthikanti Eq. 1 (f = 4h here): sbh (34 + 5as/h) = 32 x 39
+    dense = s * b * h * (34 + 5 * a * s // h)
+    assert dense == 1248 and act["per_layer_korthikanti"] == dense
+    rows = 4
+    router = 2 * 4 * 4 * E  # logits and probabilities, 4 tokens x E, fp32: 128
+    dispatch = combine = rows * h * e  # 64 each
+    experts = 2 * rows * f * e  # fc1 output and GeLU output on the 4 rows: 512
+    replaced = 2 * s * b * f * e  # the dense MLP's: 512
+    moe = dense - replaced + router + dispatch + experts + combine
+    assert moe == 1504
+    terms = act["moe_layer_terms_korthikanti"]
+    assert terms == {"dense_layer": dense, "dense_mlp_replaced": -replaced, "router": router,
+                     "dispatch": dispatch, "expert_mlp": experts, "combine": combine,
+                     "total": moe}
+    assert act["per_moe_layer_korthikanti"] == moe
+    # layer 0 MoE, layer 1 dense; one micro-batch, no pipeline: both layers once
+    assert (act["first_stage_moe_layers"], act["first_stage_dense_layers"]) == (1, 1)
+    assert act["first_stage_korthikanti"] == moe + dense
+    # every layer MoE: twice the MoE layer
+    every = estimate(small(moe_every=1), dp=2, ep=2)["memory"]["activations"]
+    assert every["first_stage_korthikanti"] == 2 * moe
+    # the reference model's count changes by the same terms
+    ref = act["per_layer_reference_model"]
+    assert act["per_moe_layer_reference_model"] == ref + moe - dense
+    # full recomputation keeps only the layer input, MoE or not: 2 sbh = 64
+    by = act["per_layer_by_recompute"]
+    assert by["full"]["korthikanti_moe"] == by["full"]["korthikanti"] == 2 * s * b * h
+    # selective recomputation drops the score matrices, keeps the routed path
+    assert by["selective"]["korthikanti_moe"] == by["selective"]["korthikanti"] + moe - dense
+
+
+def test_moe_layer_activations_capacity_pipeline_and_split():
+    # top-2, no capacity limit: k T = 8 of the 4 tokens' copies; tp = etp = 2 with
+    # sequence parallelism: T = b s / tp = 2 * 4 / 2 = 4 tokens, 8 rows; the experts' f over 2
+    shp = small(num_layers=4, moe_top_k=2, moe_capacity_factor=0)
+    out = estimate(shp, micro_batch=2, tp=2, sp=True, pp=2, dp=2, ep=2,
+                   num_microbatches=3, bytes_per_element=4)
+    terms = out["memory"]["activations"]["moe_layer_terms_korthikanti"]
+    h, f, E, e = 8, 32, 4, 4  # noqa: N806
+    assert terms["router"] == 2 * 4 * 4 * E
+    assert terms["dispatch"] == terms["combine"] == 8 * h * e
+    assert terms["expert_mlp"] == 2 * 8 * f * e / 2
+    assert terms["dense_mlp_replaced"] == -2 * 4 * 2 * f * e / 2  # s b f e / t, twice
+    # capacity 1.5: C = ceil(1.5 * 2 * 4 / 4) = 3, E C = 12 padded rows
+    cap = estimate(replace_cf(shp, 1.5), micro_batch=2, tp=2, sp=True, pp=2, dp=2, ep=2,
+                   num_microbatches=3, bytes_per_element=4)
+    assert cap["memory"]["activations"]["moe_layer_terms_korthikanti"]["dispatch"] == \
+        12 * h * e
+    # pp = 2: the first rank holds layers 0 (MoE) and 1 (dense), 1F1B keeps min(pp, m) = 2
+    # micro-batches in flight
+    act = out["memory"]["activations"]
+    assert (act["first_stage_moe_layers"], act["first_stage_dense_layers"]) == (1, 1)
+    assert act["first_stage_korthikanti"] == 2 * (act["per_layer_korthikanti"]
+                                                  + act["per_moe_layer_korthikanti"])
+    # a direct call: the function only adds the routed terms to the dense layer's count
+    got = moe_layer_activation_bytes(100.0, s=4, b=1, h=8, f=32, tp=1, tokens=4, rows=4,
+                                     num_experts=4, etp=1, bytes_per_element=2)
+    assert got["total"] == 100 - 512 + 128 + 64 + 512 + 64
+
+
+def replace_cf(shape: Shape, cf: float) -> Shape:
+    return Shape(**(SMALL | {"num_layers": shape.num_layers, "moe_top_k": shape.moe_top_k,
+                             "moe_capacity_factor": cf}))
 
 
 def test_dense_model_estimate_is_unchanged():

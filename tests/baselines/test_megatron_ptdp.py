@@ -1,0 +1,57 @@
+"""Megatron-Core's own PTD-P (``baseline.megatron.ptdp``: initialize_model_parallel, its
+tensor-parallel layers, its 1F1B schedule and p2p, its DistributedDataParallel) on the hybrid
+suite's PTD-P degrees (tp = dp = pp = 2, 8 fresh ranks): it equals the golden run, and on every
+rank and step its ledger holds exactly the transfers of ``hybrid``'s closed form. Skipped,
+saying why, where megatron-core is not importable."""
+from __future__ import annotations
+
+import pytest
+
+from parbench.config import CaseConfig, ConfigError
+from parbench.overrides import apply_overrides
+from parbench.scheme import get_scheme
+from tests.helpers import run_on_pool
+
+NAME = "baseline.megatron.ptdp"
+#: the hybrid suite's first case on the 2-layer model (one layer per stage), two steps
+BASE = {"tp": 2, "dp": 2, "pp": 2, "schedule": "1f1b", "model": "tiny", "vocab_size": 61,
+        "num_microbatches": 2, "micro_batch_size": 2, "steps": 2, "timed_steps": 0,
+        "param_atol": 1e-4}
+
+
+def case_for(**ov) -> CaseConfig:
+    case = apply_overrides(CaseConfig(), {**BASE, "scheme": NAME, **ov})
+    get_scheme(NAME).check(case)
+    return case
+
+
+@pytest.fixture
+def megatron():
+    cls = get_scheme(NAME)
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    return cls
+
+
+def test_megatron_core_ptdp_equals_golden_with_hybrids_traffic(pools, megatron):
+    assert megatron.isolated  # global parallel_state: fresh ranks
+    case = case_for()
+    theirs, per_rank = run_on_pool(pools, case)
+    assert theirs.equivalent, theirs
+    assert not theirs.uncovered  # every parameter reported by some rank
+    pred = megatron.predict(case)
+    for step in range(case.run.steps):
+        for r in per_rank:
+            assert r.wire_by_axis_per_step[step] == \
+                pytest.approx(pred.wire_at(step)[r.rank], abs=0.5), (step, r.rank)
+            assert r.calls_by_axis_per_step[step] == pred.calls_at(step)[r.rank], (step, r.rank)
+    # the transfers are Megatron's: p2p over pp, tp all-reduces, one dp gradient all-reduce
+    assert {x["axis"] for x in per_rank[0].ledger} == {"pp", "tp", "dp_cp"}
+
+
+def test_megatron_core_ptdp_rejects_what_it_does_not_run(megatron):
+    for ov, rule in [({"schedule": "gpipe"}, "non-interleaved"),
+                     ({"tie_embeddings": True}, "tie_embeddings"),
+                     ({"cp": 2, "dp": 1}, "cp=2 is not used")]:
+        with pytest.raises(ConfigError, match=rule):
+            case_for(**ov)
