@@ -21,7 +21,11 @@ which a once-per-step optimizer does not follow. After the schedule, once per st
    by dp cp: an expert's holder already has the contributions of every token its ep group
    dispatched to it, the edp replicas cover the rest, and each token's loss term carries
    its rank's 1/(tokens) of a loss that must be averaged over the dp cp token sets;
-4. one AdamW step over the rank's tensors.
+4. one AdamW step over the rank's tensors -- or, with ``zero_stage`` 1-3, the reductions of
+   2 and 3 are reduce-scatters of one padded flat buffer per group and AdamW steps the
+   rank's shard, all-gathered back (``optimizer.GradientGroup``: Megatron's distributed
+   optimizer, ZeRO-2, FSDP as torchtitan runs it under a pipeline). With ``dtype=bf16`` the
+   parameters, activations and gradients are bf16 and AdamW steps fp32 masters.
 
 MoE routing groups: a rank routes one group per micro-batch (its b samples x its tp block of
 its cp positions), so the auxiliary terms are scaled by 1/(m t) (summed over tp, averaged
