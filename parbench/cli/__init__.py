@@ -11,7 +11,7 @@ import os
 import sys
 
 from ..config import ConfigError
-from . import analytic, inspect, run, schedule
+from . import analytic, compare, inspect, run, schedule, verify
 
 USAGE = """usage: parbench VERB [key=value ...] [--json]
 
@@ -19,6 +19,11 @@ verbs:
   run suite=NAME [key=value ...]   run a suite on local ranks (or as a torchrun rank)
                                    options: out=DIR resume=true world_size=N
                                    deepspeed_config=FILE.json
+  verify scheme=pkg.module:Class [suite=NAME] [key=value ...] [strict_bytes=true]
+                                   your own scheme against the golden run, its family's
+                                   native scheme and the closed-form bytes (exit 0/3/2)
+  compare OLD NEW                  two results directories (or results.jsonl) matched by
+                                   case; exit non-zero on a regression (the CI gate)
   list                             suites, schemes, schedules and model presets
   report DIR [--wide]              re-render tables and figures from a results directory
   schedule NAME p=4 m=8 [v=2] [tf=1 tb=1 tw=1 p2p=0]
@@ -35,7 +40,8 @@ verbs:
 flags: --json (machine-readable output), --wide (every column of the result tables)
 """
 
-VERBS = {"run": run.cmd_run, "list": inspect.cmd_list, "report": inspect.cmd_report,
+VERBS = {"run": run.cmd_run, "verify": verify.cmd_verify, "compare": compare.cmd_compare,
+         "list": inspect.cmd_list, "report": inspect.cmd_report,
          "mesh": inspect.cmd_mesh, "golden": inspect.cmd_golden,
          "schedule": schedule.cmd_schedule, "estimate": analytic.cmd_estimate,
          "traffic": analytic.cmd_traffic, "selftest": run.cmd_selftest}
