@@ -149,7 +149,29 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
         d = abs(float(loss) - ref_loss)
         out.loss, out.golden_loss, out.loss_abs = float(loss), golden.losses[step], d
         out.loss_ok = d <= run.atol + run.rtol * abs(ref_loss)
+    out.failure = _first_failure(out, g, p, run, ref_loss)
     return out
+
+
+def _first_failure(out: StepCheck, g: dict, p: dict, run, ref_loss: float) -> dict | None:
+    """What failed first, in the order a reader debugs: loss, gradients, parameters, the
+    update, tensors the golden run lacks."""
+    if out.loss_ok is False:
+        return {"what": "loss", "tensor": "loss", "max_abs": out.loss_abs,
+                "tolerance": run.atol + run.rtol * abs(ref_loss)}
+    if not out.grad_ok and g["worst"]:
+        return {"what": "gradient", **g["worst"]}
+    if not out.param_ok and p["worst"]:
+        return {"what": "parameter", **p["worst"]}
+    if out.update_ok is False:
+        return {"what": "update", "tensor": "(optimizer step)",
+                "max_abs": out.update_excess, "tolerance": 1.0,
+                "detail": "the step differs from the run's optimizer applied to the reported "
+                          "gradients (max_abs in units of the update tolerance)"}
+    if out.missing:
+        return {"what": "missing", "tensor": out.missing[0],
+                "detail": "reported by the scheme, absent from the golden run"}
+    return None
 
 
 def check_initial(params: dict[str, torch.Tensor], stepwise: StepwiseGolden) -> float:
@@ -205,4 +227,9 @@ class RankChecker:
         if step == 0 and self.init_max_abs is not None:
             out.init_max_abs = self.init_max_abs
             out.init_ok = self.init_max_abs == 0.0
+            if not out.init_ok and out.failure is None:
+                out.failure = {"what": "init", "tensor": "(initial parameters)",
+                               "max_abs": self.init_max_abs, "tolerance": 0.0,
+                               "detail": "the parameters before step 0 differ from the "
+                                         "golden initialisation"}
         return out

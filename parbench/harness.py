@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .comm import Ledger
 from .config import CaseConfig
 from .golden import global_batch
-from .memory import PeakMemory, live_model_states
+from .memory import PeakMemory, model_states
 from .mesh import Mesh, MeshLayout
 from .model import compute_dtype
 from .results import RankResult
@@ -76,7 +76,7 @@ def run_case(wctx, case_dict: dict) -> RankResult:
         timeline.clear()
         dist.barrier()
         if step == memory_step:
-            base = sum(live_model_states(scheme, dtype).values())
+            base = sum(model_states(scheme, dtype).values())
             with PeakMemory(wctx.device.split(":")[0], base) as pm, ledger:
                 loss = scheme.train_step(x, y, step)
             peak = pm.peak
@@ -96,7 +96,7 @@ def run_case(wctx, case_dict: dict) -> RankResult:
             trace_events = timeline.as_dicts()
         if step < run.steps:
             progress(f"checking step {step}")
-            states.append(live_model_states(scheme, dtype))
+            states.append(model_states(scheme, dtype))
             losses.append(loss)
             checks.append(checker.check(step, loss, x, y))
     return RankResult(rank=rank, losses=losses, checks=checks, step_times=step_times,

@@ -226,6 +226,33 @@ def live_model_states(root, compute_dtype: torch.dtype = torch.float32) -> dict[
     return out
 
 
+def declared_model_states(declared: dict) -> dict[str, int]:
+    """Bytes of the tensors a scheme lists itself (``Scheme.state_tensors``: category ->
+    tensors), each storage counted once, in the first category of ``CATEGORIES`` that lists
+    it; unknown categories are an error."""
+    bad = sorted(set(declared) - set(CATEGORIES))
+    if bad:
+        raise ValueError(f"state_tensors() categories {bad} are not among {CATEGORIES}")
+    out = {c: 0 for c in CATEGORIES}
+    seen: set = set()
+    for category in CATEGORIES:
+        for t in declared.get(category, ()):
+            key, nbytes = _storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                out[category] += nbytes
+    return out
+
+
+def model_states(scheme, compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """The scheme's model states: what it declares (``state_tensors``), else what the
+    tracker finds reachable from it (:func:`live_model_states`)."""
+    declared = scheme.state_tensors()
+    if declared is not None:
+        return declared_model_states(declared)
+    return live_model_states(scheme, compute_dtype)
+
+
 class SavedActivations:
     """Bytes autograd saves for backward while the block runs, each storage counted once,
     weights (``exclude``: their storages) not counted -- the activation memory of a layer as

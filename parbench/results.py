@@ -36,6 +36,9 @@ class StepCheck:
     #: step 0 only: the scheme's initial parameters equal the golden initialisation
     init_ok: bool | None = None
     init_max_abs: float | None = None
+    #: the first failing check of this step on this rank: what (loss, gradient, parameter,
+    #: update, init, missing), tensor, max_abs, tolerance; None when every check passed
+    failure: dict | None = None
 
 
 @dataclass
@@ -98,11 +101,16 @@ class Row:
     max_param_abs: float | None = None
     tolerance: dict = field(default_factory=dict)
     uncovered: list[str] = field(default_factory=list)
+    #: the earliest failing check: step, rank, what, tensor, max_abs, tolerance
+    first_failure: dict | None = None
     losses: list = field(default_factory=list)
     golden_losses: list = field(default_factory=list)
     #: "live" (trained for this run) or "stored:<file>" (a committed golden file)
     golden_source: str = "live"
     step_time_s: float | None = None
+    #: per rank, the seconds of each timed step (warm-up discarded); ``parbench compare``
+    #: takes its noise threshold from their spread (absent from files written before it)
+    step_times_s: list = field(default_factory=list)
     tokens_per_s: float | None = None
     peak_bytes: list = field(default_factory=list)
     peak_bytes_predicted: float | None = None

@@ -12,6 +12,7 @@ Optional behaviour is a method of the base class with a neutral default (``check
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -186,6 +187,13 @@ class Scheme(ABC):
         from .golden import reference_run
         return reference_run(case, steps)
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]] | None:
+        """The tensors this rank keeps between steps, by category (``params``, ``grads``,
+        ``optimizer``, ``other``), each storage counted once. None (the default): the memory
+        tracker finds them itself, walking everything reachable from the scheme object
+        (``parbench.memory.live_model_states``)."""
+        return None
+
     def metrics(self) -> dict:
         """Scheme-specific measurements for the results row (e.g. bubble figures)."""
         return {}
@@ -222,15 +230,104 @@ def register(cls: type[Scheme]) -> type[Scheme]:
     return cls
 
 
+#: entry points of the group ``parbench.schemes`` that failed to load: name -> why
+_BROKEN_ENTRY_POINTS: dict[str, str] = {}
+ENTRY_POINT_GROUP = "parbench.schemes"
+
+
 def _load_all() -> None:
-    """Import every module under ``impls/`` (each registers its schemes on import)."""
+    """Import every module under ``impls/`` (each registers its schemes on import), then the
+    schemes installed packages declare in the entry-point group ``parbench.schemes``
+    (``name = "pkg.module:Class"``; registered under the entry point's name)."""
     global _LOADED
     if _LOADED:
         return
+    _LOADED = True
     import impls
     for mod in pkgutil.walk_packages(impls.__path__, prefix="impls."):
         importlib.import_module(mod.name)
-    _LOADED = True
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+            _check_scheme_class(cls, f"entry point {ep.name} = {ep.value}")
+        except Exception as e:  # noqa: BLE001 -- reported when the scheme is asked for
+            _BROKEN_ENTRY_POINTS[ep.name] = f"{type(e).__name__}: {e}"
+            continue
+        _REGISTRY.setdefault(ep.name, cls)
+
+
+def _check_scheme_class(cls, where: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Scheme)):
+        raise ConfigError(f"{where} is {cls!r}, not a subclass of parbench.Scheme")
+    if getattr(cls, "__abstractmethods__", None):
+        raise ConfigError(f"{where} does not implement "
+                          f"{', '.join(sorted(cls.__abstractmethods__))}")
+    if not cls.family:
+        raise ConfigError(f"{where} declares no family (set family = 'data', 'pipeline', "
+                          "'tensor', 'context', 'expert' or 'hybrid')")
+
+
+def is_external(name: str) -> bool:
+    """``pkg.module:Class`` or ``path/to/file.py:Class``: a scheme loaded by its path."""
+    return ":" in name
+
+
+def _import_module(target: str, spec: str):
+    """The module of ``target`` (a dotted name, or a .py file path)."""
+    import sys
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ConfigError(f"scheme={spec!r}: no file {target}")
+        name = f"parbench_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    # like ``python -m``: a module in the working directory is importable
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    return importlib.import_module(target)
+
+
+def load_external(spec: str) -> type[Scheme]:
+    """A user's scheme class named ``pkg.module:Class`` or ``path/to/file.py:Class``,
+    imported and registered under ``spec`` (every rank process resolves the same string).
+    Bad input is one ConfigError naming what failed."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ConfigError(f"scheme={spec!r} must be pkg.module:Class or path/to/file.py:Class")
+    try:
+        module = _import_module(target, spec)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as e:
+        if e.name and (target == e.name or target.startswith(e.name + ".")):
+            raise ConfigError(f"scheme={spec!r}: no module named {e.name!r} (is it on "
+                              "PYTHONPATH or installed?)") from None
+        raise ConfigError(f"scheme={spec!r}: importing {target!r} raised "
+                          f"ModuleNotFoundError: {e}") from None
+    except BaseException as e:  # noqa: BLE001 -- a user's module may raise anything
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ConfigError(f"scheme={spec!r}: importing {target!r} raised "
+                          f"{type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"scheme={spec!r}: {target!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    _check_scheme_class(obj, f"scheme={spec!r}")
+    _REGISTRY[spec] = obj
+    return obj
 
 
 def get_scheme(name: str) -> type[Scheme]:
@@ -238,9 +335,14 @@ def get_scheme(name: str) -> type[Scheme]:
     if name.startswith("mutant.") and name not in _REGISTRY:
         from .selftest.catalogue import load
         load()
+    if name not in _REGISTRY and is_external(name):
+        return load_external(name)
+    if name in _BROKEN_ENTRY_POINTS and name not in _REGISTRY:
+        raise ConfigError(f"scheme={name!r}: its entry point ({ENTRY_POINT_GROUP}) failed to "
+                          f"load: {_BROKEN_ENTRY_POINTS[name]}")
     if name not in _REGISTRY:
         raise ConfigError(f"scheme={name!r} is not registered (choose from "
-                          f"{', '.join(sorted(_REGISTRY))})")
+                          f"{', '.join(sorted(_REGISTRY))}, or give pkg.module:Class)")
     return _REGISTRY[name]
 
 

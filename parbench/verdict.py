@@ -19,8 +19,10 @@ from .results import RankResult
 
 def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float,
             atol: float) -> dict:
-    """Max |difference| and pass/fail over the names in ``ours``."""
+    """Max |difference| and pass/fail over the names in ``ours``; ``worst``: the failing
+    tensor furthest outside its tolerance (name, max_abs, tolerance), or None."""
     max_abs, ok, missing = 0.0, True, []
+    worst, worst_ratio = None, 0.0
     for name, t in ours.items():
         if name not in ref:
             missing.append(name)
@@ -34,9 +36,14 @@ def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: f
             continue
         d = float((a - b).abs().max())
         max_abs = max(max_abs, d)
-        if not d <= atol + rtol * float(b.abs().max()):
+        tol = atol + rtol * float(b.abs().max())
+        if not d <= tol:
             ok = False
-    return {"max_abs": max_abs, "ok": ok, "missing": missing, "names": sorted(ours)}
+            ratio = d / tol if tol > 0 else float("inf")
+            if worst is None or ratio > worst_ratio:
+                worst, worst_ratio = {"tensor": name, "max_abs": d, "tolerance": tol}, ratio
+    return {"max_abs": max_abs, "ok": ok, "missing": missing, "names": sorted(ours),
+            "worst": worst}
 
 
 @dataclass
@@ -56,6 +63,8 @@ class Merged:
     uncovered: list[str]
     losses: list
     step_time_s: float | None
+    #: the earliest failing check (step, rank, what, tensor, max_abs, tolerance), or None
+    first_failure: dict | None
     peak_bytes: list
     model_state_bytes: list
     #: per rank, wire bytes per axis of the last checked step
@@ -81,10 +90,13 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
     ok = update_ok = True
     covered: set[str] = set()
     losses = []
+    first = None
     for s in range(steps):
         step_loss = None
         for r in per_rank:
             c = r.checks[s]
+            if first is None and c.failure is not None:
+                first = {"step": s, "rank": r.rank, **c.failure}
             grad_abs = max(grad_abs, c.grad_max_abs)
             param_abs = max(param_abs, c.param_max_abs)
             ok = ok and c.grad_ok and c.param_ok and not c.missing and c.init_ok is not False
@@ -101,6 +113,8 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
     uncovered = sorted(set(golden_names or []) - covered)
     if uncovered:
         ok = False
+        first = first or {"what": "uncovered", "tensor": uncovered[0],
+                          "detail": f"{len(uncovered)} golden parameter(s) reported by no rank"}
     times = [statistics.median(r.step_times) for r in per_rank if r.step_times]
     return Merged(
         equivalent=ok and update_ok, golden_ok=ok, update_ok=update_ok,
@@ -108,6 +122,7 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
         max_update_excess=update if any(c.update_ok is not None for r in per_rank
                                         for c in r.checks) else None,
         uncovered=uncovered, losses=losses, step_time_s=max(times) if times else None,
+        first_failure=first,
         peak_bytes=[r.peak_bytes for r in per_rank],
         model_state_bytes=[r.model_state_bytes for r in per_rank],
         wire_by_axis=[r.wire_by_axis_per_step[steps - 1] for r in per_rank],
