@@ -22,8 +22,9 @@ verbs:
   verify scheme=pkg.module:Class [suite=NAME] [key=value ...] [strict_bytes=true]
                                    your own scheme against the golden run, its family's
                                    native scheme and the closed-form bytes (exit 0/3/2)
-  compare OLD NEW                  two results directories (or results.jsonl) matched by
-                                   case; exit non-zero on a regression (the CI gate)
+  compare OLD NEW [bytes_tol=0] [time_tol=auto|0.2] [ignore_time=true] [match=id|config]
+          [gate_baselines=true]    two results directories (or results.jsonl) matched by
+                                   case; exit 1 on a regression (the CI gate)
   list                             suites, schemes, schedules and model presets
   report DIR [--wide]              re-render tables and figures from a results directory
   schedule NAME p=4 m=8 [v=2] [tf=1 tb=1 tw=1 p2p=0]
