@@ -34,7 +34,7 @@ USER_DDP = textwrap.dedent('''
             for xm, ym in mbs:
                 loss = self.model(xm, ym) / len(mbs)
                 loss.backward()
-                total += float(loss)
+                total += loss.item()
             for p in self.model.parameters():
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad /= self.dp  # BUG-SITE
