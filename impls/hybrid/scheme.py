@@ -163,7 +163,8 @@ class HybridScheme(Scheme):
             stage = self.stage_class(
                 cfg, ctx.run.seed, tp_group=mesh.group("tp"), tp=self.tp,
                 tp_rank=mesh.index("tp"), sp=par.sp, recompute=par.recompute,
-                stage=(lo, hi, key[1] == 0, key[1] == S - 1), positions=torch.tensor(self.pos), core=core,
+                stage=(lo, hi, key[1] == 0, key[1] == S - 1),
+                positions=torch.tensor(self.pos), core=core,
                 ep_group=mesh.group("ep") if par.ep > 1 else None, ep=par.ep,
                 ep_rank=mesh.index("ep") if par.ep > 1 else 0,
                 aux_scale=1.0 / (self.m * self.tp)).to(ctx.device)
@@ -290,7 +291,8 @@ class HybridScheme(Scheme):
     def hybrid_config(cls, case: CaseConfig) -> closed.HybridConfig:
         p = case.parallel
         return closed.HybridConfig(
-            tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
+            tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
+            vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
             placement=str(get_spec(p.schedule).placement), cp_kind=p.cp_kind,
             micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
             recompute=p.recompute, zero_stage=p.zero_stage,

@@ -139,3 +139,56 @@ def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: in
     in_flight = pp if microbatches is None else min(pp, microbatches)
     factor = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1
     return per_layer_bytes * layers_here * in_flight * factor
+
+
+def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f: int,
+                               tp: int, tokens: int, rows: int, num_experts: int,
+                               etp: int = 1, recompute: str = "none",
+                               bytes_per_element: int = 2) -> dict[str, float]:
+    """Activation bytes one MoE layer keeps for backward on one rank, by term, given the same
+    layer's count as a dense layer, ``dense_layer`` (``activations.layer_activation_bytes``
+    or ``reference_layer_activation_bytes`` at the same s = s/cp, b, t, sp and recompute).
+
+    Derivation, per rank and micro-batch, e = ``bytes_per_element``, T = ``tokens`` the rank
+    routes (its b s/cp, / t under sequence parallelism), E experts, k = moe_top_k,
+    C = ``shape.expert_capacity(T, E, k, cf)``:
+
+    - **Dense terms stay** (Korthikanti et al. 2022, Sec. 4.1, Table 2): the LayerNorm
+      inputs, the attention block, the LN2 output (the dense fc1 input; here the router's and
+      the dispatch's input, the same tensor) and the MLP's dropout mask. The dense MLP's
+      fc1 output and GeLU output (Korthikanti's "8 + 8" for f = 4h), 2 s b f e / t bytes, are
+      what the routed path replaces (``dense_mlp_replaced``, negative).
+    - **Router**: logits and probabilities, T x E each, fp32 (the router runs in fp32; the
+      softmax keeps its output, the z-loss's logsumexp its input, ``parbench.moe.route``):
+      2 x 4 T E bytes.
+    - **Dispatch buffer** (GShard, Lepikhin et al. 2020, Sec. 2.2 and Algorithm 2; Switch,
+      Fedus et al. 2021, Sec. 2.2: a fixed ``[E, C, h]`` buffer, a dropped token's slot left
+      as padding): every rank of the ep group sends each expert C slots, so after the
+      all-to-all a rank holds, for each of its E/ep experts, C rows from each of the ep
+      source ranks -- ep C rows per local expert, (E/ep) ep C = E C rows in all, padding
+      included. Without a capacity limit a rank sends its k T routed copies, and under
+      balanced routing receives as many (the exact count depends on the routing; k T is its
+      mean over the ep ranks). R = ``rows`` = E C or k T rows of h: the experts' fc1 input,
+      R h e.
+    - **Expert MLPs**: Korthikanti's fc1 output and GeLU output on the R received rows
+      instead of s b, each expert's f split over ``etp``: 2 R f e / etp.
+    - **Combine buffer**: the expert outputs the combine all-to-all brings back, R rows of h,
+      kept by the gate multiplication for the gates' gradient: R h e.
+
+    Not counted: the gates and expert indices (T k values each), the all-to-all send buffers
+    (an all-to-all keeps nothing for backward) and any gather of the routed tokens over
+    the etp ranks (not in the communication count either). Full recomputation keeps only the
+    layer input, as for a dense layer: every routed term is 0.
+    """
+    e = bytes_per_element
+    if recompute == "full":
+        terms = dict.fromkeys(("dense_mlp_replaced", "router", "dispatch", "expert_mlp",
+                               "combine"), 0)
+    else:
+        terms = {"dense_mlp_replaced": -2 * s * b * f * e / tp,
+                 "router": 2 * 4 * tokens * num_experts,
+                 "dispatch": rows * h * e,
+                 "expert_mlp": 2 * rows * f * e / etp,
+                 "combine": rows * h * e}
+    return {"dense_layer": dense_layer, **terms,
+            "total": dense_layer + sum(terms.values())}

@@ -55,7 +55,8 @@ def parse_args(args: list[str]):
 
 
 def cmd_compare(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from ..report.compare import compare_rows, read_rows, regression_line, table
+    from ..report.compare import compare_rows, read_rows
+    from ..report.compare_table import regression_line, table
 
     old_path, new_path, opts = parse_args(args)
     old = read_rows(old_path, "OLD")

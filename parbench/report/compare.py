@@ -43,11 +43,11 @@ import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ..config import ConfigError
 from ..results import Row
 from . import cells
+from .result_files import read_rows, results_path  # noqa: F401  (re-exported)
 
 #: the auto threshold: TIME_K robust standard deviations of the ratio, at least TIME_FLOOR
 TIME_K = 3.0
@@ -132,50 +132,6 @@ class Diff:
 
 
 # ---- reading -----------------------------------------------------------------------------
-
-
-def results_path(path: str | Path, what: str = "path") -> Path:
-    """The results.jsonl of a directory, or the file itself; ConfigError when absent."""
-    p = Path(path)
-    if p.is_dir():
-        f = p / "results.jsonl"
-        if not f.is_file():
-            raise ConfigError(f"{what}={path} has no results.jsonl")
-        return f
-    if not p.exists():
-        raise ConfigError(f"{what}={path} does not exist")
-    return p
-
-
-def read_rows(path: str | Path, what: str = "path") -> list[Row]:
-    """The rows of a results directory or JSONL file. A malformed last line (a run killed
-    mid-write) is skipped, as ``load_rows`` does; a malformed line before it, an unreadable
-    file or a file without rows is a ConfigError."""
-    f = results_path(path, what)
-    try:
-        lines = f.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what}={path} cannot be read ({type(e).__name__}: "
-                          f"{getattr(e, 'strerror', None) or e})") from None
-    numbered = [(i + 1, ln.strip()) for i, ln in enumerate(lines) if ln.strip()]
-    rows: list[Row] = []
-    for k, (n, line) in enumerate(numbered):
-        try:
-            d = json.loads(line)
-            if not isinstance(d, dict) or "id" not in d:
-                raise TypeError("not a results row")
-            rows.append(Row.from_dict(d))
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            if k == len(numbered) - 1 and k > 0:
-                continue  # truncated by a killed run
-            raise ConfigError(f"{what}={path}: line {n} is not a results row "
-                              f"({type(e).__name__})") from None
-    if not rows:
-        raise ConfigError(f"{what}={path} has no rows")
-    return rows
-
-
-# ---- matching ----------------------------------------------------------------------------
 
 
 def case_key(row: Row, match: str = "id") -> str:
@@ -412,105 +368,3 @@ def compare_rows(old: list[Row], new: list[Row], opts: Options | None = None) ->
             " (match=config matches the same case run by another scheme)"
         raise ConfigError(f"OLD and NEW have no case in common (match={opts.match}){hint}")
     return [diff_rows(k, o, n, opts) for k, o, n in matched]
-
-
-def regression_line(d: Diff) -> str:
-    """One line naming a regressed row and why."""
-    ident = d.old_id if d.old_id == d.new_id or not d.new_id else f"{d.old_id} → {d.new_id}"
-    return f"{d.label} [{ident}]: {'; '.join(d.reasons)}"
-
-
-# ---- the table ---------------------------------------------------------------------------
-
-
-def _verdict_cell(d: Diff) -> str:
-    vo, vn = d.verdict
-    if vo is None:
-        return f"— → {vn}"
-    if vn is None:
-        return f"{vo} → —"
-    if vo == vn:
-        return vo
-    color = "red" if _rank(vn) < _rank(vo) else "green"
-    return f"[{color}]{vo} → {vn}[/]"
-
-
-def _delta_cell(pairs: dict[str, list], unit_bytes: bool, total: bool, tol: float,
-                gated: bool = True) -> str:
-    """'= total' when nothing changed, else one line per changed key ('dp +8 B (+0.1%)'):
-    red when it is a regression, yellow when it rose but is not gated, green when it fell."""
-    if not pairs:
-        return "—"
-    changed = [(k, o or 0, n or 0) for k, (o, n) in pairs.items()
-               if abs((n or 0) - (o or 0)) > (BYTES_SLACK if unit_bytes else 0)]
-    if not changed:
-        vals = [n or 0 for _, n in pairs.values()]
-        agg = sum(vals) if total else max(vals)
-        return "= " + (cells.fmt_bytes(agg) if unit_bytes else str(int(agg)))
-    lines = []
-    for k, o, n in changed:
-        delta = signed_bytes(n - o) if unit_bytes else f"{n - o:+d} ({o}→{n})"
-        grew = _grew(o, n, tol, BYTES_SLACK if unit_bytes else 0)
-        color = ("red" if gated else "yellow") if grew else "green" if n < o else "yellow"
-        lines.append(f"[{color}]{k} {delta}{_pct(o, n) if unit_bytes else ''}[/]")
-    return "\n".join(lines)
-
-
-def _time_cell(t: TimeDiff, gated: bool = True) -> str:
-    if t.ratio is None:
-        return t.note or "—"
-    ratio = f"{t.ratio:.2f}×"
-    if t.threshold is None:
-        return f"{ratio} ({t.note})"
-    color = ("red" if gated else "yellow") if t.ratio > 1 + t.threshold else ""
-    text = f"{ratio} (≤{1 + t.threshold:.2f}×{'' if t.source == 'auto' else ' fixed'})"
-    return f"[{color}]{text}[/]" if color else text
-
-
-def _status_cell(d: Diff) -> str:
-    if d.status == "new":
-        return "[dim]new[/]"
-    if d.status == "missing":
-        return "[red]REGRESSION: missing in NEW[/]"
-    if d.reasons:
-        return "[red]REGRESSION: " + _whats(d.reasons) + "[/]"
-    text = "[green]ok[/]"
-    if d.improvements:
-        text += " [green](better: " + _whats(d.improvements) + ")[/]"
-    if d.findings:
-        text += " [yellow](baseline finding: " + _whats(d.findings) + ")[/]"
-    return text
-
-
-def table(diffs: list[Diff], old_name: str = "OLD", new_name: str = "NEW",
-          opts: Options | None = None):
-    """The rich table: one row per case."""
-    from rich import box
-    from rich.table import Table
-
-    opts = opts or Options()
-    n_reg = sum(d.regression for d in diffs)
-    caption = ("Δ = NEW − OLD, '=' unchanged; wire, calls: per step, largest rank, per axis; "
-               "states, peak: per rank; time: NEW/OLD median step time, ≤ the ratio allowed ("
-               + (f"time_tol={opts.time_tol:g}" if opts.time_tol is not None else
-                  f"auto: 1 + max({TIME_FLOOR:g}, {TIME_K:g}·√(s_old²+s_new²)), s the robust "
-                  "relative spread of the timed steps") +
-               f"); bytes_tol={opts.bytes_tol:g}; "
-               + ("baselines gate like native schemes" if opts.gate_baselines else
-                  "a baseline's figures are findings, its verdict gates") + "; KiB = 2^10 B")
-    t = Table(title=f"compare {old_name} → {new_name} — {len(diffs)} case(s), "
-                    f"{n_reg} regression(s)",
-              caption=caption, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1),
-              collapse_padding=True)
-    for name in ("case", "verdict", "wire Δ", "calls Δ", "states Δ", "peak Δ", "time ratio",
-                 "status"):
-        t.add_column(name, overflow="fold")
-    for d in diffs:
-        t.add_row(d.label, _verdict_cell(d),
-                  _delta_cell(d.wire, True, True, opts.bytes_tol, d.gated),
-                  _delta_cell(d.calls, False, True, opts.bytes_tol, d.gated),
-                  _delta_cell(d.states, True, False, opts.bytes_tol, d.gated),
-                  _delta_cell(d.peak, True, False, opts.bytes_tol, d.gated),
-                  _time_cell(d.time, d.gated) if d.status not in ("new", "missing") else "—",
-                  _status_cell(d))
-    return t

@@ -13,7 +13,7 @@ import torch
 
 from parbench.analytic import Shape, estimate
 from parbench.analytic import pipeline as closed_pipeline
-from parbench.analytic.estimate import moe_layer_activation_bytes
+from parbench.analytic.activations import moe_layer_activation_bytes
 from parbench.analytic.flops import shape_forward_flops, shape_training_flops
 from parbench.analytic.params import (active_params, expert_layout, layer_split, param_counts,
                                       stage_layer_indices, total_params)
