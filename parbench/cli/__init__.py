@@ -11,7 +11,7 @@ import os
 import sys
 
 from ..config import ConfigError
-from . import analytic, compare, inspect, run, schedule, verify
+from . import analytic, calibrate, compare, inspect, plan, reproduce, run, schedule, verify
 
 USAGE = """usage: parbench VERB [key=value ...] [--json]
 
@@ -33,6 +33,12 @@ verbs:
                                    the analytic model for any configuration and scale
                                    (megatron_args="--num-layers 96 ..." imports Megatron's)
   traffic [preset=ubmesh-moe-2t]   the per-parallelism traffic table
+  calibrate [device=cpu|cuda] [out=FILE.json]
+                                   measure this machine: matmul, memory bandwidth, each
+                                   collective's latency and bandwidth per group size
+  plan model=PRESET world=N device=PROFILE [global_batch_size=] [seq_length=]
+                                   rank every parallel layout by predicted step time
+  reproduce NAME|all               a paper's table beside the tool's figures
   mesh tp=2 pp=2 dp=2 [cp= ep=]    the rank grid and every process group (Megatron-Core layout)
   golden record|check [dir=golden] write or verify the golden files
   selftest [profile=ci|full] [seeds=5] [only=ID,...]
@@ -45,7 +51,8 @@ VERBS = {"run": run.cmd_run, "verify": verify.cmd_verify, "compare": compare.cmd
          "list": inspect.cmd_list, "report": inspect.cmd_report,
          "mesh": inspect.cmd_mesh, "golden": inspect.cmd_golden,
          "schedule": schedule.cmd_schedule, "estimate": analytic.cmd_estimate,
-         "traffic": analytic.cmd_traffic, "selftest": run.cmd_selftest}
+         "traffic": analytic.cmd_traffic, "calibrate": calibrate.cmd_calibrate,
+         "plan": plan.cmd_plan, "reproduce": reproduce.cmd_reproduce, "selftest": run.cmd_selftest}
 FLAGS = ("--json", "--wide")
 
 
