@@ -50,7 +50,17 @@ OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "model.moe_every",
 
 @dataclass
 class ModelConfig:
-    """Shape of the reference GPT decoder (pre-LN, learned positions, 4h MLP by default)."""
+    """Shape of the reference GPT decoder (pre-LN, learned positions, 4h MLP by default).
+
+    ``seq_length`` is the whole sequence of one sample; context parallelism splits it over
+    the cp ranks (seq_length / cp tokens each).
+
+    The architecture fields ``num_kv_heads``, ``mlp``, ``norm``, ``bias`` and
+    ``make_vocab_size_divisible_by`` describe LLaMA-style models for the analytic estimate
+    (``parbench estimate``, ``parbench.analytic``) only: the reference model that the schemes
+    run (``parbench/model.py``) is GPT-2 style, so ``validate_case`` rejects a runnable case
+    that sets any of them to a non-default value.
+    """
 
     name: str = "custom"
     vocab_size: int = _rule(128, "pos")
@@ -70,6 +80,17 @@ class ModelConfig:
     moe_aux_loss_coef: float = _rule(0.01, "nonneg", "load-balancing loss (Switch Eq. 4)")
     moe_z_loss_coef: float = _rule(0.0, "nonneg", "router z-loss (ST-MoE Eq. 5)")
     init_std: float = _rule(0.02, "gt0")
+    #: analytic only (see the class doc): grouped-query attention's K/V heads, 0 = num_heads
+    num_kv_heads: int = _rule(0, "nonneg", "0 = num_heads (analytic only)")
+    #: analytic only: gelu (two matrices) | swiglu (three: gate, up, down)
+    mlp: str = "gelu"
+    #: analytic only: layernorm (weight and bias) | rmsnorm (weight)
+    norm: str = "layernorm"
+    #: analytic only: biases on the linear layers
+    bias: bool = True
+    #: analytic only: pad the vocabulary to a multiple of this x tp (Megatron-LM's
+    #: --make-vocab-size-divisible-by); 1 = a multiple of tp, what the reference model does
+    make_vocab_size_divisible_by: int = _rule(1, "pos", "x tp (analytic only)")
 
     @property
     def ffn(self) -> int:
@@ -220,16 +241,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (a multiple of 128 * tp) so vocab-parallel layers split evenly
     "gpt3-175b": dict(vocab_size=51200, hidden_size=12288, num_layers=96, num_heads=96,
                       seq_length=2048, tie_embeddings=True),
-    # Touvron et al. 2023 (LLaMA-2); SwiGLU is approximated by a 2-matrix MLP with the same
-    # parameter count (3 * h * f_swiglu = 2 * h * f  =>  f = 1.5 * f_swiglu).
+    # Touvron et al. 2023, "Llama 2" (arXiv 2307.09288), Sec. 2.2 and Table 1, and Meta's
+    # released config.json (params.json): RMSNorm, SwiGLU with ffn 11008 / 28672, RoPE (no
+    # learned positions), no biases, untied head, vocabulary 32000, context 4096; grouped-query
+    # attention with 8 KV heads for 70B (Table 1: GQA for 34B and 70B). Parameters:
+    # 6,738,415,616 and 68,976,648,192 (analytic.params) -- Meta's "7B" and "70B". Analytic
+    # only (the reference model is GPT-2 style); the vocabulary is padded to a multiple of
+    # 128 x tp as Megatron-LM pads it (32000 at tp = 1, 32768 at tp = 8).
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                      ffn_hidden_size=16512, seq_length=4096, position_embeddings=False),
+                      ffn_hidden_size=11008, seq_length=4096, position_embeddings=False,
+                      mlp="swiglu", norm="rmsnorm", bias=False,
+                      make_vocab_size_divisible_by=128),
     "llama2-70b": dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                       ffn_hidden_size=43008, seq_length=4096, position_embeddings=False),
+                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096,
+                       position_embeddings=False, mlp="swiglu", norm="rmsnorm", bias=False,
+                       make_vocab_size_divisible_by=128),
     # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
-    # hidden 12288, 16 experts (sourced); seq 8192 per rank and top-1 are inferred from Table 1.
+    # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
+    # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole
+    # sequence, split over cp: 8192 x cp 16 = 131072, so that `parbench estimate
+    # model=ubmesh-moe-2t tp=16 cp=16 ep=8 pp=3 dp=4 ...` gives each rank its 8192 tokens.
     "ubmesh-moe-2t": dict(vocab_size=100000, hidden_size=12288, num_layers=96, num_heads=96,
-                          seq_length=8192, num_experts=16, moe_top_k=1,
+                          seq_length=8192 * 16, num_experts=16, moe_top_k=1,
                           position_embeddings=False),
 }
 
@@ -266,6 +299,29 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"num_heads={m.num_heads} does not divide hidden_size={m.hidden_size}")
     if m.num_experts and m.moe_top_k > m.num_experts:
         raise ConfigError(f"moe_top_k={m.moe_top_k} exceeds num_experts={m.num_experts}")
+    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"num_kv_heads={m.num_kv_heads} does not divide "
+                          f"num_heads={m.num_heads}")
+    if m.mlp not in ("gelu", "swiglu"):
+        raise ConfigError(f"mlp={m.mlp!r} must be gelu or swiglu")
+    if m.norm not in ("layernorm", "rmsnorm"):
+        raise ConfigError(f"norm={m.norm!r} must be layernorm or rmsnorm")
+
+
+#: ModelConfig fields the analytic estimate reads but the reference model does not: a
+#: runnable case must leave them at these values (the reference model's)
+ANALYTIC_ONLY_FIELDS = {"num_kv_heads": 0, "mlp": "gelu", "norm": "layernorm", "bias": True,
+                        "make_vocab_size_divisible_by": 1}
+
+
+def validate_runnable_model(m: ModelConfig) -> None:
+    """Reject the analytic-only architecture fields at non-default values: the reference
+    model (``parbench/model.py``) is GPT-2 style and would silently ignore them."""
+    for name, default in ANALYTIC_ONLY_FIELDS.items():
+        v = getattr(m, name)
+        if v != default:
+            raise ConfigError(f"{name}={v} is analytic only: the reference model is "
+                              f"GPT-2-style (use {name}={default}, or parbench estimate)")
 
 
 def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
@@ -311,6 +367,7 @@ def validate_run(r: RunConfig) -> None:
 def validate_case(c: CaseConfig, world_size: int | None = None) -> None:
     """Check a case before anything is spawned; ``world_size`` is checked if given."""
     validate_model(c.model)
+    validate_runnable_model(c.model)
     validate_parallel(c.parallel, c.model)
     validate_run(c.run)
     if world_size is not None and world_size != c.parallel.world_size:

@@ -50,10 +50,15 @@ def routing_groups(case: CaseConfig):
 def golden_key(case: CaseConfig, steps: int) -> str:
     """What a single-device reference run depends on: the model, the global batch, the seed,
     the optimizer and the number of steps (and, for an MoE model, the routing groups)."""
+    from .config import ANALYTIC_ONLY_FIELDS
     d = case.to_dict()
     keep_run = {k: d["run"][k] for k in ("seed", "optimizer", "lr", "weight_decay", "beta1",
                                          "beta2", "eps")}
-    parts = [d["model"], case.parallel.global_batch_size, keep_run, steps]
+    # the estimate-only fields (a runnable case has them at their defaults) do not change the
+    # reference model, so they stay out of the key
+    model = {k: v for k, v in d["model"].items()
+             if not (k in ANALYTIC_ONLY_FIELDS and v == ANALYTIC_ONLY_FIELDS[k])}
+    parts = [model, case.parallel.global_batch_size, keep_run, steps]
     routing = routing_groups(case)
     if routing is not None:
         parts.append(routing.key())

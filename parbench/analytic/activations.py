@@ -21,6 +21,23 @@ per mask element, any f (the 8 + 8 of the MLP are 2f/h each of fc1 output and Ge
 in e bytes) and with or without dropout; with the paper's defaults it gives the formulas
 above exactly. :func:`reference_layer_activation_bytes` applies it to parbench's reference
 model -- see its docstring for the assumptions.
+
+Attention implementation (``attention=``): ``"eager"`` (the paper's count) keeps the s x s
+score matrices -- the 5as^2b term: softmax output 2, dropout mask 1, dropout output 2 bytes
+per score. ``"flash"`` (FlashAttention, Dao et al. 2022, Sec. 3.1: the scores are recomputed
+in backward from Q, K, V, the output and the per-row softmax statistics) keeps no s x s
+tensor: the 5as^2b term is gone, and the kernel's output (sbh elements) and its
+log-sum-exp (a s b fp32 values) are kept instead.
+
+Grouped-query attention and SwiGLU (analytic-only shapes): K and V are s b h_kv each
+(h_kv = num_kv_heads x head size) instead of s b h, so Korthikanti's "Q and K 4, V 2" becomes
+2sbh + 4 s b h_kv; a SwiGLU MLP keeps its 2f-wide gate-and-up output (the SwiGLU input,
+Megatron-Core's fused ``bias_swiglu`` saves it and recomputes the SiLU in backward) and the
+f-wide product (the down projection's input): 3 s b f elements instead of GeLU's 2 s b f.
+
+The logits (:func:`logits_bytes`) are not part of a layer: the last pipeline stage keeps the
+fp32 logits of its micro-batch for the cross-entropy backward, 4 s b V / t bytes
+(Korthikanti et al. 2022, Sec. 4.3; Megatron-LM ``theoretical_memory_usage.py``).
 """
 from __future__ import annotations
 
@@ -33,7 +50,8 @@ ATTENTION = ("eager", "flash")
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                            recompute: str = "none", ffn_hidden: int | None = None,
                            bytes_per_element: int = 2, mask_bytes: int = 1,
-                           dropout: bool = True, attention: str = "eager") -> float:
+                           dropout: bool = True, attention: str = "eager",
+                           kv_hidden: int | None = None, mlp: str = "gelu") -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank.
 
     ``attention="eager"`` stores the s x s score matrices (softmax output, and with dropout
@@ -41,6 +59,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     instead stores the attention output (sbh elements) and a per-row log-sum-exp
     (a s b values, fp32). Full recomputation keeps only the layer input -- 2sbh in Table 2;
     with sequence parallelism that input is the sequence shard, so it is divided by t.
+    ``kv_hidden`` (default h) is the width of K and V under grouped-query attention;
+    ``mlp="swiglu"`` keeps 3 s b f elements of the MLP instead of 2 s b f (module doc).
     """
     for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         require_positive_int(name, v)
@@ -48,15 +68,20 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE)}")
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION)}")
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp={mlp!r} must be one of gelu, swiglu")
     e, m, d = bytes_per_element, mask_bytes, int(dropout)
     f = 4 * h if ffn_hidden is None else ffn_hidden
+    kv = h if kv_hidden is None else kv_hidden
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (t if sp else 1)
     # LN1 and LN2 inputs, QKV input, fc1 input, two dropout masks: replicated under TP
     replicated = sbh * (4 * e + 2 * d * m)
-    # Q, K, V, projection input, fc1 output (GeLU input), GeLU output (fc2 input)
-    split = (4 * sbh + 2 * s * b * f) * e
+    # Q, K, V, projection input, fc1 output (GeLU input), GeLU output (fc2 input); SwiGLU:
+    # gate and up outputs (2f) and their product (f)
+    mlp_tensors = 3 if mlp == "swiglu" else 2
+    split = (2 * sbh + 2 * s * b * kv + mlp_tensors * s * b * f) * e
     if attention == "eager":
         scores = a * s * s * b * (e + d * (m + e))
     else:
@@ -82,7 +107,9 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      sp: bool = False, recompute: str = "none",
                                      ffn_hidden: int | None = None,
                                      bytes_per_element: int = 4,
-                                     proj_input_copy: bool = True) -> float:
+                                     proj_input_copy: bool = True,
+                                     kv_hidden: int | None = None,
+                                     mlp: str = "gelu") -> float:
     """:func:`layer_activation_bytes` adapted to parbench's reference model.
 
     Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
@@ -104,13 +131,31 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     """
     base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
                                   bytes_per_element=bytes_per_element, mask_bytes=0,
-                                  dropout=False, attention="flash")
+                                  dropout=False, attention="flash", kv_hidden=kv_hidden,
+                                  mlp=mlp)
     if recompute == "full":
         return base
     ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1)
     if recompute == "none" and not proj_input_copy:
         base -= s * b * h * bytes_per_element / t
     return base + ln_stats
+
+
+def logits_bytes(s: int, b: int, vocab: int, t: int = 1, bytes_per_element: int = 4) -> float:
+    """The logits the last pipeline stage keeps for the cross-entropy backward, per
+    tensor-parallel rank: s b V / t elements (vocab-parallel head, V the padded vocabulary),
+    fp32 by default -- Korthikanti et al. 2022, Sec. 4.3 (total memory: the output layer's
+    input and the fp32 logits of the cross-entropy, 4sbh/t (1 + v/h) bytes) and Megatron-LM's
+    ``compute_activation_memory`` (``megatron/training/theoretical_memory_usage.py``,
+    "Inputs to output layer and CE loss": s b h 4 (1 + V/h) / t, of which 4 s b V / t are
+    the logits); ``bytes_per_element=2`` for a bf16 loss (Megatron
+    ``--fp16-lm-cross-entropy``). Per micro-batch: under 1F1B the last stage runs each
+    micro-batch's backward right after its forward (Narayanan et al. 2021, Sec. 2.2), so it
+    holds one micro-batch's logits at a time."""
+    for name, v in (("s", s), ("b", b), ("vocab_size", vocab), ("t", t),
+                    ("bytes_per_element", bytes_per_element)):
+        require_positive_int(name, v)
+    return bytes_per_element * s * b * vocab / t
 
 
 def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: int,
@@ -144,7 +189,8 @@ def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: in
 def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f: int,
                                tp: int, tokens: int, rows: int, num_experts: int,
                                etp: int = 1, recompute: str = "none",
-                               bytes_per_element: int = 2) -> dict[str, float]:
+                               bytes_per_element: int = 2,
+                               mlp: str = "gelu") -> dict[str, float]:
     """Activation bytes one MoE layer keeps for backward on one rank, by term, given the same
     layer's count as a dense layer, ``dense_layer`` (``activations.layer_activation_bytes``
     or ``reference_layer_activation_bytes`` at the same s = s/cp, b, t, sp and recompute).
@@ -171,7 +217,8 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
       mean over the ep ranks). R = ``rows`` = E C or k T rows of h: the experts' fc1 input,
       R h e.
     - **Expert MLPs**: Korthikanti's fc1 output and GeLU output on the R received rows
-      instead of s b, each expert's f split over ``etp``: 2 R f e / etp.
+      instead of s b, each expert's f split over ``etp``: 2 R f e / etp (3 R f e / etp for
+      ``mlp="swiglu"``, as for the dense MLP; the replaced dense term is 3 s b f e / t too).
     - **Combine buffer**: the expert outputs the combine all-to-all brings back, R rows of h,
       kept by the gate multiplication for the gates' gradient: R h e.
 
@@ -181,14 +228,15 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
     layer input, as for a dense layer: every routed term is 0.
     """
     e = bytes_per_element
+    k = 3 if mlp == "swiglu" else 2
     if recompute == "full":
         terms = dict.fromkeys(("dense_mlp_replaced", "router", "dispatch", "expert_mlp",
                                "combine"), 0)
     else:
-        terms = {"dense_mlp_replaced": -2 * s * b * f * e / tp,
+        terms = {"dense_mlp_replaced": -k * s * b * f * e / tp,
                  "router": 2 * 4 * tokens * num_experts,
                  "dispatch": rows * h * e,
-                 "expert_mlp": 2 * rows * f * e / etp,
+                 "expert_mlp": k * rows * f * e / etp,
                  "combine": rows * h * e}
     return {"dense_layer": dense_layer, **terms,
             "total": dense_layer + sum(terms.values())}

@@ -14,6 +14,26 @@ part and ``edp`` for the expert part. Expert all-to-alls (GShard, Lepikhin et al
 Switch, Fedus et al. 2021), the router and expert FLOPs and the routed activations
 (:func:`.activations.moe_layer_activation_bytes`) are counted on MoE layers only, every
 ``moe_every``-th.
+
+Options stated by this function (defaults: the behaviour before they existed):
+
+- the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp`` (a field of
+  the shape; Megatron-LM's ``_vocab_size_with_padding``, 128 there, 1 -- a multiple of tp --
+  for the reference model) before every count: embedding, head, logit FLOPs, logits memory
+  (``inputs.padded_vocab_size``; ``parameters.total_unpadded_vocab`` when it differs);
+- ``accounting``: bytes per parameter of the model states (:mod:`.memory`: ``mixed_adam`` /
+  ``zero16``, ``mixed_adam_fp32_grad`` / ``zero20``, ``fp32_adamw``, ``megatron``,
+  ``deepspeed18``; ``megatron`` with ``zero_stage=1`` is Megatron-Core's distributed
+  optimizer, 6 + 12/d bytes; ``deepspeed18`` with ``zero_stage=3`` adds DeepSpeed's
+  largest-layer buffer, ``buffer``);
+- ``attention``: ``"eager"`` (Korthikanti's count with the s x s scores) or ``"flash"`` (no
+  s x s tensor kept; :mod:`.activations`);
+- ``causal_flops``: ``"full"`` (the s^2 scores counted whole, Narayanan et al. 2021) or
+  ``"half"`` (a causal mask halves them; :mod:`.flops`);
+- ``logits_bytes``: 4 (fp32 logits, Megatron's default) or 2: the last stage's logits,
+  ``memory.activations.last_stage_logits``;
+- ``generate=N``: the KV cache of b = ``micro_batch`` sequences of ``seq_length`` prompt and
+  N generated tokens, whole and per rank under tp and pp (``kv_cache``).
 """
 from __future__ import annotations
 
@@ -23,7 +43,7 @@ from typing import Any
 from . import activations, comm, flops, memory
 from . import params as param_model
 from .shape import (GB, Shape, exact_factor, expert_capacity, moe_layer_count,
-                    require_positive_int, shape_from)
+                    require_nonneg_int, require_positive_int, shape_from)
 
 
 def _microbatches(micro_batch: int, dp: int, global_batch: int | None,
@@ -38,6 +58,24 @@ def _microbatches(micro_batch: int, dp: int, global_batch: int | None,
         raise ValueError(f"num_microbatches={num_microbatches} does not match "
                          f"global_batch/(micro_batch*dp)={m}")
     return m
+
+
+def _add_layer_buffer(block: dict, zero_stage: int, chosen: str,
+                      largest_layer: int | None) -> None:
+    """DeepSpeed's ZeRO-3 largest-layer buffer (``layer_buffer`` bytes per parameter of the
+    largest module, :func:`.params.largest_module_params`) added to the selected states as
+    ``buffer`` (and to their ``total``); nothing for other accountings or stages."""
+    acc = memory.get_accounting(chosen)
+    if not acc.layer_buffer or zero_stage != 3 or largest_layer is None:
+        return
+    buf = acc.layer_buffer * largest_layer
+    sel = block["selected"]
+    sel["layer_buffer"] = {"largest_layer_params": largest_layer, "bytes": buf,
+                           "source": "DeepSpeed estimate_zero3_model_states_mem_needs: "
+                                     "4 * largest_layer_params + 18 * params / gpus"}
+    for key in ("padded", "unpadded", "paper"):
+        if key in sel:
+            sel[key] = {**sel[key], "buffer": buf, "total": sel[key]["total"] + buf}
 
 
 def _model_states_block(psi: float, dp: int, zero_stage: int, chosen: str) -> dict:
@@ -177,13 +215,16 @@ def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool
             if kind == "ulysses" and shape.a % cp:
                 out[key] = f"cp={cp} does not divide num_heads={shape.a}"
                 continue
+            # ring attention and all-gather CP move K and V: kv_hidden wide under GQA
+            width = h // tp if kind == "ulysses" else shape.kv_hidden // tp
             out[key] = comm.summarize(context.attention_traffic(
-                kind, b, s, h // tp, cp, 1, 1, 1, e, again))
+                kind, b, s, width, cp, 1, 1, 1, e, again))
     return out
 
 
 def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
-                              e: int, moe: dict | None = None) -> dict:
+                              e: int, moe: dict | None = None,
+                              attention: str = "eager") -> dict:
     """Activation bytes of one layer per rank for every recompute mode: Korthikanti et al.
     Table 2 (``korthikanti``: e-byte activations, 1-byte dropout masks) and the reference
     model's exact count (``reference_model``: no dropout, fused attention, LayerNorm
@@ -191,13 +232,15 @@ def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
     an MoE layer's (``*_moe``, :func:`.activations.moe_layer_activation_bytes` with the keywords
     ``moe``)."""
     out = {}
+    arch = {"kv_hidden": shape.kv_hidden, "mlp": shape.mlp}
     for mode in activations.RECOMPUTE:
         out[mode] = {
             "korthikanti": activations.layer_activation_bytes(
-                s, b, shape.h, shape.a, tp, sp, mode, shape.f, bytes_per_element=e),
+                s, b, shape.h, shape.a, tp, sp, mode, shape.f, bytes_per_element=e,
+                attention=attention, **arch),
             "reference_model": activations.reference_layer_activation_bytes(
                 s, b, shape.h, shape.a, tp, sp and tp > 1, mode, shape.f,
-                bytes_per_element=e, proj_input_copy=False)}
+                bytes_per_element=e, proj_input_copy=False, **arch)}
         if moe is not None:
             for kind in ("korthikanti", "reference_model"):
                 out[mode][kind + "_moe"] = activations.moe_layer_activation_bytes(
@@ -211,7 +254,9 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
              cp: int = 1, ep: int = 1, vpp: int = 1, zero_stage: int = 0, sp: bool = False,
              recompute: str = "none", bytes_per_element: int = 2, cp_algorithm: str = "ring",
              accounting: str | None = None, etp: int | None = None,
-             capacity_factor: float | None = None) -> dict:
+             capacity_factor: float | None = None, attention: str = "eager",
+             causal_flops: str = "full", logits_bytes: int = 4,
+             generate: int | None = None) -> dict:
     """Parameters, FLOPs, memory per rank and communication per axis for one configuration.
 
     Give a model ``shape`` (a :class:`Shape` or any object with its field names), or only the
@@ -227,6 +272,8 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     MoE: ``etp`` is the expert tensor-parallel size (0 or ``None``: ``tp``);
     ``capacity_factor`` overrides the shape's ``moe_capacity_factor`` (0: no capacity limit).
     ``ep`` must divide ``num_experts`` and ``ep * etp`` must divide ``tp * cp * dp``.
+
+    ``attention``, ``causal_flops``, ``logits_bytes`` and ``generate``: see the module doc.
     """
     for name, v in (("micro_batch", micro_batch), ("tp", tp), ("pp", pp), ("dp", dp),
                     ("cp", cp), ("ep", ep), ("vpp", vpp)):
@@ -234,7 +281,17 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     if shape is None and params is None:
         raise ValueError("give a model shape or params=")
     chosen = accounting or ("fp32_adamw" if bytes_per_element == 4 else "mixed_adam")
-    memory.get_accounting(chosen)
+    chosen = memory.get_accounting(chosen).name
+    if attention not in activations.ATTENTION:
+        raise ValueError(f"attention={attention!r} must be one of "
+                         f"{', '.join(activations.ATTENTION)}")
+    if causal_flops not in flops.CAUSAL:
+        raise ValueError(f"causal_flops={causal_flops!r} must be one of "
+                         f"{', '.join(flops.CAUSAL)}")
+    if logits_bytes not in (2, 4):
+        raise ValueError(f"logits_bytes={logits_bytes!r} must be 4 (fp32) or 2 (bf16)")
+    if generate is not None:
+        require_nonneg_int("generate", generate)
     e = bytes_per_element
     m = _microbatches(micro_batch, dp, global_batch, num_microbatches)
     inputs = {"micro_batch": micro_batch, "num_microbatches": m,
@@ -243,6 +300,8 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
               "recompute": recompute, "bytes_per_element": e}
 
     if shape is None:
+        if generate is not None:
+            raise ValueError("generate= needs a model shape (give model=PRESET, not params=)")
         psi = float(params)
         psi_rank = psi / (tp * pp)
         n_rank = int(round(psi_rank))
@@ -259,35 +318,56 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     shp = shape_from(shape)
     if capacity_factor is not None:
         shp = replace(shp, moe_capacity_factor=capacity_factor)
+    unpadded = shp
+    padded_v = shp.padded_vocab(tp)
+    if padded_v != shp.V:
+        shp = replace(shp, vocab_size=padded_v)
+    inputs.update({"vocab_size": unpadded.V, "padded_vocab_size": padded_v,
+                   "make_vocab_size_divisible_by": shp.make_vocab_size_divisible_by,
+                   "attention": attention, "causal_flops": causal_flops,
+                   "logits_bytes": logits_bytes})
+    if not shp.gpt_style:
+        inputs.update({"num_kv_heads": shp.kv_heads, "mlp": shp.mlp, "norm": shp.norm,
+                       "bias": shp.bias})
     B = micro_batch * dp * m  # noqa: N806
     s_local = shp.s // cp if shp.s % cp == 0 else None
     if s_local is None:
         raise ValueError(f"cp={cp} does not divide seq_length={shp.s}")
     layout = param_model.expert_layout(shp, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp)
     counts = param_model.param_counts(shp, pp, tp, ep, vpp, etp=etp)
+    if padded_v != unpadded.V:
+        counts["total_unpadded_vocab"] = param_model.total_params(unpadded)
     psi_rank = max(st["total"] for st in counts["stages"])
+    largest_layer = param_model.largest_module_params(shp, tp, ep, etp=etp)
     layers = shp.num_layers // pp
     if shp.moe:
         inputs.update({"etp": layout["etp"], "edp": layout["edp"], "moe_every": shp.moe_every,
                        "moe_capacity_factor": shp.moe_capacity_factor,
                        "moe_top_k": shp.moe_top_k})
 
-    dense4 = not shp.moe and shp.f == 4 * shp.h
+    dense4 = not shp.moe and shp.f == 4 * shp.h and shp.gpt_style
+    c = causal_flops
     fl = {
-        "forward_per_iteration": flops.shape_forward_flops(shp, B),
-        "training_per_iteration": flops.shape_training_flops(shp, B),
-        "training_per_iteration_recompute": flops.shape_training_flops(shp, B, recompute=True),
+        "forward_per_iteration": flops.shape_forward_flops(shp, B, causal=c),
+        "training_per_iteration": flops.shape_training_flops(shp, B, causal=c),
+        "training_per_iteration_recompute": flops.shape_training_flops(shp, B, recompute=True,
+                                                                       causal=c),
         "megatron_eq3": flops.megatron_eq3_flops(B, shp.s, shp.l, shp.h, shp.V)
         if dense4 else None,
         "params_rule_6N": flops.params_rule_flops(param_model.active_params(shp), B * shp.s),
-        "per_device_training": flops.shape_training_flops(shp, B, recompute=recompute == "full")
+        "per_device_training": flops.shape_training_flops(shp, B, recompute=recompute == "full",
+                                                          causal=c)
         / (tp * pp * dp * cp),
+        "causal_flops": c,
     }
 
+    arch = {"kv_hidden": shp.kv_hidden, "mlp": shp.mlp}
     per_layer = activations.layer_activation_bytes(s_local, micro_batch, shp.h, shp.a, tp, sp,
-                                                   recompute, shp.f, bytes_per_element=e)
+                                                   recompute, shp.f, bytes_per_element=e,
+                                                   attention=attention, **arch)
     ref_layer = activations.reference_layer_activation_bytes(
-        s_local, micro_batch, shp.h, shp.a, tp, sp, recompute, shp.f, bytes_per_element=e)
+        s_local, micro_batch, shp.h, shp.a, tp, sp, recompute, shp.f, bytes_per_element=e,
+        **arch)
     sched = "interleaved" if vpp > 1 else "1f1b"
     first = param_model.stage_layer_indices(shp.num_layers, pp, vpp)[0]
     moe_kw = None
@@ -304,7 +384,7 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
         tokens, _, rows = _routed_rows(shp, micro_batch, s_local, tp, sp)
         moe_kw = {"s": s_local, "b": micro_batch, "h": shp.h, "f": shp.f, "tp": tp,
                   "tokens": tokens, "rows": rows, "num_experts": shp.num_experts,
-                  "etp": layout["etp"], "bytes_per_element": e}
+                  "etp": layout["etp"], "bytes_per_element": e, "mlp": shp.mlp}
         n_moe = moe_layer_count(shp, first)
         n_dense = len(first) - n_moe
         moe_act = activations.moe_layer_activation_bytes
@@ -333,16 +413,18 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     tr: list[comm.Transfer] = []
     tr += comm.tp_traffic(micro_batch, s_local, shp.h, tp, layers, m, e, full, sp)
     if cp > 1:
+        # K and V are kv_hidden wide (h without GQA): ring attention passes, and all-gather
+        # CP gathers, this rank's kv_hidden / tp columns of them
         if cp_algorithm == "ring":
-            tr += comm.ring_attention_traffic(micro_batch, shp.s, shp.h // tp, cp, layers, m, e,
-                                              recompute=full)
+            tr += comm.ring_attention_traffic(micro_batch, shp.s, shp.kv_hidden // tp, cp,
+                                              layers, m, e, recompute=full)
         elif cp_algorithm == "ulysses":
             tr += comm.ulysses_traffic(micro_batch, shp.s, shp.h // tp, cp, layers, m, e,
                                        recompute=full)
         elif cp_algorithm == "allgather":
             gathers = ((1, 6),) if full else ((1, 4),)
-            tr += comm.cp_allgather_traffic(micro_batch, s_local, shp.h, cp, tp, layers, m, e,
-                                            gathers)
+            tr += comm.cp_allgather_traffic(micro_batch, s_local, shp.kv_hidden, cp, tp, layers,
+                                            m, e, gathers)
         else:
             raise ValueError(f"cp_algorithm={cp_algorithm!r} must be ring, ulysses or "
                              "allgather")
@@ -365,9 +447,16 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
                    for t in comm.zero_traffic(numel, group, zero_stage, e, e)]
 
     act["per_layer_by_recompute"] = _activations_by_recompute(shp, micro_batch, s_local, tp,
-                                                              sp, e, moe_kw)
+                                                              sp, e, moe_kw, attention)
+    act["attention"] = attention
+    act["last_stage_logits"] = activations.logits_bytes(s_local, micro_batch, shp.V, tp,
+                                                        logits_bytes)
+    act["logits_note"] = (f"the last pipeline stage's logits of one micro-batch, "
+                          f"{logits_bytes} bytes x b s/cp V'/tp (not in first_stage_*; with "
+                          "pp = 1 the one stage holds both)")
     if shp.moe:
         states = _moe_model_states_block(counts["stages"], layout, zero_stage, chosen)
+        _add_layer_buffer(states, zero_stage, chosen, largest_layer)
         act["note"] = ("per_layer_*: a dense layer; per_moe_layer_*: an MoE layer (router "
                        "logits and probabilities, the padded dispatch buffer of E*C rows or "
                        "k*T without capacity, the expert MLPs on those rows, the combine "
@@ -378,6 +467,7 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
                  "edp = tp*cp*dp/(etp*ep) (axis edp)")
     else:
         states = _model_states_block(psi_rank, dp * cp, zero_stage, chosen)
+        _add_layer_buffer(states, zero_stage, chosen, largest_layer)
         scope = "one rank of the first pipeline stage, one iteration; gradients reduced " \
                 "over dp x cp"
     out_comm = {"per_layer": per_layer_traffic(shp, micro_batch, tp, cp, sp, recompute, e),
@@ -386,10 +476,40 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
                 "scope": scope}
     if expert_info is not None:
         out_comm["expert"] = expert_info
-    return {
+    out = {
         "inputs": inputs,
         "parameters": counts,
         "flops": fl,
         "memory": {"model_states": states, "activations": act},
         "communication": out_comm,
     }
+    if generate is not None:
+        out["kv_cache"] = kv_cache(shp, micro_batch, generate, tp=tp, pp=pp, vpp=vpp,
+                                   bytes_per_element=e)
+    return out
+
+
+def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
+             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> dict:
+    """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
+    ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
+    4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
+    (Megatron-Core splits the query groups, so h_kv / t columns), the layers over pp (the
+    most loaded pipeline rank's layers)."""
+    require_positive_int("batch", batch)
+    require_nonneg_int("generate", generate)
+    s = shape.s if prompt is None else prompt
+    require_positive_int("prompt", s)
+    if shape.kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
+    layers_rank = max(param_model.split_layers(shape.num_layers, pp, vpp))
+    e = bytes_per_element
+    total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
+    per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
+                                     shape.kv_hidden // tp)
+    return {"batch": batch, "prompt_tokens": s, "generated_tokens": generate,
+            "num_kv_heads": shape.kv_heads, "kv_hidden": shape.kv_hidden,
+            "bytes_per_element": e, "total_bytes": total, "per_rank_bytes": per_rank,
+            "layers_per_rank": layers_rank,
+            "formula": "2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
+                       "l / pp layers and num_kv_heads / tp heads"}

@@ -17,6 +17,19 @@ is never recomputed). That gives Eq. 3 of the paper:
 Note that the logit term is 6BshV = 3 x 2BshV, not 4 x 2BshV: multiplying the whole forward
 count l(24Bsh^2 + 4Bs^2h) + 2BshV by 4 overcounts Eq. 3 by exactly 2BshV.
 The attention terms count the full s x s score matrix (no causal halving), as the paper does.
+
+:func:`shape_forward_flops` states the causal choice as an option: ``causal="full"`` (the
+default, today's behaviour: the paper's 4Bs^2h per layer, which PaLM's model FLOPs,
+Chowdhery et al. 2022, App. B, 12 L H Q T per token for training, also count) or
+``"half"``: a causal mask leaves s(s+1)/2 of the s^2 scores to compute, counted as half,
+2Bs^2h (as FlashAttention-2's benchmarks count causal attention, Dao 2023, Sec. 4.1). Only
+the score (QK^T) and value (AV) products are halved; the projections are unaffected.
+
+LLaMA-style shapes (see :mod:`.params`): QKV costs 2Bsh(h + 2 h_kv) with grouped-query
+attention (h_kv = num_kv_heads x head size; the K and V projections shrink, the scores do
+not: every query head still attends), and a SwiGLU MLP 6Bshf (three matrices) instead of
+4Bshf. RMSNorm, biases and the nonlinearities are not matrix multiplications and are not
+counted, as before.
 """
 from __future__ import annotations
 
@@ -59,29 +72,45 @@ def megatron_eq3_flops(B: int, s: int, l: int, h: int, V: int) -> int:  # noqa: 
     return int(value)  # whole: 96Bslh^2 + 16Bs^2lh + 6BshV
 
 
-def shape_forward_flops(shape: Shape, b: int, s: int | None = None) -> int:
-    """Forward FLOPs for any :class:`Shape` (any f, MoE), same counting convention.
+CAUSAL = ("full", "half")
 
-    Per token and layer: QKV + projection 8h^2, and the MLP: 4hf on a dense layer; on an MoE
-    layer (``Shape.is_moe_layer``: every ``moe_every``-th layer) 4hf per active expert
-    (``moe_top_k`` of them) plus the router 2hE. Per sequence and layer: attention 4s^2h;
-    logit layer 2shV. For a dense model with f = 4h this is :func:`forward_flops`.
+
+def attention_score_flops(b: int, s: int, h: int, causal: str = "full") -> int:
+    """QK^T and AV of one layer on b sequences: 4bs^2h, or 2bs^2h with ``causal="half"``."""
+    if causal not in CAUSAL:
+        raise ValueError(f"causal_flops={causal!r} must be one of {', '.join(CAUSAL)}")
+    return (4 if causal == "full" else 2) * b * s * s * h
+
+
+def shape_forward_flops(shape: Shape, b: int, s: int | None = None,
+                        causal: str = "full") -> int:
+    """Forward FLOPs for any :class:`Shape` (any f, MoE, GQA, SwiGLU), same counting convention.
+
+    Per token and layer: QKV 2h(h + 2h_kv) + projection 2h^2 (8h^2 without GQA), and the MLP:
+    4hf (6hf for SwiGLU) on a dense layer; on an MoE layer (``Shape.is_moe_layer``: every
+    ``moe_every``-th layer) that per active expert (``moe_top_k`` of them) plus the router
+    2hE. Per sequence and layer: attention 4s^2h (2s^2h with ``causal="half"``, see the
+    module doc); logit layer 2shV. For a dense GPT shape with f = 4h and ``causal="full"``
+    this is :func:`forward_flops`.
     """
     s = shape.s if s is None else s
     h, f = shape.h, shape.f
     n_moe = shape.num_moe_layers
-    dense_token = 8 * h * h + 4 * h * f
-    moe_token = 8 * h * h + 4 * h * f * shape.moe_top_k + 2 * h * shape.num_experts
+    attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
+    mlp = (6 if shape.gated else 4) * h * f
+    dense_token = attn + mlp
+    moe_token = attn + mlp * shape.moe_top_k + 2 * h * shape.num_experts
     per_token = (shape.num_layers - n_moe) * dense_token + n_moe * moe_token
-    return b * s * per_token + shape.num_layers * 4 * b * s * s * h + 2 * b * s * h * shape.V
+    return b * s * per_token + shape.num_layers * attention_score_flops(b, s, h, causal) \
+        + 2 * b * s * h * shape.V
 
 
 def shape_training_flops(shape: Shape, b: int, s: int | None = None,
-                         recompute: bool = False) -> int:
+                         recompute: bool = False, causal: str = "full") -> int:
     """:func:`training_flops` for any :class:`Shape` (logit layer 3x, layers 3x or 4x)."""
     s = shape.s if s is None else s
     logit = 2 * b * s * shape.h * shape.V
-    layers = shape_forward_flops(shape, b, s) - logit
+    layers = shape_forward_flops(shape, b, s, causal) - logit
     return (4 if recompute else 3) * layers + 3 * logit
 
 

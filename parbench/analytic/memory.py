@@ -17,15 +17,38 @@ would be 111.8, 29.2, 15.5 and 1.75. Table 2's maximum model sizes likewise use 
 bytes per V100 (2B parameters for the baseline: 32e9 / 16).
 
 An :class:`Accounting` says how many bytes each parameter costs in each of the three states.
-Three are provided; every figure says which one it uses:
+Five are provided (``accounting=`` of ``estimate`` takes the name or an alias); every figure
+says which one it uses:
 
-- ``MIXED_ADAM`` (2, 2, 12): the paper's, fp16 parameter and gradient, K = 12;
-- ``MIXED_ADAM_FP32_GRAD`` (2, 2, 16): 20 bytes per parameter, which also keeps an fp32
-  copy of the gradient for the optimizer step (as DeepSpeed's fp16 optimizers do); that copy
-  belongs to the optimizer's partition, so it counts in the optimizer state (K = 16);
+- ``MIXED_ADAM`` (2, 2, 12), alias ``zero16``: the paper's, fp16 parameter and gradient,
+  K = 12 (16 bytes);
+- ``MIXED_ADAM_FP32_GRAD`` (2, 2, 16), alias ``zero20``: 20 bytes per parameter, which also
+  keeps an fp32 copy of the gradient for the optimizer step (as DeepSpeed's fp16 optimizers
+  do); that copy belongs to the optimizer's partition, so it counts in the optimizer state
+  (K = 16). It is Megatron-Core's "float16 param, float16 grads" row (20, distributed
+  optimizer 4 + 16/d) and DeepSpeed's ZeRO-2 estimator (``estimate_zero2_model_states_mem_
+  needs``: 4 Psi + 16 Psi / N) at ZeRO stage 1;
 - ``FP32_ADAMW`` (4, 4, 8): parbench's fp32 runs with ``torch.optim.AdamW`` -- fp32
   parameter, fp32 gradient, exp_avg and exp_avg_sq (16 bytes per parameter; AdamW's scalar
-  ``step`` per tensor is not counted).
+  ``step`` per tensor is not counted);
+- ``MEGATRON`` (2, 4, 12), name ``megatron``: Megatron-LM's bf16 training -- bf16 parameter
+  2, fp32 main gradient 4 (the contiguous grad buffer, ``main_grad``), fp32 master parameter
+  and Adam's two moments 12 (18 bytes). Megatron-Core's distributed optimizer shards only
+  the 12 over the data-parallel ranks: 6 + 12/d, i.e. ZeRO stage 1 here (Megatron-Core
+  developer guide, "Distributed Optimizer": "float16 param, fp32 grads: 18, 6 + 12/d";
+  ``megatron/training/theoretical_memory_usage.py``: ``num_bytes_per_parameter = 18 if not
+  args.use_distributed_optimizer else 6 + (12 / args.data_parallel_size)``). Stages 2 and 3
+  are not Megatron's; here they would shard the gradient and the parameter as ZeRO does;
+- ``DEEPSPEED18`` (2, 4, 12) with a 4-byte largest-layer buffer, name ``deepspeed18``:
+  DeepSpeed's ZeRO-3 estimator (``deepspeed/runtime/zero/stage3.py``,
+  ``estimate_zero3_model_states_mem_needs`` without offload: ``largest_layer_memory =
+  4 * largest_layer_params``; ``gpu_mem = largest_layer_memory + 18 * total_params /
+  total_gpus``). DeepSpeed states only the total of 18; the per-state split (fp16 parameter
+  2, fp32 gradient partition 4, fp32 master and Adam 12) is parbench's attribution and
+  matters only below stage 3, which DeepSpeed's estimator does not describe with 18 bytes.
+  The buffer (the largest layer gathered whole, fp16 parameter and gradient) is added at
+  ZeRO stage 3 only (:func:`deepspeed_zero3_model_states`; ``estimate`` adds it as
+  ``buffer``).
 """
 from __future__ import annotations
 
@@ -42,12 +65,14 @@ STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 
 @dataclass(frozen=True)
 class Accounting:
-    """Bytes per parameter of each model state."""
+    """Bytes per parameter of each model state; ``layer_buffer``: bytes per parameter of the
+    largest layer, held whole under ZeRO stage 3 (DeepSpeed's estimator: 4)."""
 
     name: str
     param: int
     grad: int
     optim: int
+    layer_buffer: int = 0
 
     @property
     def total(self) -> int:
@@ -57,17 +82,24 @@ class Accounting:
 MIXED_ADAM = Accounting("mixed_adam", 2, 2, 12)
 MIXED_ADAM_FP32_GRAD = Accounting("mixed_adam_fp32_grad", 2, 2, 16)
 FP32_ADAMW = Accounting("fp32_adamw", 4, 4, 8)
-ACCOUNTINGS = {a.name: a for a in (MIXED_ADAM, MIXED_ADAM_FP32_GRAD, FP32_ADAMW)}
+MEGATRON = Accounting("megatron", 2, 4, 12)
+DEEPSPEED18 = Accounting("deepspeed18", 2, 4, 12, layer_buffer=4)
+ACCOUNTINGS = {a.name: a for a in (MIXED_ADAM, MIXED_ADAM_FP32_GRAD, FP32_ADAMW, MEGATRON,
+                                   DEEPSPEED18)}
+#: other names for the accountings: ZeRO's 16 bytes and the 20-byte one
+ACCOUNTING_ALIASES = {"zero16": MIXED_ADAM.name, "zero20": MIXED_ADAM_FP32_GRAD.name}
 
 AccountingLike = Union[Accounting, str]
 
 
 def get_accounting(acc: AccountingLike) -> Accounting:
-    """An :class:`Accounting` from itself or its name."""
+    """An :class:`Accounting` from itself, its name or an alias (``zero16``, ``zero20``)."""
     if isinstance(acc, Accounting):
         return acc
+    acc = ACCOUNTING_ALIASES.get(acc, acc)
     if acc not in ACCOUNTINGS:
-        raise ValueError(f"accounting={acc!r} must be one of {', '.join(ACCOUNTINGS)}")
+        names = [*ACCOUNTINGS, *ACCOUNTING_ALIASES]
+        raise ValueError(f"accounting={acc!r} must be one of {', '.join(names)}")
     return ACCOUNTINGS[acc]
 
 
@@ -110,6 +142,16 @@ def zero_model_states(params: float, dp: int = 1, stage: int = 0,
     return ModelStates(param=a.param * params / (dp if p else 1),
                        grad=a.grad * params / (dp if g else 1),
                        optim=a.optim * params / (dp if o else 1))
+
+
+def deepspeed_zero3_model_states(params: float, num_gpus: int,
+                                 largest_layer_params: float) -> float:
+    """DeepSpeed's ZeRO-3 estimate of model-state bytes per GPU without offload:
+    ``4 * largest_layer_params + 18 * params / num_gpus`` (``deepspeed/runtime/zero/
+    stage3.py``, ``estimate_zero3_model_states_mem_needs``, ``cpu_offload=False``; DeepSpeed
+    truncates the second term to an integer)."""
+    require_positive_int("num_gpus", num_gpus)
+    return DEEPSPEED18.layer_buffer * largest_layer_params + 18 * params / num_gpus
 
 
 def zero_bytes_per_param(dp: int, stage: int, accounting: AccountingLike = MIXED_ADAM,
@@ -192,8 +234,11 @@ def round_sig(x: float, sig: int = 3) -> float:
 
 
 def kv_cache_bytes(b: int, l: int, h: int, s: int, n: int,  # noqa: E741
-                   bytes_per_element: int = 2) -> int:
-    """KV cache for b sequences of s prompt and n generated tokens: K and V, each b(s+n)h
-    elements per layer -- 4 b l h (s + n) bytes in fp16 (2 tensors x 2 bytes). Assumes
-    multi-head attention (as many K/V heads as query heads)."""
-    return 2 * bytes_per_element * b * l * h * (s + n)
+                   bytes_per_element: int = 2, kv_hidden: int | None = None) -> int:
+    """KV cache for b sequences of s prompt and n generated tokens: each of the l layers keeps
+    K and V of every token, b(s+n)h elements each -- 4 b l h (s + n) bytes in fp16
+    (2 tensors x 2 bytes). With grouped-query attention K and V have ``kv_hidden`` =
+    num_kv_heads x head size columns instead of h (Ainslie et al. 2023, "GQA", Sec. 2.2: the
+    KV cache shrinks by num_heads / num_kv_heads): 4 b l h_kv (s + n) bytes."""
+    kv = h if kv_hidden is None else kv_hidden
+    return 2 * bytes_per_element * b * l * kv * (s + n)

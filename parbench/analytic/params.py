@@ -38,6 +38,30 @@ expert-data-parallel ranks (:func:`expert_layout`). Every other parameter -- the
 included -- is *dense*: split over t and replicated over the dp x cp ranks. The per-rank
 counts are therefore given in two parts, ``dense`` and ``expert``, each with its own
 data-parallel group.
+
+LLaMA-style shapes (analytic only; :class:`Shape` architecture fields), with d = h / a the
+head size and h_kv = num_kv_heads d:
+
+==============================  ==========================  ==============================
+component                       full count                  per rank (tensor-parallel t)
+==============================  ==========================  ==============================
+RMSNorm (``norm="rmsnorm"``)    h (weight only)             h         (replicated)
+QKV with GQA (``num_kv_heads``) h (h + 2 h_kv) [+ h + 2h_kv  (h (h + 2 h_kv) [+ ...]) / t
+                                bias]                       (t must divide num_kv_heads)
+SwiGLU (``mlp="swiglu"``)       3hf [+ 2f + h bias]         3hf / t [+ 2f / t + h]
+no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its own)
+==============================  ==========================  ==============================
+
+GQA: Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from
+Multi-Head Checkpoints", Sec. 2; the K and V projections are h -> h_kv. SwiGLU: Shazeer 2020,
+"GLU Variants Improve Transformer", Eq. 6 (FFN_SwiGLU = (Swish(xW) * xV) W_2: three matrices).
+With these, LLaMA-2 (Touvron et al. 2023, "Llama 2", Table 1 and the released
+``config.json``: h = 4096, l = 32, a = 32, f = 11008 for 7B; h = 8192, l = 80, a = 64,
+num_kv_heads = 8, f = 28672 for 70B; V = 32000, RMSNorm, no biases, untied head, RoPE) has
+6,738,415,616 and 68,976,648,192 parameters -- the "7B" and "70B" Meta publishes (the
+Hugging Face model cards list 6.74B and 68.98B). Megatron-LM counts them the same way
+(``megatron/training/theoretical_memory_usage.py``: attention 2h^2 (1 + g/a), MLP 2hf x 3/2
+with ``--swiglu``, ``norm_size`` 1 for RMSNorm).
 """
 from __future__ import annotations
 
@@ -71,6 +95,9 @@ def textbook_total_params(h: int, l: int, V: int, s: int) -> int:  # noqa: E741,
 def _check_tp(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
+    if shape.kv_heads != shape.num_heads:
+        # Megatron-Core splits the query groups over tp (num_query_groups / tp per rank)
+        divides("tp", tp, "num_kv_heads", shape.kv_heads)
     divides("tp", tp, "ffn_hidden_size", shape.f)
     divides("tp", tp, "vocab_size", shape.vocab_size)
 
@@ -126,9 +153,32 @@ def expert_layout(shape: Shape, *, tp: int = 1, cp: int = 1, dp: int = 1, ep: in
     return {"tp": tp, "etp": e, "ep": ep, "dense_dp": dp * cp, "edp": stage // (ep * e)}
 
 
-def mlp_params(h: int, f: int, tp: int = 1) -> int:
-    """One MLP h -> f -> h with biases: 2hf + f + h; per TP rank (2hf + f)/t + h."""
-    return (2 * h * f + f) // tp + h
+def mlp_params(h: int, f: int, tp: int = 1, *, gated: bool = False, bias: bool = True) -> int:
+    """One MLP h -> f -> h with biases: 2hf + f + h; per TP rank (2hf + f)/t + h.
+
+    ``gated`` (SwiGLU, Shazeer 2020 Eq. 6): gate and up h -> f (column-parallel), down
+    f -> h (row-parallel): 3hf + 2f + h, per rank (3hf + 2f)/t + h. ``bias=False`` drops the
+    bias terms (LLaMA: 2hf or 3hf)."""
+    mats = 3 if gated else 2
+    split_bias = (2 * f if gated else f) if bias else 0
+    return (mats * h * f + split_bias) // tp + (h if bias else 0)
+
+
+def shape_mlp_params(shape: Shape, tp: int = 1) -> int:
+    """:func:`mlp_params` with the shape's ``mlp`` and ``bias``."""
+    return mlp_params(shape.h, shape.f, tp, gated=shape.gated, bias=shape.bias)
+
+
+def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
+    """QKV and output projection of one layer on one tensor-parallel rank.
+
+    QKV (column-parallel): h (h + 2 h_kv) weights and h + 2 h_kv biases, split over t;
+    projection (row-parallel): h^2 / t and a whole bias h. h_kv = h without GQA, so the
+    reference model's 3h^2 + 3h and h^2 + h."""
+    h, kv = shape.h, shape.kv_hidden
+    b = int(shape.bias)
+    return {"qkv": (h * (h + 2 * kv) + b * (h + 2 * kv)) // tp,
+            "proj": h * h // tp + b * h}
 
 
 #: the components of :func:`layer_breakdown` that are expert parameters (the rest is dense)
@@ -149,25 +199,27 @@ def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None =
     if moe and not shape.moe:
         raise ValueError(f"moe_layer=True needs num_experts > 0 "
                          f"(num_experts={shape.num_experts})")
-    h, f = shape.h, shape.f
+    h = shape.h
+    attn = attention_params(shape, tp)
     parts = {
-        "ln1": 2 * h,
-        "qkv": (3 * h * h + 3 * h) // tp,
-        "proj": h * h // tp + h,
-        "ln2": 2 * h,
+        "ln1": shape.norm_params,
+        "qkv": attn["qkv"],
+        "proj": attn["proj"],
+        "ln2": shape.norm_params,
     }
     if moe:
         parts["router"] = h * shape.num_experts
-        parts["experts"] = (shape.num_experts // ep) * mlp_params(h, f, e)
+        parts["experts"] = (shape.num_experts // ep) * shape_mlp_params(shape, e)
     else:
-        parts["mlp"] = mlp_params(h, f, tp)
+        parts["mlp"] = shape_mlp_params(shape, tp)
     return parts
 
 
 def layer_params(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None,
                  moe_layer: bool | None = None) -> int:
     """Parameters of one layer: 4h^2 + 2hf + f + 9h dense (12h^2 + 13h for f = 4h); an MoE
-    layer trades the MLP's 2hf + f + h for h E + E (2hf + f + h)."""
+    layer trades the MLP's 2hf + f + h for h E + E (2hf + f + h). LLaMA-style (RMSNorm, GQA,
+    SwiGLU, no bias): 2h^2 + 2h h_kv + 3hf + 2h."""
     return sum(layer_breakdown(shape, tp, ep, etp=etp, moe_layer=moe_layer).values())
 
 
@@ -187,7 +239,7 @@ def embedding_params(shape: Shape, tp: int = 1) -> int:
 
 
 def head_params(shape: Shape, tp: int = 1, separate_stage: bool = False) -> int:
-    """Final LN (2h) plus the LM head V h (vocab-parallel: V h / t).
+    """Final norm (2h, or h for RMSNorm) plus the LM head V h (vocab-parallel: V h / t).
 
     With tied embeddings the head shares the token embedding and adds nothing -- unless it
     sits on a different pipeline stage (``separate_stage``), where that stage keeps its own
@@ -198,7 +250,7 @@ def head_params(shape: Shape, tp: int = 1, separate_stage: bool = False) -> int:
     out = shape.V * shape.h // tp
     if shape.tie_embeddings and not separate_stage:
         out = 0
-    return 2 * shape.h + out
+    return shape.norm_params + out
 
 
 def _layers_total(shape: Shape, moe_layers: int, dense_layers: int, tp: int = 1, ep: int = 1,
@@ -222,9 +274,35 @@ def active_params(shape: Shape) -> int:
     """Parameters a token passes through: on each MoE layer the router and ``moe_top_k`` of
     the E experts (Fedus et al. 2021, Switch Transformer, Sec. 2: top-1 routing keeps the
     FLOPs per token of the dense model). Equal to :func:`total_params` for a dense model."""
-    mlp = mlp_params(shape.h, shape.f)
+    mlp = shape_mlp_params(shape)
     return total_params(shape) - shape.num_moe_layers * (shape.num_experts - shape.moe_top_k) \
         * mlp
+
+
+def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
+                          etp: int | None = None) -> int:
+    """Parameters of the largest single module on one (tp, ep, etp) rank: DeepSpeed's
+    ``largest_layer_params`` (``deepspeed/runtime/zero/stage3.py``, ``model_to_params``:
+    the maximum over modules of their own parameters, ``recurse=False``), at the per-rank
+    size of each module. Candidates: the token embedding and the untied LM head (V h / t),
+    the position embedding (s h), QKV, the projection, each MLP linear (fc1 h -> f, or h -> 2f
+    for SwiGLU's fused gate and up, and fc2, with their biases), on MoE layers one expert's
+    linears split over etp and the router (h E)."""
+    _check_tp(shape, tp)
+    _check_ep(shape, ep)
+    e = _check_etp(shape, tp, etp)
+    h, f, b = shape.h, shape.f, int(shape.bias)
+    fc1_cols = (2 if shape.gated else 1) * f
+    attn = attention_params(shape, tp)
+    cands = [shape.V * h // tp, attn["qkv"], attn["proj"]]
+    if shape.position_embeddings:
+        cands.append(shape.s * h)
+    for t, present in ((tp, shape.num_moe_layers < shape.num_layers), (e, shape.moe)):
+        if present:
+            cands += [(h * fc1_cols + b * fc1_cols) // t, h * f // t + b * h]
+    if shape.moe:
+        cands.append(h * shape.num_experts)
+    return max(cands)
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,7 +397,7 @@ def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
         "active": active_params(shape),
         "per_layer": layer_params(shape),
         "per_layer_textbook": textbook_layer_params(shape.h) if not shape.moe
-        and shape.f == 4 * shape.h else None,
+        and shape.f == 4 * shape.h and shape.gpt_style else None,
         "embedding": embedding_params(shape),
         "head": head_params(shape),
         "per_rank_per_layer": layer_params(shape, tp, ep, etp=etp),

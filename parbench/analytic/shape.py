@@ -19,9 +19,15 @@ GiB = 2 ** 30
 GB = 10 ** 9
 
 
+#: the values of the architecture fields of :class:`Shape`; the first of each is the reference
+#: model's (GPT-2 style)
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
 @dataclass(frozen=True)
 class Shape:
-    """Shape of the reference GPT decoder.
+    """Shape of the reference GPT decoder, or of a LLaMA-style one (analytic only).
 
     ``ffn_hidden_size`` of ``None`` or 0 means ``4 * hidden_size``. ``num_experts`` of 0 is a
     dense model. With ``num_experts = E > 0``, layer ``i`` (0-based) is an MoE layer iff
@@ -32,6 +38,27 @@ class Shape:
     layer, ``moe_every = 2``). ``moe_capacity_factor`` (0 = no limit) bounds the tokens
     each expert takes from one routing group of T tokens to
     ``ceil(moe_capacity_factor * moe_top_k * T / E)`` (:func:`expert_capacity`).
+
+    ``seq_length`` is the whole sequence of one sample; context parallelism splits it, each of
+    the ``cp`` ranks holding ``seq_length / cp`` tokens (so UB-Mesh's 8192 tokens per rank at
+    cp = 16 is ``seq_length = 131072``).
+
+    Architecture fields (defaults: the reference model, GPT-2 style, Radford et al. 2019):
+
+    - ``num_kv_heads``: grouped-query attention (Ainslie et al. 2023, GQA), K and V have
+      ``num_kv_heads`` heads of ``hidden_size / num_heads`` each; 0 means ``num_heads``
+      (multi-head attention), 1 is multi-query attention (Shazeer 2019);
+    - ``mlp``: ``"gelu"`` (two matrices h -> f -> h) or ``"swiglu"`` (Shazeer 2020, "GLU
+      Variants Improve Transformer", Eq. 6; LLaMA, Touvron et al. 2023, Sec. 2.2: three
+      matrices, gate and up h -> f, down f -> h);
+    - ``norm``: ``"layernorm"`` (weight and bias, 2h) or ``"rmsnorm"`` (Zhang & Sennrich 2019:
+      weight only, h);
+    - ``bias``: biases on the linear layers (LLaMA has none: Touvron et al. 2023);
+    - ``make_vocab_size_divisible_by``: the vocabulary is padded to a multiple of this times
+      tp (Megatron-LM ``--make-vocab-size-divisible-by``, default 128 there;
+      ``_vocab_size_with_padding``); 1 pads to a multiple of tp, as the reference model's
+      tensor-parallel schemes do. Applied by :func:`parbench.analytic.estimate`, which knows
+      tp (:meth:`padded_vocab`); the other functions read ``vocab_size`` as given.
     """
 
     vocab_size: int
@@ -46,6 +73,11 @@ class Shape:
     moe_top_k: int = 1
     moe_every: int = 1
     moe_capacity_factor: float = 1.0
+    num_kv_heads: int = 0
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    make_vocab_size_divisible_by: int = 1
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -62,6 +94,16 @@ class Shape:
         require_positive_int("moe_every", self.moe_every)
         require_nonneg("moe_capacity_factor", self.moe_capacity_factor)
         divides("num_heads", self.num_heads, "hidden_size", self.hidden_size)
+        require_nonneg_int("num_kv_heads", self.num_kv_heads)
+        if self.num_kv_heads:
+            divides("num_kv_heads", self.num_kv_heads, "num_heads", self.num_heads)
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"mlp={self.mlp!r} must be one of {', '.join(MLP_KINDS)}")
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"norm={self.norm!r} must be one of {', '.join(NORM_KINDS)}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"bias={self.bias!r} must be true or false")
+        require_positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
 
     # short names used in the formulas of the papers
     @property
@@ -91,6 +133,43 @@ class Shape:
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when it is 0."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): kv_heads x head_dim (= h without GQA)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU: the MLP has three matrices (two of them h -> f)."""
+        return self.mlp == "swiglu"
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one normalisation layer: 2h (LayerNorm) or h (RMSNorm)."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden_size
+
+    @property
+    def gpt_style(self) -> bool:
+        """The reference model's architecture: MHA, GeLU MLP, LayerNorm, biases."""
+        return (self.kv_heads == self.num_heads and self.mlp == "gelu"
+                and self.norm == "layernorm" and self.bias)
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """V' = the smallest multiple of ``make_vocab_size_divisible_by * tp`` not below V
+        (Megatron-LM ``_vocab_size_with_padding``); V itself when V is already a multiple."""
+        require_positive_int("tp", tp)
+        mult = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // mult) * mult
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i`` (0-based) is an MoE layer: ``num_experts > 0`` and ``i % moe_every == 0``
@@ -135,7 +214,8 @@ def exact_factor(x: float) -> Fraction:
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length",
                  "ffn_hidden_size", "tie_embeddings", "position_embeddings", "num_experts",
-                 "moe_top_k", "moe_every", "moe_capacity_factor")
+                 "moe_top_k", "moe_every", "moe_capacity_factor", "num_kv_heads", "mlp",
+                 "norm", "bias", "make_vocab_size_divisible_by")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:

@@ -28,7 +28,8 @@ def _walk(d: dict, prefix: str = ""):
 
 #: leaf names that are counts, sizes or choices even inside a byte-valued section
 _NOT_BYTES = ("params", "group_size", "zero_stage", "stage", "count", "layers", "tokens",
-              "rows", "capacity", "top_k", "ep", "etp", "edp", "per_micro_batch")
+              "rows", "capacity", "top_k", "ep", "etp", "edp", "per_micro_batch",
+              "logits_bytes")
 
 
 def _fmt(key: str, v) -> str:
@@ -67,22 +68,31 @@ _ESTIMATE_INTS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v
                   "num_microbatches": "num_microbatches"}
 _MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
                  "seq_length", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-                 "tie_embeddings", "position_embeddings")
+                 "tie_embeddings", "position_embeddings", "num_kv_heads", "mlp", "norm", "bias",
+                 "make_vocab_size_divisible_by")
 #: MoE fields read into the analytic shape directly while ``ModelConfig`` lacks them:
 #: name -> (integer, minimum)
 _SHAPE_ONLY = {"moe_every": (True, 1), "moe_capacity_factor": (False, 0)}
 _CHOICES = {"recompute": ("none", "selective", "full"), "cp_algorithm": ("ring", "ulysses",
-                                                                         "allgather")}
+                                                                         "allgather"),
+            "attention": ("eager", "flash"), "causal_flops": ("full", "half")}
+#: logits_dtype= -> bytes per logit (the last stage's cross-entropy input)
+_LOGITS_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from .. import analytic
-    from ..analytic.memory import ACCOUNTINGS
+    from ..analytic.memory import ACCOUNTING_ALIASES, ACCOUNTINGS
     from ..config import CaseConfig, ModelConfig, validate_model
     from ..imports import megatron_overrides
     from ..overrides import apply_overrides
 
     ov = parse_overrides(args)
+    # the time model's options (parbench.timemodel): device=PROFILE, schedule=, verbose=
+    tm_opts = {k: ov.pop(k) for k in ("device", "schedule", "verbose", "cp_ulysses",
+                                      "bucket_mb") if k in ov}
+    model_name = ov.get("model", "custom" if "megatron_args" in ov else
+                        ("gpt3-175b" if "params" not in ov else None))
     kwargs: dict = {}
     shape = None
     megatron = ov.pop("megatron_args", None)
@@ -137,9 +147,19 @@ def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> 
                 raise ConfigError(f"{k}={v!r} must be one of {', '.join(_CHOICES[k])}")
             kwargs[k] = v
         elif k == "accounting":
-            if v not in ACCOUNTINGS:
-                raise ConfigError(f"accounting={v!r} must be one of {', '.join(ACCOUNTINGS)}")
+            if v not in ACCOUNTINGS and v not in ACCOUNTING_ALIASES:
+                raise ConfigError(f"accounting={v!r} must be one of "
+                                  f"{', '.join([*ACCOUNTINGS, *ACCOUNTING_ALIASES])}")
             kwargs[k] = v
+        elif k == "logits_dtype":
+            if v not in _LOGITS_DTYPES:
+                raise ConfigError(f"logits_dtype={v!r} must be fp32, bf16 or fp16")
+            kwargs["logits_bytes"] = _LOGITS_DTYPES[v]
+        elif k == "generate":
+            if "params" in kwargs:
+                raise ConfigError(f"generate={v} needs a model (give model=PRESET, not "
+                                  "params=)")
+            kwargs["generate"] = number(k, v, integer=True, minimum=0)
         elif k == "dtype":
             kwargs["bytes_per_element"] = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v)
             if kwargs["bytes_per_element"] is None:
@@ -150,8 +170,9 @@ def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> 
             raise ConfigError(f"unknown key {k!r} for estimate (model=, params=, "
                               f"megatron_args=, {', '.join(_MODEL_FIELDS)}, "
                               f"{', '.join(_ESTIMATE_INTS)}, etp=, zero_stage=, sp=, "
-                              "recompute=, "
-                              "cp_algorithm=, accounting=, dtype=, device_gb=)")
+                              "recompute=, cp_algorithm=, accounting=, attention=, "
+                              "causal_flops=, logits_dtype=, generate=, dtype=, "
+                              "device_gb=, device=, schedule=, verbose=)")
     if device_gb is not None:
         device_gb = number("device_gb", device_gb, minimum=0, strict=True)
     try:
@@ -168,10 +189,71 @@ def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> 
                for stage, name in enumerate(("baseline", "P_os", "P_os+g", "P_os+g+p"))},
             "note": "parameters whose mixed-precision Adam model states (K = 12) fit, "
                     "activations ignored (ZeRO paper Table 2)"}
+    return _estimate_output(result, shape, model_name, kwargs, tm_opts, as_json, wide)
+
+
+def _estimate_output(result: dict, shape, model_name, kwargs: dict, tm_opts: dict,
+                     as_json: bool, wide: bool) -> int:
+    """The summary (default), the full breakdown (``verbose=true`` or ``--wide``), or JSON;
+    with ``device=`` the time model's step time, MFU and memory against the device."""
+    verbose = coerce(tm_opts.get("verbose", "false"), bool, "verbose") or wide
+    st = profile = lay = None
+    if "device" in tm_opts:
+        if shape is None:
+            raise ConfigError("device= needs a model (model=PRESET or its fields), not "
+                              "params=")
+        from ..timemodel import load_profile, predict_step
+        from ..timemodel.report import layout_from_estimate
+        profile = load_profile(tm_opts["device"])
+        extra: dict = {}
+        if "schedule" in tm_opts:
+            from ..schedules import SCHEDULES
+            if tm_opts["schedule"] not in SCHEDULES:
+                raise ConfigError(f"schedule={tm_opts['schedule']!r} must be one of "
+                                  f"{', '.join(SCHEDULES)}")
+            extra["schedule"] = tm_opts["schedule"]
+        if "cp_algorithm" in kwargs:
+            extra["cp_algorithm"] = kwargs["cp_algorithm"]
+        if "cp_ulysses" in tm_opts:
+            extra["cp_ulysses"] = number("cp_ulysses", tm_opts["cp_ulysses"], integer=True,
+                                         minimum=1)
+        if "bucket_mb" in tm_opts:
+            extra["bucket_mb"] = number("bucket_mb", tm_opts["bucket_mb"], minimum=0,
+                                        strict=True)
+        if kwargs.get("accounting"):
+            extra["accounting"] = kwargs["accounting"]
+        lay = layout_from_estimate(result["inputs"], extra)
+        try:
+            st = predict_step(shape, lay, profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif tm_opts.get("schedule"):
+        raise ConfigError("schedule= is read by the time model: give device=PROFILE too")
     if as_json:
+        if st is not None:
+            from ..timemodel.report import as_json as time_json
+            result["time"] = time_json(st, lay, profile)
         print(json.dumps(result, indent=2, default=str))
-    else:
+        return 0
+    out = make_console()
+    if shape is not None:
+        from ..timemodel.report import layout_from_estimate, summary
+        lay = lay or layout_from_estimate(result["inputs"], {})
+        for line in summary(model_name or "model", shape, lay, st, profile, result):
+            out.print(line, highlight=False)
+    if verbose or shape is None:
         _render_sections(result, "estimate")
+        if st is not None:
+            from ..timemodel.report import breakdown_rows
+            t = Table(title=f"estimate: time model on {profile.name}", show_header=False)
+            t.add_column("quantity", style="cyan")
+            t.add_column("value")
+            for k, v in breakdown_rows(st):
+                t.add_row(k, v)
+            out.print(t)
+    else:
+        out.print("  (verbose=true or --wide: the full breakdown; --json: every figure)",
+                  style="dim")
     return 0
 
 

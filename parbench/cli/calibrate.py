@@ -1,8 +1,168 @@
-"""``parbench calibrate``: placeholder, being written."""
+"""``parbench calibrate [device=cpu|cuda] [key=value ...]``: measure this machine (or, under
+torchrun, a cluster node's ranks) and write a device profile for the time model.
+
+Options:
+
+- ``device=cpu|cuda`` (default cpu: gloo, one thread per rank; cuda: NCCL, one GPU per rank);
+- ``world_size=N`` local ranks (default 2; under torchrun the job's);
+- ``model=PRESET[,PRESET...]`` whose GEMM and attention shapes to time (default ``tiny``,
+  the suites' model; ``model=none``: generic sizes only), at ``micro_batch_sizes=1,2,4``,
+  ``tp=1,2`` and ``cp=1,2`` (comma lists);
+- ``dtypes=fp32[,bf16]``; ``quick=true`` (fewer repeats and sizes, for a smoke test);
+- ``name=cpu-local`` (the name ``device=`` finds it by) and ``out=FILE.json`` (also write
+  there); the profile is saved in ``$PARBENCH_PROFILE_DIR`` (default
+  ``~/.cache/parbench/profiles``);
+- ``instrumented=true``: time collectives inside parbench's recording ledger and timeline, as
+  the harness's timed steps run them with ``instrument=true`` (default false: the machine
+  itself);
+- ``reference=false``: skip timing the reference model's single-rank step (a check of the
+  compute model printed at the end, not an input).
+"""
 from __future__ import annotations
 
-from .output import UsageError
+import json
+
+from ..config import ConfigError
+from ..overrides import coerce, parse_overrides
+from .output import console
+
+
+def _ints(key: str, value: str) -> tuple[int, ...]:
+    out = tuple(coerce(x, int, key) for x in str(value).split(",") if x.strip())
+    if not out or any(x < 1 for x in out):
+        raise ConfigError(f"{key}={value!r} must be a comma list of positive integers")
+    return out
 
 
 def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    raise UsageError("calibrate is not written yet")
+    from ..analytic.shape import shape_from
+    from ..config import PRESETS, model_preset
+    from ..timemodel.calibrate import Plan, calibrate
+    from ..timemodel.profile import profile_dir
+
+    ov = parse_overrides(args)
+    device = ov.pop("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} must be cpu or cuda")
+    world = coerce(ov.pop("world_size", "2"), int, "world_size")
+    if world < 2:
+        raise ConfigError(f"world_size={world} must be >= 2 (collectives need two ranks)")
+    models = [m for m in str(ov.pop("model", "tiny")).split(",") if m and m != "none"]
+    for m in models:
+        if m not in PRESETS:
+            raise ConfigError(f"model={m!r} is not a preset (choose from {', '.join(PRESETS)})")
+    mbs = _ints("micro_batch_sizes", ov.pop("micro_batch_sizes", "1,2,4"))
+    tps = _ints("tp", ov.pop("tp", "1,2"))
+    cps = _ints("cp", ov.pop("cp", "1,2"))
+    dtypes = tuple(ov.pop("dtypes", "fp32").split(","))
+    for d in dtypes:
+        if d not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"dtypes={d!r} must be fp32, bf16 or fp16")
+    quick = coerce(ov.pop("quick", "false"), bool, "quick")
+    instrumented = coerce(ov.pop("instrumented", "false"), bool, "instrumented")
+    reference = coerce(ov.pop("reference", "true"), bool, "reference")
+    name = ov.pop("name", None)
+    out = ov.pop("out", None)
+    if ov:
+        raise ConfigError(f"unknown key {sorted(ov)[0]!r} for calibrate (device=, world_size=, "
+                          "model=, micro_batch_sizes=, tp=, cp=, dtypes=, quick=, "
+                          "instrumented=, reference=, name=, out=)")
+    shapes = [shape_from(model_preset(m)) for m in models]
+    plan = Plan(device=device, dtypes=dtypes, shape=shapes[0] if shapes else None,
+                micro_batch_sizes=mbs, tp_splits=tps, cp_splits=cps,
+                instrumented=instrumented)
+    if quick:
+        plan.message_bytes = (4, 4096, 262144, 1 << 20)
+        plan.square_sizes = (128, 256)
+        plan.copy_bytes = 16 << 20
+        plan.repeats = 3
+        plan.min_time_s = 0.01
+    # further models add their GEMM / attention shapes: one plan per model, merged
+    extra_plans = [Plan(device=device, dtypes=dtypes, shape=s, micro_batch_sizes=mbs,
+                        tp_splits=tps, cp_splits=cps) for s in shapes[1:]]
+    say = console(stderr=True).print
+    ref = (models[0], mbs[min(1, len(mbs) - 1)], 2) if (reference and models) else None
+    profile = calibrate(plan, world, name, reference=ref, progress=lambda s: say(f"  {s}"))
+    if extra_plans:
+        from ..timemodel.calibrate import _run_everywhere, compute_task
+        for p in extra_plans:
+            p.square_sizes = ()
+            p.min_time_s, p.repeats = plan.min_time_s, plan.repeats
+            res = _run_everywhere(compute_task, world, device, p)
+            have = {(g["m"], g["n"], g["k"], g["dtype"]) for g in profile.gemms}
+            for r in res:
+                for g in r["gemms"]:
+                    if (g["m"], g["n"], g["k"], g["dtype"]) not in have:
+                        profile.gemms.append(g)
+                        have.add((g["m"], g["n"], g["k"], g["dtype"]))
+                profile.attention += [a for a in r["attention"] if a not in profile.attention]
+        profile.__post_init__()
+    path = profile.save(profile_dir() / f"{profile.name}.json")
+    if out:
+        profile.save(out)
+    check = reference_check(profile)
+    if as_json:
+        print(json.dumps({"profile": profile.to_dict(), "saved": str(path),
+                          "reference_check": check}, indent=2, default=str))
+        return 0
+    render(profile, str(path), check)
+    return 0
+
+
+def reference_check(profile) -> dict | None:
+    """The compute model against the timed single-rank reference step (if one was timed)."""
+    ref = profile.meta.get("reference_step")
+    if not ref:
+        return None
+    from ..analytic.shape import shape_from
+    from ..config import model_preset
+    from ..timemodel import Layout, predict_step
+    shape = shape_from(model_preset(ref["model"]))
+    st = predict_step(shape, Layout(micro_batch_size=ref["micro_batch_size"],
+                                    num_microbatches=ref["num_microbatches"], dtype="fp32"),
+                      profile)
+    return {**{k: ref[k] for k in ("model", "micro_batch_size", "num_microbatches")},
+            "measured_s": ref["seconds"], "predicted_s": st.step_s,
+            "error": st.step_s / ref["seconds"] - 1}
+
+
+def render(profile, path: str, check: dict | None) -> None:
+    from rich.table import Table
+    out = console()
+    out.print(f"[bold]{profile.name}[/]: {profile.description}")
+    t = Table(title="compute (slowest rank's medians, all ranks at once)", show_header=False)
+    t.add_column("quantity", style="cyan")
+    t.add_column("value")
+    for dt, v in profile.matmul_flops.items():
+        t.add_row(f"matmul peak {dt}", f"{v / 1e9:.2f} GFLOP/s (best of "
+                  f"{sum(1 for g in profile.gemms if g['dtype'] == dt)} GEMMs)")
+    t.add_row("memory bandwidth", f"{profile.mem_bandwidth / 1e9:.2f} GB/s (copy, read + write)")
+    t.add_row("eager operator", f"{profile.op_overhead_s * 1e6:.2f} us")
+    t.add_row("autograd node", f"{profile.bwd_op_overhead_s * 1e6:.2f} us")
+    t.add_row("backward() call", f"{profile.backward_call_s * 1e6:.2f} us")
+    t.add_row("AdamW", f"{profile.optimizer.get('per_tensor_s', 0) * 1e6:.2f} us per tensor + "
+              f"{profile.optimizer.get('per_element_s', 0) * 1e9:.3f} ns per element")
+    t.add_row("overlap", f"{profile.overlap:.2f} of an all-reduce hidden under GEMMs")
+    t.add_row("blocking send", "yes: a send returns once its receive is posted"
+              if profile.p2p_blocking else "no")
+    out.print(t)
+    c = Table(title="collectives: t = alpha + S / bandwidth (S: message bytes)")
+    for col in ("link", "op", "ranks", "alpha (us)", "bandwidth (GB/s)", "points",
+                "max error"):
+        c.add_column(col)
+    for lk, ops in profile.collectives.items():
+        for op, fits in ops.items():
+            for n, f in sorted(fits.items()):
+                c.add_row(lk, op, str(n), f"{f.alpha_s * 1e6:.1f}", f"{f.bandwidth / 1e9:.3f}",
+                          str(f.points), f"{100 * f.max_rel_err:.0f}%")
+    out.print(c)
+    if check:
+        out.print(f"compute model check: the {check['model']} reference step on one rank "
+                  f"({check['num_microbatches']} micro-batches of {check['micro_batch_size']}) "
+                  f"measured {check['measured_s'] * 1e3:.2f} ms, predicted "
+                  f"{check['predicted_s'] * 1e3:.2f} ms ({100 * check['error']:+.1f}%)")
+    load = profile.meta.get("load_average")
+    if load:
+        out.print(f"load average during calibration: {load[0]:.2f} on "
+                  f"{profile.meta.get('cpus')} cores")
+    out.print(f"saved: {path}  (use it as device={profile.name})")

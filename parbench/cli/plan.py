@@ -1,8 +1,90 @@
-"""``parbench plan``: placeholder, being written."""
+"""``parbench plan model=PRESET world=N device=PROFILE [global_batch_size=] [seq_length=]``:
+every parallel layout ranked by predicted step time (``parbench.plan``)."""
 from __future__ import annotations
 
-from .output import UsageError
+import json
+
+from ..config import ConfigError
+from ..overrides import coerce, parse_overrides
+from .output import UsageError, console
+
+#: the space's knobs a user may narrow on the command line
+_SPACE_KEYS = {"max_tp": int, "max_cp": int}
+
+
+def _shape(ov: dict):
+    from ..analytic.shape import shape_from
+    from ..config import model_preset
+    name = ov.pop("model", None)
+    if not name:
+        raise UsageError("plan needs model=PRESET (see `parbench list`)")
+    extra = {}
+    if "seq_length" in ov:
+        extra["seq_length"] = coerce(ov.pop("seq_length"), int, "seq_length")
+    return shape_from(model_preset(name), **extra), name
 
 
 def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    raise UsageError("plan is not written yet")
+    from ..plan import Space, as_dict, plan, why
+    from ..timemodel import load_profile
+
+    ov = parse_overrides(args)
+    shape, name = _shape(ov)
+    if "world" not in ov:
+        raise UsageError("plan needs world=N (the number of devices)")
+    world = coerce(ov.pop("world"), int, "world")
+    device = ov.pop("device", None)
+    if not device:
+        raise UsageError("plan needs device=PROFILE (a preset such as a100-80gb, or a "
+                         "profile written by `parbench calibrate`)")
+    profile = load_profile(device)
+    batch = coerce(ov.pop("global_batch_size", str(max(world, 1))), int, "global_batch_size")
+    top = coerce(ov.pop("top", "10"), int, "top")
+    space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov})
+    if ov:
+        raise ConfigError(f"{', '.join(sorted(ov))}: not an option of plan (model, world, "
+                          "device, global_batch_size, seq_length, top, max_tp, max_cp)")
+    res = plan(shape, world, profile, batch, space, keep=top)
+    if as_json:
+        print(json.dumps({"model": name, "world": world, "device": device,
+                          "global_batch_size": batch, "evaluated": res.evaluated,
+                          "over_memory": res.over_memory, "seconds": res.seconds,
+                          "ranked": [as_dict(lay, st) for lay, st in res.ranked]},
+                         indent=2, default=str))
+        return 0 if res.ranked else 1
+    _print(console(), name, world, device, batch, res, why)
+    return 0 if res.ranked else 1
+
+
+def _print(out, name, world, device, batch, res, why) -> None:
+    from rich.table import Table
+    out.print(f"[bold]parbench plan[/] {name} on {world} × {device}, global batch {batch}: "
+              f"{res.evaluated} layouts priced in {res.seconds:.2f} s, "
+              f"{res.over_memory} over the device's memory")
+    if not res.ranked:
+        out.print("[red]no layout fits[/]; the fastest over memory:")
+        for lay, st in res.best_over_memory:
+            out.print(f"  {_degrees(lay)}: {why(st)}")
+        return
+    t = Table(show_edge=False)
+    for col in ("#", "tp", "cp", "ep", "dp", "pp", "schedule", "zero", "recompute", "b×m",
+                "step s", "tokens/s", "MFU", "memory"):
+        t.add_column(col, justify="right" if col not in ("schedule", "recompute")
+                     else "left")
+    for i, (lay, st) in enumerate(res.ranked, 1):
+        sched = lay.schedule + (f" v{lay.vpp}" if lay.vpp > 1 else "") if lay.pp > 1 else "—"
+        t.add_row(str(i), str(lay.tp), str(lay.cp), str(lay.ep), str(lay.dp), str(lay.pp),
+                  sched, str(lay.zero_stage), lay.recompute,
+                  f"{lay.micro_batch_size}×{lay.num_microbatches}", f"{st.step_s:.3g}",
+                  f"{st.tokens_per_s:.3g}", f"{100 * st.mfu:.1f}%",
+                  f"{st.memory_per_rank_bytes / 2**30:.1f} GiB")
+    out.print(t)
+    out.print("why (memory per rank of the device's; bubble, exposed communication of the "
+              "heaviest axis and recompute as shares of the step):")
+    for i, (_, st) in enumerate(res.ranked, 1):
+        out.print(f"  {i:>2}. {why(st)}", soft_wrap=True)
+
+
+def _degrees(lay) -> str:
+    return (f"tp{lay.tp} cp{lay.cp} ep{lay.ep} dp{lay.dp} pp{lay.pp} {lay.schedule} "
+            f"zero{lay.zero_stage} {lay.recompute} b{lay.micro_batch_size}")

@@ -93,7 +93,10 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from ..report import print_tables, write_report
     from ..report.cells import verdict
     from ..runner import results_dir, run_cases
+    from .reproduce import run_papers_suite
 
+    if (code := run_papers_suite(args, as_json)) is not None:  # suite=papers: no ranks
+        return code
     suite, opts = load_checked_suite(args)
     if in_torchrun():
         return _run_torchrun(suite, opts["out"])

@@ -35,7 +35,10 @@ class ScheduleError(ValueError):
     """A schedule cannot be built or is broken; the message names field, value and rule."""
 
 
-@dataclass(frozen=True)
+_set_field = object.__setattr__
+
+
+@dataclass(frozen=True, init=False)
 class Action:
     """One compute action on one rank.
 
@@ -50,6 +53,14 @@ class Action:
     mb: int
     stage: int
     pipe: int = 0
+
+    def __init__(self, kind: str, mb: int, stage: int, pipe: int = 0):
+        # What the dataclass writes for a frozen class, with `object.__setattr__` looked up
+        # once, at import (schedules hold hundreds of thousands of actions).
+        _set_field(self, "kind", kind)
+        _set_field(self, "mb", mb)
+        _set_field(self, "stage", stage)
+        _set_field(self, "pipe", pipe)
 
     def __str__(self) -> str:
         # Compact and unambiguous: 'F3s0', 'BW3s5', 'B2s1p1'. `Schedule.label`

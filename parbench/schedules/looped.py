@@ -70,26 +70,17 @@ def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = Fal
             chunk = v - 1 - chunk
         return group * g + within % g, chunk
 
+    # the k-th forward and backward slots are the same (mb, chunk) on every rank
+    forward_slots = [slot(k, False) for k in range(total)]
+    backward_slots = [slot(k, True) for k in range(total)]
     rows = []
     for r in range(p):
         warm = min(total, (v - 1) * g + 2 * (p - 1 - r))
-        row = []
-
-        def fwd(k):
-            mb, chunk = slot(k, False)
-            row.append(Action(FORWARD, mb, chunk * p + r))
-
-        def bwd(k):
-            mb, chunk = slot(k, True)
-            row.append(Action(BACKWARD_FULL, mb, chunk * p + r))
-
-        for k in range(warm):
-            fwd(k)
-        for k in range(total - warm):
-            fwd(warm + k)
-            bwd(k)
-        for k in range(total - warm, total):
-            bwd(k)
+        fwd = [Action(FORWARD, mb, chunk * p + r) for mb, chunk in forward_slots]
+        bwd = [Action(BACKWARD_FULL, mb, chunk * p + r) for mb, chunk in backward_slots]
+        steady = [None] * (2 * (total - warm))  # F(warm + k), BW(k) for k < total - warm
+        steady[0::2], steady[1::2] = fwd[warm:], bwd[:total - warm]
+        row = fwd[:warm] + steady + bwd[total - warm:]
         rows.append(split_fused(row) if split_backward else row)
     return Schedule(
         name="interleaved",

@@ -11,23 +11,30 @@ the validator detects deadlocks.
 
 Bubble ratio follows parbench's timeline definition:
 ``1 - sum(busy) / (p * makespan)``.
+
+How it is fast (issue 12: 1F1B at p=64, m=1024 in well under a second, generation and
+validation included): the schedule is first numbered (`_Plan`: every action an integer,
+its dependencies looked up once, with numpy for the schedules the generators make), then
+the worklist runs over plain lists of numbers (`_advance`), with the same steps, the same
+order and the same float arithmetic as the action-by-action simulator it replaced, so
+every time, every figure and the order of ``times`` are the ones that one gave (pinned
+by ``tests/unit/test_simulator_fast.py``; ``scripts/bench_simulator.py`` times it).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from math import inf
 from numbers import Real
-from typing import Callable, Mapping, Sequence
+from operator import itemgetter, sub
+from typing import Callable, Mapping
 
-from .actions import (
-    BACKWARD_FULL,
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    Action,
-    Schedule,
-    ScheduleError,
-)
+import numpy as np
+
+from .actions import Action, Schedule, ScheduleError
+from .costs import make_cost  # noqa: F401  (make_cost is part of this module's API)
+from .plan_form import _CODE_KIND, _Plan
+from .sim_peaks import _all_peaks
 
 
 @dataclass
@@ -81,50 +88,169 @@ class SimResult:
         return [(a, *self.times[a]) for a in self.schedule.actions[rank]]
 
 
-def _per_stage(value, stage: int, name: str) -> float:
-    if isinstance(value, Real):
-        return float(value)
-    if isinstance(value, Mapping):
-        return float(value[stage])
-    if isinstance(value, Sequence):
-        return float(value[stage])
-    raise ScheduleError(f"{name} must be a number, a per-stage sequence or a dict (got {value!r})")
+def _eager_costs(plan: _Plan, cost: Callable[[Action], float]) -> list[float] | None:
+    """``float(cost(a))`` of every occurrence, or None when `cost` raises (the worklist then
+    asks it action by action, so the error comes where it would have).
 
-
-def make_cost(
-    tf=1.0,
-    tb=1.0,
-    tw=1.0,
-    tbw=None,
-    cost: Callable[[Action], float] | None = None,
-    costs: Mapping[Action, float] | None = None,
-) -> Callable[[Action], float]:
-    """Build ``cost(action) -> float``.
-
-    Precedence: the `costs` override (e.g. measured per-op costs), then the `cost`
-    callable, then per-kind values — each a number, a per-stage sequence or a
-    ``{stage: t}`` dict.  A fused ``BW`` costs `tbw` when given, else ``tb + tw``.
+    A `make_cost` function without overrides depends on kind and stage alone: it is
+    asked once per (kind, stage).
     """
+    try:
+        if not getattr(cost, "by_kind_and_stage", False):
+            return [float(cost(a)) for a in plan.flat]
+        if plan.regular:
+            kind, stage = plan.numbers[0][:plan.n], plan.numbers[2][:plan.n]
+            which = stage * 4 + kind
+            table = np.zeros(plan.S * 4)
+            for c in np.flatnonzero(np.bincount(which, minlength=len(table))).tolist():
+                table[c] = float(cost(Action(_CODE_KIND[c % 4], 0, c // 4)))
+            return table[which].tolist()
+        pairs = [(kind, stage) for kind, _, stage, _ in plan.keys]
+        memo = {ks: float(cost(Action(ks[0], 0, ks[1]))) for ks in set(pairs)}
+        return list(map(memo.__getitem__, pairs))
+    except Exception:
+        return None
 
-    def resolve(action: Action) -> float:
-        if costs is not None and action in costs:
-            return float(costs[action])
-        if cost is not None:
-            return float(cost(action))
-        s = action.stage
-        if action.kind == FORWARD:
-            return _per_stage(tf, s, "tf")
-        if action.kind == BACKWARD_INPUT:
-            return _per_stage(tb, s, "tb")
-        if action.kind == BACKWARD_WEIGHT:
-            return _per_stage(tw, s, "tw")
-        if action.kind == BACKWARD_FULL:
-            if tbw is not None:
-                return _per_stage(tbw, s, "tbw")
-            return _per_stage(tb, s, "tb") + _per_stage(tw, s, "tw")
-        raise ScheduleError(f"unknown action kind {action.kind!r} in {action}")
 
-    return resolve
+def _advance(plan: _Plan, cost: Callable[[Action], float], tfb=None):
+    """The worklist of :func:`run_times` on `plan`.
+
+    Returns ``(pos, starts, ends, done)``: each rank's next occurrence (its ``hi`` when
+    it finished), the start and end shown for each occurrence, and the occurrences in
+    the order they ran.  A unit is a single action with a finite cost >= 0 (the plain
+    path below) or anything else (`general`: overlapped pairs, costs to check or to ask
+    for, split shares), which follows the original arithmetic step by step.
+    """
+    n, flat, slot, avail = plan.n, plan.flat, plan.slot, list(plan.avail)
+    dep_a, dep_b, lag_a, lag_b = plan.dep_a, plan.dep_b, plan.lag_a, plan.lag_b
+    values = _eager_costs(plan, cost)
+    if values is None:
+        plain: list[float | None] = [None] * n
+    elif all(0.0 <= c < inf for c in set(values)):
+        plain = list(values)
+    else:
+        plain = [c if 0.0 <= c < inf else None for c in values]
+    for i in plan.pairs:
+        plain[i] = None
+    if not plan.regular:  # the plain path keeps occurrence i in slot i
+        for i, u in enumerate(slot):
+            if u != i:
+                plain[i] = None
+    p, pairs = plan.schedule.p, plan.pairs
+    pos, his = [lo for lo, _ in plan.bounds], [hi for _, hi in plan.bounds]
+    free = [0.0] * p
+    starts, ends, done = [0.0] * n, [0.0] * n, []
+    waiting: dict[int, list[int]] = {}
+    ready = deque(range(p))
+    popleft, wake, record = ready.popleft, ready.extend, done.append
+
+    def general(rank: int, i: int, start: float):
+        """Run the unit at occurrence i from `start`; its next occurrence, or None if blocked."""
+        group = (i, i + 1) if i in pairs else (i,)
+        for j in group:
+            for d, lag in ((dep_a[j], lag_a[j]), (dep_b[j], lag_b[j])):
+                t = avail[d]
+                if t is None:
+                    waiting.setdefault(d, []).append(rank)
+                    return None
+                start = max(start, t + lag)
+        costs = [values[j] for j in group] if values is not None else \
+            [float(cost(flat[j])) for j in group]
+        for j, c in zip(group, costs):
+            if c < 0:
+                raise ScheduleError(f"cost of {flat[j]} must be >= 0 (got {c})")
+        if len(group) == 1:
+            duration = costs[0]
+        elif tfb is None:
+            duration = sum(costs)
+        elif callable(tfb):
+            duration = float(tfb(*(flat[j] for j in group)))
+        else:
+            duration = float(tfb)
+        total, cursor = sum(costs), start
+        for j, c in zip(group, costs):
+            share = duration * (c / total if total > 0 else 1 / len(group))
+            starts[j], ends[j] = cursor, cursor + share
+            cursor += share
+        end = start + duration
+        for j in group:
+            avail[slot[j]] = end
+            record(j)
+            wake(waiting.pop(slot[j], ()))
+        return group[-1] + 1, end
+
+    while ready:
+        rank = popleft()
+        i, hi, t = pos[rank], his[rank], free[rank]
+        while i < hi:
+            c = plain[i]
+            if c is None:
+                step = general(rank, i, t)
+                if step is None:
+                    break
+                i, t = step
+                continue
+            d = avail[dep_a[i]]
+            if d is None:
+                waiting.setdefault(dep_a[i], []).append(rank)
+                break
+            d += lag_a[i]
+            start = d if d > t else t  # max(t, d), with max's own comparison
+            d = avail[dep_b[i]]
+            if d is None:
+                waiting.setdefault(dep_b[i], []).append(rank)
+                break
+            d += lag_b[i]
+            if d > start:
+                start = d
+            t = start + c
+            starts[i] = start
+            ends[i] = t
+            avail[i] = t
+            record(i)
+            if i in waiting:
+                wake(waiting.pop(i))
+            i += 1
+        pos[rank], free[rank] = i, t
+    return pos, starts, ends, done
+
+
+def _deadlock_free(plan: _Plan) -> bool:
+    """Whether `_advance` on `plan` would finish, without its times: every action runs once
+    its dependencies have run (an overlapped unit: those of both halves).  Where nothing
+    is listed twice (as in a validated schedule), what runs does not depend on the order
+    the ranks take turns in, so this is `_advance`'s verdict at well under half its cost."""
+    ran = [t is not None for t in plan.avail]
+    dep_a, dep_b, pairs = plan.dep_a, plan.dep_b, plan.pairs
+    pos, his = [lo for lo, _ in plan.bounds], [hi for _, hi in plan.bounds]
+    waiting: dict[int, list[int]] = {}
+    ready = deque(range(plan.schedule.p))
+    popleft, wake = ready.popleft, ready.extend
+    while ready:
+        rank = popleft()
+        i, hi = pos[rank], his[rank]
+        while i < hi:
+            if pairs and i in pairs:
+                blocked = [d for d in (dep_a[i], dep_b[i], dep_a[i + 1], dep_b[i + 1])
+                           if not ran[d]]
+                if blocked:
+                    waiting.setdefault(blocked[0], []).append(rank)
+                    break
+                ran[i] = True  # the first half; the second goes on below
+                wake(waiting.pop(i, ()))
+                i += 1
+            elif not ran[dep_a[i]]:
+                waiting.setdefault(dep_a[i], []).append(rank)
+                break
+            elif not ran[dep_b[i]]:
+                waiting.setdefault(dep_b[i], []).append(rank)
+                break
+            ran[i] = True
+            if i in waiting:
+                wake(waiting.pop(i))
+            i += 1
+        pos[rank] = i
+    return all(pos[r] >= his[r] for r in range(plan.schedule.p))
 
 
 def run_times(
@@ -143,71 +269,35 @@ def run_times(
     or ``tfb(f, b)``; default ``cost(f) + cost(b)``), and both outputs become
     available when the unit ends.  Its time is shown split between the halves in
     proportion to their own costs.
+
+    `cost` should depend on the action alone: it is asked for every action ahead of the
+    run, in list order (a `make_cost` function without overrides: once per kind and
+    stage), and only if that raises, again as the worklist reaches each action, so that
+    an error comes where it always did.
     """
-    kinds = schedule.backward_kinds()
-    partner = dict(schedule.overlapped) if overlap else {}
-    rank_of = {}
-    for rank, _, a in schedule.iter_actions():
-        rank_of.setdefault(a, rank)
-    pos = [0] * schedule.p
-    free = [0.0] * schedule.p
-    times: dict[Action, tuple[float, float]] = {}
-    # a window of a longer run: what ran before it is available from the start
-    avail: dict[Action, float] = {a: 0.0 for a in schedule.done_before}
-    waiting: dict[Action, list[int]] = {}
-    ready = deque(range(schedule.p))
-    while ready:
-        rank = ready.popleft()
-        row = schedule.actions[rank]
-        while pos[rank] < len(row):
-            group = [row[pos[rank]]]
-            mate = partner.get(group[0])
-            if mate is not None and pos[rank] + 1 < len(row) and row[pos[rank] + 1] == mate:
-                group.append(mate)
-            start = free[rank]
-            blocked = None
-            for action in group:
-                for dep in schedule.dependencies(action, kinds):
-                    if dep in group:
-                        continue
-                    done = avail.get(dep)
-                    if done is None:
-                        blocked = dep
-                        break
-                    lag = p2p if rank_of.get(dep, rank) != rank else 0.0
-                    start = max(start, done + lag)
-                if blocked is not None:
-                    break
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(rank)
-                break
-            costs = [float(cost(a)) for a in group]
-            for a, c in zip(group, costs):
-                if c < 0:
-                    raise ScheduleError(f"cost of {a} must be >= 0 (got {c})")
-            if len(group) == 1:
-                duration = costs[0]
-            elif tfb is None:
-                duration = sum(costs)
-            elif callable(tfb):
-                duration = float(tfb(*group))
-            else:
-                duration = float(tfb)
-            total, cursor = sum(costs), start
-            for a, c in zip(group, costs):
-                share = duration * (c / total if total > 0 else 1 / len(group))
-                times[a] = (cursor, cursor + share)
-                cursor += share
-            end = start + duration
-            free[rank] = end
-            pos[rank] += len(group)
-            for a in group:
-                avail[a] = end
-                ready.extend(waiting.pop(a, ()))
-    stuck = [r for r in range(schedule.p) if pos[r] < len(schedule.actions[r])]
+    return _times(_run(_Plan(schedule).link(p2p, overlap), cost, tfb))
+
+
+def _run(plan: _Plan, cost: Callable[[Action], float], tfb=None):
+    """`_advance`, raising the deadlock `ScheduleError` when a rank did not finish."""
+    pos, starts, ends, done = _advance(plan, cost, tfb)
+    stuck = [r for r in range(plan.schedule.p) if pos[r] < plan.bounds[r][1]]
     if stuck:
-        raise ScheduleError(_deadlock_message(schedule, pos, stuck, kinds, rank_of))
-    return times
+        schedule = plan.schedule
+        rank_of = {}
+        for rank, _, a in schedule.iter_actions():
+            rank_of.setdefault(a, rank)
+        at = [pos[r] - lo for r, (lo, _) in enumerate(plan.bounds)]
+        raise ScheduleError(_deadlock_message(schedule, at, stuck, schedule.backward_kinds(),
+                                              rank_of))
+    return plan, starts, ends, done
+
+
+def _times(run) -> dict[Action, tuple[float, float]]:
+    """``action -> (start, end)`` in the order the actions ran (a repeated one: its last run)."""
+    plan, starts, ends, done = run
+    flat = plan.flat
+    return {flat[i]: (starts[i], ends[i]) for i in done}
 
 
 def _deadlock_message(schedule, pos, stuck, kinds, rank_of) -> str:
@@ -226,38 +316,29 @@ def _deadlock_message(schedule, pos, stuck, kinds, rank_of) -> str:
     return f"{schedule.name}: deadlock — " + "; ".join(parts)
 
 
-def _peaks(row: list[Action], times) -> tuple[int, int, int]:
-    """Peak in-flight activations, peak pending W and peak held graphs on one rank.
-
-    In a window of a longer run (``Schedule.done_before``) the micro-batches whose forward
-    ran before the window and whose backward is in it count from the start.
-    """
-    events = []  # (time, order, d_inflight, d_wpending, d_held); ends (order 0) first
-    forwards = {(a.mb, a.stage, a.pipe) for a in row if a.kind == FORWARD}
-    carried_i = {(a.mb, a.stage, a.pipe) for a in row if a.kind in (BACKWARD_FULL,
-                                                                     BACKWARD_INPUT)}
-    carried_h = {(a.mb, a.stage, a.pipe) for a in row if a.kind in (BACKWARD_FULL,
-                                                                     BACKWARD_WEIGHT)}
-    for a in row:
-        start, end = times[a]
-        if a.kind == FORWARD:
-            events.append((start, 1, 1, 0, 1))
-        elif a.kind == BACKWARD_FULL:
-            events.append((end, 0, -1, 0, -1))
-        elif a.kind == BACKWARD_INPUT:
-            events.append((end, 0, -1, 1, 0))
-        elif a.kind == BACKWARD_WEIGHT:
-            events.append((end, 0, 0, -1, -1))
-    inflight, held = len(carried_i - forwards), len(carried_h - forwards)
-    pending, peak_i, peak_w, peak_h = 0, inflight, 0, held
-    for _, _, di, dw, dh in sorted(events):
-        inflight += di
-        pending += dw
-        held += dh
-        peak_i = max(peak_i, inflight)
-        peak_w = max(peak_w, pending)
-        peak_h = max(peak_h, held)
-    return peak_i, peak_w, peak_h
+#: per kind: (order, d_inflight, d_wpending, d_held) of its event; ends (order 0) sort first
+def _gaps(starts: list[float], ends: list[float], makespan: float) -> list[tuple[float, float]]:
+    """One rank's idle ``(start, end)`` gaps in ``[0, makespan]``: before each action that
+    starts after everything before it on the rank ended, and after the last."""
+    gaps, cursor = [], 0.0
+    reach = np.array(ends, float)
+    if len(reach) and set(map(type, ends)) == {float} and not (
+            np.isnan(reach).any() or np.signbit(reach).any()):
+        # the running end as the loop below keeps it: no NaN to skip, no -0.0 to keep, and
+        # plain floats only (a latency given as a numpy float makes numpy floats of times)
+        reach = np.maximum.accumulate(np.concatenate(([0.0], reach))).tolist()
+        after = np.flatnonzero(np.array(starts, float) > reach[:-1]).tolist()
+        gaps = [(reach[k], starts[k]) for k in after]
+        cursor = reach[-1]
+    else:
+        for start, end in zip(starts, ends):
+            if start > cursor:
+                gaps.append((cursor, start))
+            if end > cursor:  # max(cursor, end)
+                cursor = end
+    if makespan > cursor:
+        gaps.append((cursor, makespan))
+    return gaps
 
 
 def simulate(
@@ -283,27 +364,22 @@ def simulate(
     one unit of duration `tfb` (default: the sum of the two costs).
     """
     cost_fn = make_cost(tf, tb, tw, tbw, cost, costs)
-    times = run_times(schedule, cost_fn, p2p, overlap, tfb)
+    run = _run(_Plan(schedule).link(p2p, overlap), cost_fn, tfb)
+    plan, starts, ends, _ = run
+    times = _times(run)
+    if not plan.unique:  # a repeated action shows its last run everywhere, as `times` does
+        starts = [times[a][0] for a in plan.flat]
+        ends = [times[a][1] for a in plan.flat]
     p = schedule.p
-    makespan = max((end for _, end in times.values()), default=0.0)
-    busy, idle, span, peak_i, peak_w, peak_h = [], [], [], [], [], []
+    makespan = max(map(itemgetter(1), times.values()), default=0.0)
+    busy, idle, span = [], [], []
     for rank in range(p):
-        row = schedule.actions[rank]
-        busy.append(sum(times[a][1] - times[a][0] for a in row))
-        gaps, cursor = [], 0.0
-        for a in row:
-            start, end = times[a]
-            if start > cursor:
-                gaps.append((cursor, start))
-            cursor = max(cursor, end)
-        if makespan > cursor:
-            gaps.append((cursor, makespan))
-        idle.append(gaps)
-        span.append(times[row[-1]][1] - times[row[0]][0] if row else 0.0)
-        pi, pw, ph = _peaks(row, times)
-        peak_i.append(pi)
-        peak_w.append(pw)
-        peak_h.append(ph)
+        lo, hi = plan.bounds[rank]
+        first, last = starts[lo:hi], ends[lo:hi]
+        busy.append(sum(map(sub, last, first)))
+        idle.append(_gaps(first, last, makespan))
+        span.append(last[-1] - first[0] if hi > lo else 0.0)
+    peak_i, peak_w, peak_h = (column[:p] for column in _all_peaks(plan, starts, ends))
     if makespan > 0:
         bubble = 1.0 - sum(busy) / (p * makespan)
         per_rank = [1.0 - b / makespan for b in busy]

@@ -16,10 +16,17 @@ message at the first problem:
    exactly one activation and one gradient per micro-batch;
 7. no deadlock: the dependency-driven simulation runs to completion (also with
    overlapped pairs run as units).
+
+Checks 2 to 6 first run as whole-array tests on the numbered schedule (`plan_form._Plan`);
+only a schedule one of them doubts goes through the action-by-action check, which names
+its first problem.  Check 7 runs the worklist without the times (`simulate._deadlock_free`)
+and, on a stall, the simulation itself for its message.
 """
 from __future__ import annotations
 
 from collections import Counter
+
+import numpy as np
 
 from .actions import (
     BACKWARD_FULL,
@@ -31,7 +38,7 @@ from .actions import (
     Schedule,
     ScheduleError,
 )
-from .simulate import make_cost, run_times
+from .simulate import _deadlock_free, _Plan, _run, make_cost
 
 
 def _fail(schedule: Schedule, message: str) -> None:
@@ -143,20 +150,93 @@ def _check_transfers(s: Schedule) -> None:
                      f"{stage + 1} appears {n} times, expected once")
 
 
+# -- the same checks at numpy speed ------------------------------------------------
+# Each says True only where its check above would pass; where it says False the check
+# above runs and names the first problem (or passes: the quick ones may doubt wrongly).
+# They read a regular `_Plan` (known kinds, non-negative int fields, nothing listed twice).
+def _actions_ok(s: Schedule, plan: _Plan) -> bool:
+    kind, mb, stage, pipe = (x[:plan.n] for x in plan.numbers)
+    if not plan.n:
+        return True
+    mb_pipe = np.asarray(s.mb_pipe)
+    if mb_pipe.dtype.kind != "i" or not (mb.max() < s.m and stage.max() < s.num_stages):
+        return False
+    if (mb_pipe[mb] != pipe).any():
+        return False
+    if not s.split_backward and ((kind == 1) | (kind == 2)).any():
+        return False
+    where = pipe * plan.S + stage
+    home = np.full(int(where.max()) + 1, -1)
+    for key in np.flatnonzero(np.bincount(where)).tolist():
+        rank = s.placement.get(divmod(key, plan.S))
+        if type(rank) is not int:
+            return False
+        home[key] = rank
+    return not (home[where] != plan.rank).any()
+
+
+def _coverage_ok(s: Schedule, plan: _Plan) -> bool:
+    if type(s.m) is not int or type(s.num_stages) is not int:
+        return False
+    kind, mb, stage = (x[:plan.n] for x in plan.numbers[:3])
+    cell = mb * s.num_stages + stage  # the pipe is the micro-batch's (`_check_actions`)
+    f, b, w, bw = (np.bincount(cell[kind == k], minlength=s.m * s.num_stages)
+                   for k in range(4))
+    fused, split = (bw == 1) & (b == 0) & (w == 0), (bw == 0) & (b == 1) & (w == 1)
+    return bool((f == 1).all() and (fused | split).all())
+
+
+def _order_ok(plan: _Plan) -> bool:
+    i = np.arange(plan.n)
+    for d in plan.deps:
+        later = (d > i) & (d < plan.n)
+        if (plan.rank[d[later]] == plan.rank[later]).any():
+            return False
+    return True
+
+
+def _overlapped_ok(s: Schedule, plan: _Plan) -> bool:
+    codes = plan.codes_of([a for pair in s.overlapped for a in pair])
+    for f, b in zip(codes[::2], codes[1::2]):
+        if f is None or b is None or f % 4 != 0 or b % 4 not in (1, 3):
+            return False
+        i, j = int(plan.index[f]), int(plan.index[b])
+        if not (0 <= i < plan.n and j == i + 1 and plan.rank[i] == plan.rank[j]):
+            return False
+    return True
+
+
+def _transfers_ok(plan: _Plan) -> bool:
+    """After the checks before it, every transfer joins a listed producer to its consumer,
+    once per boundary, exactly when every dependency is listed."""
+    return all(((d < plan.n) | (d == plan.NONE)).all() for d in plan.deps)
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` (see module docstring); return it unchanged if valid."""
     if schedule.done_before:
         _fail(schedule, "a window of a longer run (done_before is set) is not a whole "
                         "schedule; validate the run it was cut from")
     _check_shape(schedule)
-    _check_actions(schedule)
-    _check_coverage(schedule)
-    _check_order(schedule)
-    _check_overlapped(schedule)
-    _check_transfers(schedule)
-    run_times(schedule, make_cost(1.0, 1.0, 1.0))  # raises ScheduleError on deadlock
+    plan = _Plan(schedule)
+    quick = plan.regular
+    if not (quick and _actions_ok(schedule, plan)):
+        _check_actions(schedule)
+    if not (quick and _coverage_ok(schedule, plan)):
+        _check_coverage(schedule)
+    plan.link()
+    if not (quick and _order_ok(plan)):
+        _check_order(schedule)
+    if schedule.overlapped and not (quick and _overlapped_ok(schedule, plan)):
+        _check_overlapped(schedule)
+    if not (quick and _transfers_ok(plan)):
+        _check_transfers(schedule)
+    plans = [plan]
     if schedule.overlapped:  # running the pairs as units must not deadlock either
-        run_times(schedule, make_cost(1.0, 1.0, 1.0), overlap=True)
+        plans.append(_Plan(schedule).link(overlap=True))
+    for plan in plans:
+        if not _deadlock_free(plan):
+            _run(plan, make_cost(1.0, 1.0, 1.0))  # raises the ScheduleError naming the waits
     return schedule
 
 

@@ -87,5 +87,9 @@ def test_deepspeed_json():
 
 
 def test_presets_validate():
-    for name in ("tiny", "gpt3-175b", "llama2-7b", "ubmesh-moe-2t"):
+    for name in ("tiny", "gpt3-175b", "ubmesh-moe-2t"):
         validate_case(CaseConfig(model=model_preset(name)))
+    # LLaMA's SwiGLU / RMSNorm / GQA are for the estimate only: the reference model is GPT-2
+    for name in ("llama2-7b", "llama2-70b"):
+        with pytest.raises(ConfigError, match="analytic only"):
+            validate_case(CaseConfig(model=model_preset(name)))

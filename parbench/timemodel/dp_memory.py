@@ -1,0 +1,226 @@
+"""The data-parallel gradient synchronisation (buckets, ZeRO stages, overlap) and the memory
+per rank of the time model."""
+from __future__ import annotations
+
+import math
+
+from .costs import _bias, _cache, _e, _gated, _kv, _LinkFn, _param_shape, _vocab
+from .layout import Layout
+from .profile import Profile
+
+
+# ---------------------------------------------------------------------------------------
+# data parallel
+# ---------------------------------------------------------------------------------------
+
+def _bucket_count(numel_tensors: list[int], cap: int) -> list[int]:
+    """The bucket rule (``analytic.data_parallel``): reverse order, cut at ``cap`` elements;
+    returns each bucket's elements."""
+    out, n = [], 0
+    for x in reversed(numel_tensors):
+        n += x
+        if n >= cap:
+            out.append(n)
+            n = 0
+    if n:
+        out.append(n)
+    return out
+
+
+def _rank_tensors(shape, lay: Layout, stage: int) -> list[int]:
+    """Parameter tensors (elements) a rank of pipeline stage ``stage`` holds, forward order,
+    tp-split (replicated ones whole)."""
+    h, f, tp = shape.h, shape.f, lay.tp
+    kv = _kv(shape)
+    bias = _bias(shape)
+    norm = [h, h] if getattr(shape, "norm", "layernorm") == "layernorm" else [h]
+    block = list(norm) + [(h + 2 * kv) * h // tp] + ([(h + 2 * kv) // tp] if bias else []) \
+        + [h * h // tp] + ([h] if bias else []) + list(norm)
+    for _ in range(2 if _gated(shape) else 1):
+        block += [f * h // tp] + ([f // tp] if bias else [])
+    block += [h * f // tp] + ([h] if bias else [])
+    layers = shape.l // lay.pp
+    out: list[int] = []
+    if stage == 0:
+        out += [_vocab(shape, tp) * h]
+        if getattr(shape, "position_embeddings", True):
+            out += [shape.s * h]
+    out += block * layers
+    if stage == lay.pp - 1:
+        out += list(norm)
+        if not shape.tie_embeddings or lay.pp > 1:
+            out += [_vocab(shape, tp) * h]
+    return out
+
+
+def dp_costs(shape, lay: Layout, profile: Profile, stage: int, psi_rank: float,
+             bwd_window_last: float, bwd_window_each: float, fwd_window_each: float,
+             n_tensors: int) -> tuple[float, float, dict]:
+    """(exposed dp seconds per step, total dp seconds, detail) for one rank of ``stage``:
+    gradient reduction (and ZeRO's gathers) over dp x cp, overlapped as the module doc says."""
+    n = lay.dp * lay.cp
+    if n <= 1:
+        return 0.0, 0.0, {}
+    e = _e(lay.dtype)
+    m = lay.num_microbatches
+    link = _LinkFn(profile, lay.ranks_per_node or profile.ranks_per_node)(lay.tp, n)
+    o = profile.overlap if lay.overlap_grad_reduce else 0.0
+    cap_bytes = lay.bucket_mb * 2 ** 20 if math.isfinite(lay.bucket_mb) else math.inf
+    key = ("buckets", shape, lay.tp, lay.pp, lay.vpp, stage, lay.zero_stage, lay.bucket_mb, e)
+    cache = _cache(profile)
+    buckets = cache.get(key)
+    if buckets is None:
+        if not math.isfinite(cap_bytes):
+            buckets = [psi_rank]
+        else:
+            cap = max(1, int(cap_bytes // e))
+            tensors = _rank_tensors(shape, lay, stage)
+            if lay.zero_stage == 0:
+                buckets = _bucket_count(tensors, cap)
+            else:  # units: whole layers grouped by the same rule
+                buckets = _bucket_count(_layer_units(tensors, shape, lay, stage), cap)
+        cache[key] = buckets
+    ct = profile.collective_time
+    pad = lambda x: -(-x // n) * n  # noqa: E731
+    detail: dict[str, float] = {}
+    if lay.zero_stage == 0:
+        times = [ct("all_reduce", n, x * e, link) for x in buckets]
+        total = sum(times)
+        hidden = o * min(bwd_window_last, total - times[-1] if lay.overlap_grad_reduce
+                         else 0.0)
+        detail["all_reduce"] = total
+        return total - max(hidden, 0.0), total, detail
+    rs = [ct("reduce_scatter", n, pad(x) * e, link) for x in buckets]
+    ag = [ct("all_gather", n, pad(x) * e, link) for x in buckets]
+    t_rs, t_ag = sum(rs), sum(ag)
+    if lay.zero_stage == 1:
+        hidden = o * min(bwd_window_last, t_rs - rs[-1])
+        exposed = t_rs - hidden + t_ag
+        detail.update(reduce_scatter=t_rs, all_gather=t_ag)
+        return exposed, t_rs + t_ag, detail
+    if lay.zero_stage == 2:
+        hidden = o * min(bwd_window_each, t_rs - rs[-1])
+        exposed = m * (t_rs - hidden) + t_ag
+        detail.update(reduce_scatter=m * t_rs, all_gather=t_ag)
+        return exposed, m * t_rs + t_ag, detail
+    # ZeRO-3: gathers before forward and backward (prefetched), RS in backward, each mb
+    hidden_f = o * min(fwd_window_each, t_ag - ag[0])
+    hidden_b = o * min(bwd_window_each, max(t_ag + t_rs - ag[-1] - rs[-1], 0.0))
+    per_mb = (t_ag - hidden_f) + (t_ag + t_rs - hidden_b)
+    detail.update(all_gather=2 * m * t_ag, reduce_scatter=m * t_rs)
+    return m * per_mb, m * (2 * t_ag + t_rs), detail
+
+
+def _layer_units(tensors: list[int], shape, lay: Layout, stage: int) -> list[int]:
+    """Group a rank's tensors into layer units: embedding, each block, head."""
+    layers = shape.l // lay.pp
+    first = 2 if (stage == 0 and getattr(shape, "position_embeddings", True)) else \
+        (1 if stage == 0 else 0)
+    last_n = 0
+    if stage == lay.pp - 1:
+        norm_n = 2 if getattr(shape, "norm", "layernorm") == "layernorm" else 1
+        last_n = norm_n + (0 if (shape.tie_embeddings and lay.pp == 1) else 1)
+    body = tensors[first:len(tensors) - last_n]
+    blen = len(body) // layers if layers else 0
+    units = []
+    if first:
+        units.append(sum(tensors[:first]))
+    for i in range(layers):
+        units.append(sum(body[i * blen:(i + 1) * blen]))
+    if last_n:
+        units.append(sum(tensors[len(tensors) - last_n:]))
+    return units
+
+
+# ---------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------
+
+def _call(fn, *args, **kw):
+    """Call an analytic function, dropping keywords an older signature lacks."""
+    try:
+        return fn(*args, **kw)
+    except TypeError:
+        for k in ("kv_hidden", "mlp"):
+            kw.pop(k, None)
+        return fn(*args, **kw)
+
+
+_STAGES: dict = {}
+
+
+def _stage_params(shape, lay: Layout) -> list[dict]:
+    """``analytic.params.stage_params`` of the layout, cached (the planner asks again and
+    again for the same degrees)."""
+    key = (shape, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
+    hit = _STAGES.get(key)
+    if hit is None:
+        from ..analytic import params as aparams
+        if len(_STAGES) > 4096:
+            _STAGES.clear()
+        hit = _STAGES[key] = aparams.stage_params(_param_shape(shape, lay.tp), lay.pp, lay.tp,
+                                                  lay.ep, lay.vpp, etp=lay.etp or None)
+    return hit
+
+
+def memory_per_rank(shape, lay: Layout) -> tuple[float, dict]:
+    """(bytes, detail) of the most loaded pipeline rank: model states + activations."""
+    from ..analytic import activations, memory
+    e = _e(lay.dtype)
+    acc = lay.accounting or ("fp32_adamw" if e == 4 else "mixed_adam")
+    stages = _stage_params(shape, lay)
+    s_l = shape.s // lay.cp
+    per_layer = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size, shape.h,
+                      shape.a, lay.tp, lay.sp and lay.tp > 1, lay.recompute, shape.f,
+                      bytes_per_element=e, kv_hidden=_kv(shape),
+                      mlp=getattr(shape, "mlp", "gelu"))
+    p, m, v = lay.pp, lay.num_microbatches, lay.vpp
+    layers_here = shape.l // p
+    edp = max(1, lay.tp * lay.cp * lay.dp // ((lay.etp or lay.tp) * lay.ep)) if shape.moe \
+        else 1
+    best = (0.0, {})
+    for st in stages:
+        r = st["stage"]
+        if shape.moe:
+            dense = memory.zero_model_states(st["dense"], lay.dp * lay.cp, lay.zero_stage,
+                                             acc).total
+            expert = memory.zero_model_states(st["expert"], edp, lay.zero_stage, acc).total
+            states = dense + expert
+        else:
+            states = memory.zero_model_states(st["total"], lay.dp * lay.cp, lay.zero_stage,
+                                              acc).total
+        inflight = _inflight(lay.schedule, p, m, r, v)
+        factor = 1 + (p - 1) / (p * v) if (v > 1 and r == 0) else 1.0
+        acts = per_layer * layers_here * inflight * factor / (1 if v == 1 else 1)
+        if lay.recompute == "full":
+            # the one layer being recomputed holds its full activations meanwhile
+            full = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size,
+                         shape.h, shape.a, lay.tp, lay.sp and lay.tp > 1, "none", shape.f,
+                         bytes_per_element=e, kv_hidden=_kv(shape),
+                         mlp=getattr(shape, "mlp", "gelu"))
+            acts += full
+        logits = 0.0
+        if r == p - 1:
+            logits = 4.0 * lay.micro_batch_size * s_l * _vocab(shape, lay.tp)
+        total = states + acts + logits
+        if total > best[0]:
+            best = (total, {"stage": r, "model_states": states, "activations": acts,
+                            "logits": logits, "in_flight_microbatches": inflight,
+                            "accounting": acc, "activation_per_layer": per_layer})
+    return best
+
+
+def _inflight(name: str, p: int, m: int, rank: int, v: int) -> float:
+    """Micro-batches whose activations rank ``rank`` holds at its peak."""
+    if p == 1:
+        return 1
+    try:
+        from ..schedules import max_inflight
+        k = max_inflight(name, p, m, rank)
+        if k is not None:
+            return k
+    except Exception:  # noqa: BLE001 - unknown schedule names fall back below
+        pass
+    if name == "gpipe":
+        return m
+    return min(m, p - rank) if v == 1 else min(m, p)

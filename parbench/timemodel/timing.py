@@ -1,0 +1,233 @@
+"""Timing on the calibration ranks: synchronised, repeated measurements (slowest rank counts),
+paired differences, and the model's own layers at the rank's local shapes."""
+from __future__ import annotations
+
+from typing import Any, Callable
+import statistics
+import time
+
+from .calibration_plan import gated_mlp, kv_width, Plan
+
+
+# ---------------------------------------------------------------------------------------
+# timing helpers (run on the ranks)
+# ---------------------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _dist_ready() -> bool:
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized()
+    except ImportError:
+        return False
+
+
+def _agree_max(x: float, device: str) -> float:
+    """The largest ``x`` over the ranks (outside any ledger: not the scheme's traffic)."""
+    if not _dist_ready():
+        return x
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import unrecorded
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    with unrecorded():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _barrier() -> None:
+    if _dist_ready():
+        import torch.distributed as dist
+
+        from ..comm import unrecorded
+        with unrecorded():
+            dist.barrier()
+
+
+def _timeit(fn: Callable[[], Any], device: str, min_time: float, repeats: int) -> float:
+    """Median seconds per call of ``fn`` (k calls per sample, k so a sample lasts min_time).
+
+    On ranks every rank runs the same k at the same time, samples started together after a
+    barrier, so the figure includes what sharing the machine costs (cores, caches, memory
+    bandwidth) as a run's ranks share it."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = _agree_max(max(time.perf_counter() - t0, 1e-7), device)
+    k = max(1, min(10000, int(min_time / one)))
+    samples = []
+    for _ in range(repeats):
+        _barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / k)
+    return statistics.median(samples)
+
+
+def _paired(base: Callable[[], Any], more: Callable[[], Any], device: str, min_time: float,
+            repeats: int) -> tuple[float, float]:
+    """(t_base, t_more - t_base) per call, from samples of ``base`` and ``more`` taken in
+    turn (k calls each, the same k on every rank, after a barrier) and the median of the
+    paired differences: a machine whose load drifts shifts both halves of a pair alike."""
+    for fn in (base, more):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    more()
+    _sync(device)
+    one = _agree_max(max(time.perf_counter() - t0, 1e-7), device)
+    k = max(1, min(10000, int(min_time / one)))
+    bases, diffs = [], []
+    for _ in range(max(3, repeats)):
+        pair = []
+        for fn in (base, more):
+            _barrier()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            _sync(device)
+            pair.append((time.perf_counter() - t0) / k)
+        bases.append(pair[0])
+        diffs.append(pair[1] - pair[0])
+    return statistics.median(bases), statistics.median(diffs)
+
+
+def _dtype(name: str):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+# ---------------------------------------------------------------------------------------
+# the reference layer at a rank's local shapes
+# ---------------------------------------------------------------------------------------
+
+def local_modules(shape, tp: int, dtype):
+    """The reference model's layer, LM head and embedding as one tensor-parallel rank holds
+    them (widths divided by tp, heads a/tp; ``parbench.model``'s operators in its order:
+    pre-norm, QKV, fused causal attention, projection, residual, norm, MLP, residual)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    h, f = shape.h, shape.f // tp
+    heads = shape.a // tp
+    kv = kv_width(shape) // tp
+    kv_heads = max(1, kv // (shape.h // shape.a))
+    bias = bool(getattr(shape, "bias", True))
+    rms = getattr(shape, "norm", "layernorm") == "rmsnorm"
+    gated = gated_mlp(shape)
+
+    def norm():
+        return nn.RMSNorm(h) if rms and hasattr(nn, "RMSNorm") else nn.LayerNorm(h)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = norm(), norm()
+            self.qkv = nn.Linear(h, heads * (h // shape.a) + 2 * kv, bias=bias)
+            self.proj = nn.Linear(heads * (h // shape.a), h, bias=bias)
+            self.fc1 = nn.Linear(h, f * (2 if gated else 1), bias=bias)
+            self.fc2 = nn.Linear(f, h, bias=bias)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            d = h // shape.a
+            q, k, v = self.qkv(self.ln1(x)).split([heads * d, kv, kv], dim=-1)
+            q = q.view(b, s, heads, d).transpose(1, 2)
+            k = k.view(b, s, kv_heads, d).transpose(1, 2)
+            v = v.view(b, s, kv_heads, d).transpose(1, 2)
+            if kv_heads != heads:
+                k = k.repeat_interleave(heads // kv_heads, 1)
+                v = v.repeat_interleave(heads // kv_heads, 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, s, heads * d))
+            z = self.fc1(self.ln2(x))
+            if gated:
+                g_, u = z.chunk(2, dim=-1)
+                z = F.silu(g_) * u
+            else:
+                z = F.gelu(z)
+            return x + self.fc2(z)
+
+    vl = -(-shape.V // tp)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = norm()
+            self.out = nn.Linear(h, vl, bias=False)
+
+        def forward(self, x, targets):
+            logits = self.out(self.ln(x))
+            return F.cross_entropy(logits.float().reshape(-1, vl), targets.reshape(-1))
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vl, h)
+            self.pos = nn.Embedding(shape.s, h) if getattr(shape, "position_embeddings",
+                                                           True) else None
+
+        def forward(self, tokens):
+            x = self.tok(tokens)
+            if self.pos is not None:
+                x = x + self.pos.weight[: tokens.shape[1]]
+            return x
+
+    return Layer().to(dtype), Head().to(dtype), Embed().to(dtype)
+
+
+def _time_parts(plan: Plan, dev: str, dt: str) -> list[dict]:
+    """The reference model's in-graph costs at each (b, s/cp, tp), by regression over depth:
+    the local model (embedding, k layers, head and loss) timed forward and forward + backward
+    at k = 1 and k = 3; a layer costs the slope, the embedding, head, loss and ``backward()``
+    call together (``ends``) the intercept. Timing a layer alone would miss what chaining
+    costs (the gradient flowing between layers)."""
+    import torch
+    sh = plan.shape
+    dtype = _dtype(dt)
+    out = []
+    mods: dict[int, tuple] = {}
+    k1, k2 = 1, 3
+    for b, s_l, tp in plan.layer_shapes():
+        if tp not in mods:
+            mods[tp] = tuple(m.to(dev) for m in local_modules(sh, tp, dtype))
+        layer, head, embed = mods[tp]
+        vl = -(-sh.V // tp)
+        tokens = torch.randint(0, vl, (b, s_l), device=dev)
+        targets = torch.randint(0, vl, (b, s_l), device=dev)
+
+        def fwd(k):
+            def run():
+                x = embed(tokens)
+                for _ in range(k):
+                    x = layer(x)
+                return head(x, targets)
+            return run
+
+        def fwd_bwd(k):
+            f_ = fwd(k)
+            return lambda: f_().backward()
+
+        t1f, dfw = _paired(fwd(k1), fwd(k2), dev, plan.min_time_s, plan.repeats)
+        t1fb, dfb = _paired(fwd_bwd(k1), fwd_bwd(k2), dev, plan.min_time_s, plan.repeats)
+        lf = max(dfw / (k2 - k1), 0.0)
+        lfb = max(dfb / (k2 - k1), lf)
+        ef = max(t1f - k1 * lf, 0.0)
+        efb = max(t1fb - k1 * lfb, ef)
+        row = {"b": b, "s": s_l, "tp": tp, "h": sh.h, "heads": sh.a // tp, "f": sh.f // tp,
+               "kv": kv_width(sh) // tp, "vocab": vl, "dtype": dt, "gated": gated_mlp(sh)}
+        out.append({"kind": "layer", **row, "fwd_s": lf, "bwd_s": lfb - lf})
+        out.append({"kind": "ends", **row, "fwd_s": ef, "bwd_s": efb - ef})
+        for m_ in (layer, head, embed):
+            m_.zero_grad(set_to_none=True)
+    return out

@@ -1,0 +1,34 @@
+"""``parbench plan`` as a user runs it: a ranked table (or JSON) on a published device
+preset; bad input is one line, exit 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parbench.cli import main
+
+
+def test_plan_ranks_layouts_that_fit(capsys):
+    rc = main(["plan", "model=gpt3-175b", "world=64", "device=a100-80gb",
+               "global_batch_size=64", "max_cp=1", "top=5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["evaluated"] > 100 and len(out["ranked"]) == 5
+    steps = [r["prediction"]["step_s"] for r in out["ranked"]]
+    assert steps == sorted(steps)
+    for r in out["ranked"]:
+        lay, pred = r["layout"], r["prediction"]
+        assert lay["tp"] * lay["cp"] * lay["dp"] * lay["pp"] == 64 and lay["cp"] == 1
+        assert pred["fits"] and pred["memory_per_rank_bytes"] <= pred["device_memory_bytes"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["model=gpt3-175b", "world=8"], "device="),
+    (["model=nosuch", "world=8", "device=a100-80gb"], "nosuch"),
+    (["model=gpt3-175b", "world=8", "device=a100-80gb", "colour=red"], "colour"),
+    (["model=gpt3-175b", "world=0", "device=a100-80gb"], "world"),
+])
+def test_plan_bad_input(capsys, args, says):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
