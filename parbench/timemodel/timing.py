@@ -57,12 +57,7 @@ def _timeit(fn: Callable[[], Any], device: str, min_time: float, repeats: int) -
     barrier, so the figure includes what sharing the machine costs (cores, caches, memory
     bandwidth) as a run's ranks share it."""
     fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = _agree_max(max(time.perf_counter() - t0, 1e-7), device)
-    k = max(1, min(10000, int(min_time / one)))
+    k = _calls_per_sample(fn, device, min_time)
     samples = []
     for _ in range(repeats):
         _barrier()
@@ -74,19 +69,25 @@ def _timeit(fn: Callable[[], Any], device: str, min_time: float, repeats: int) -
     return statistics.median(samples)
 
 
+def _calls_per_sample(fn: Callable[[], Any], device: str, min_time: float) -> int:
+    """How many calls of ``fn`` make a sample of at least ``min_time`` (the slowest rank's
+    single call decides, so every rank runs the same number)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = _agree_max(max(time.perf_counter() - t0, 1e-7), device)
+    return max(1, min(10000, int(min_time / one)))
+
+
 def _paired(base: Callable[[], Any], more: Callable[[], Any], device: str, min_time: float,
             repeats: int) -> tuple[float, float]:
     """(t_base, t_more - t_base) per call, from samples of ``base`` and ``more`` taken in
     turn (k calls each, the same k on every rank, after a barrier) and the median of the
     paired differences: a machine whose load drifts shifts both halves of a pair alike."""
-    for fn in (base, more):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
+    base()
     more()
-    _sync(device)
-    one = _agree_max(max(time.perf_counter() - t0, 1e-7), device)
-    k = max(1, min(10000, int(min_time / one)))
+    k = _calls_per_sample(more, device, min_time)
     bases, diffs = [], []
     for _ in range(max(3, repeats)):
         pair = []

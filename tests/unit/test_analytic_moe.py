@@ -387,7 +387,7 @@ def test_cli_moe_every_and_errors(capsys):
 
 
 def test_cli_prints_expert_states(capsys):
-    assert main([*UBMESH]) == 0
+    assert main([*UBMESH, "verbose=true"]) == 0  # the full breakdown (default: a summary)
     text = capsys.readouterr().out
     assert "model_states.groups.expert.padded.total" in text
     assert "edp = tp*cp*dp/(etp*ep)" in text
