@@ -42,8 +42,12 @@ from typing import Any
 
 from . import activations, comm, flops, memory
 from . import params as param_model
-from .shape import (GB, Shape, exact_factor, expert_capacity, moe_layer_count,
+from .shape import (Shape, moe_layer_count,
                     require_nonneg_int, require_positive_int, shape_from)
+from .estimate_states import (_add_layer_buffer, _model_states_block,
+                              _moe_model_states_block)
+from .kv_cache import kv_cache
+from .estimate_traffic import _expert_comm, _routed_rows, per_layer_traffic
 
 
 def _microbatches(micro_batch: int, dp: int, global_batch: int | None,
@@ -58,168 +62,6 @@ def _microbatches(micro_batch: int, dp: int, global_batch: int | None,
         raise ValueError(f"num_microbatches={num_microbatches} does not match "
                          f"global_batch/(micro_batch*dp)={m}")
     return m
-
-
-def _add_layer_buffer(block: dict, zero_stage: int, chosen: str,
-                      largest_layer: int | None) -> None:
-    """DeepSpeed's ZeRO-3 largest-layer buffer (``layer_buffer`` bytes per parameter of the
-    largest module, :func:`.params.largest_module_params`) added to the selected states as
-    ``buffer`` (and to their ``total``); nothing for other accountings or stages."""
-    acc = memory.get_accounting(chosen)
-    if not acc.layer_buffer or zero_stage != 3 or largest_layer is None:
-        return
-    buf = acc.layer_buffer * largest_layer
-    sel = block["selected"]
-    sel["layer_buffer"] = {"largest_layer_params": largest_layer, "bytes": buf,
-                           "source": "DeepSpeed estimate_zero3_model_states_mem_needs: "
-                                     "4 * largest_layer_params + 18 * params / gpus"}
-    for key in ("padded", "unpadded", "paper"):
-        if key in sel:
-            sel[key] = {**sel[key], "buffer": buf, "total": sel[key]["total"] + buf}
-
-
-def _model_states_block(psi: float, dp: int, zero_stage: int, chosen: str) -> dict:
-    block: dict[str, Any] = {
-        "per_rank_params": psi,
-        "by_accounting": {name: memory.zero_table(psi, dp, acc)
-                          for name, acc in memory.ACCOUNTINGS.items()},
-        "zero_paper_gb": {k: memory.round_sig(v / GB, 3)
-                          for k, v in memory.zero_table(psi, dp, memory.MIXED_ADAM).items()},
-        "units": "bytes; zero_paper_gb in GB = 1e9 bytes, 3 significant figures "
-                 "(mixed_adam, K = 12)",
-        "selected": {"zero_stage": zero_stage, "accounting": chosen},
-    }
-    if float(psi).is_integer():
-        exact = memory.zero_model_states_exact(int(psi), dp, zero_stage, chosen)
-        block["selected"].update({k: v.as_dict() for k, v in exact.items()})
-    else:
-        block["selected"]["paper"] = memory.zero_model_states(psi, dp, zero_stage,
-                                                              chosen).as_dict()
-    return block
-
-
-_GROUP_NAMES = {"dense": "dp x cp (dense parameters: replicated over the dp*cp ranks)",
-                "expert": "edp = tp*cp*dp/(etp*ep) (expert parameters: E/ep experts per rank, "
-                          "each split over etp)"}
-
-
-def _add(a: dict, b: dict) -> dict:
-    return {k: _add(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items()}
-
-
-def _moe_model_states_block(stages: list[dict], layout: dict, zero_stage: int,
-                            chosen: str) -> dict:
-    """Model states of the most loaded pipeline rank of an MoE model: the dense part over
-    dp x cp and the expert part over edp, each partitioned by ZeRO over its own group
-    (Rajbhandari et al. 2020, Sec. 5.1, applied per group), and their sum."""
-    best = None
-    for st in stages:
-        parts = {"dense": _model_states_block(st["dense"], layout["dense_dp"], zero_stage,
-                                              chosen),
-                 "expert": _model_states_block(st["expert"], layout["edp"], zero_stage,
-                                               chosen)}
-        load = sum(p["selected"]["padded"]["total"] for p in parts.values())
-        if best is None or load > best[0]:
-            best = (load, st["stage"], parts)
-    _, stage, parts = best
-    d, x = parts["dense"], parts["expert"]
-    by_acc = _add(d["by_accounting"], x["by_accounting"])
-    groups = {}
-    for kind, size in (("dense", layout["dense_dp"]), ("expert", layout["edp"])):
-        p = parts[kind]
-        groups[kind] = {"group": _GROUP_NAMES[kind], "group_size": size,
-                        "per_rank_params": p["per_rank_params"],
-                        "padded": p["selected"]["padded"],
-                        "unpadded": p["selected"]["unpadded"]}
-    return {
-        "per_rank_params": d["per_rank_params"] + x["per_rank_params"],
-        "pipeline_stage": stage,
-        "by_accounting": by_acc,
-        "zero_paper_gb": {k: memory.round_sig(v / GB, 3)
-                          for k, v in by_acc[memory.MIXED_ADAM.name].items()},
-        "units": d["units"],
-        "selected": {"zero_stage": zero_stage, "accounting": chosen,
-                     "padded": _add(d["selected"]["padded"], x["selected"]["padded"]),
-                     "unpadded": _add(d["selected"]["unpadded"], x["selected"]["unpadded"])},
-        "groups": groups,
-        "scope": "the most loaded pipeline rank; each part's ZeRO partition is over its own "
-                 "group (dense: dp x cp, expert: edp)",
-    }
-
-
-def _routed_rows(shp: Shape, micro_batch: int, s_local: int, tp: int, sp: bool
-                 ) -> tuple[int, int | None, int]:
-    """(T, C, R) of one rank and MoE layer per micro-batch: T the tokens it routes (its
-    b * s/cp, divided by tp under sequence parallelism), C = ceil(cf k T / E) the capacity
-    (``None``: no limit) and R the rows of the dispatch buffer, E C with a capacity (padding
-    included) or k T without."""
-    split = tp if sp and tp > 1 else 1
-    if (micro_batch * s_local) % split:
-        raise ValueError(f"sp with tp={tp} needs tp to divide the micro_batch*seq_length/cp="
-                         f"{micro_batch * s_local} tokens a rank routes")
-    tokens = micro_batch * s_local // split
-    cap = expert_capacity(tokens, shp.num_experts, shp.moe_top_k, shp.moe_capacity_factor)
-    return tokens, cap, shp.moe_top_k * tokens if cap is None else shp.num_experts * cap
-
-
-def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: int,
-                 sp: bool, moe_layers: int, m: int, e: int, full: bool) -> tuple[list, dict]:
-    """All-to-all traffic of the expert-parallel group on one rank, and how it was counted.
-
-    T = the tokens one rank routes per micro-batch: its b * s/cp tokens, divided by tp under
-    sequence parallelism (Megatron-Core routes each rank's sequence-parallel shard). With a
-    capacity factor the dispatch buffer holds E slots of C = ceil(cf k T / E) rows (Switch,
-    Sec. 2.2; dropped tokens leave padding), without one k T rows. 2 all-to-alls forward and
-    2 backward per MoE layer per micro-batch, 2 more with full recomputation (GShard,
-    Lepikhin et al. 2020; Switch, Fedus et al. 2021, Sec. 2.2)."""
-    ep, E, k = layout["ep"], shp.num_experts, shp.moe_top_k  # noqa: N806
-    tokens, cap, rows = _routed_rows(shp, micro_batch, s_local, tp, sp)
-    cf = shp.moe_capacity_factor
-    info = {"tokens_per_rank": tokens, "top_k": k, "capacity_factor": cf,
-            "capacity_per_expert": cap, "rows_per_all_to_all": rows,
-            "moe_layers_on_rank": moe_layers, "ep": ep, "etp": layout["etp"],
-            "edp": layout["edp"],
-            "all_to_alls_per_moe_layer_per_micro_batch": 6 if full else 4}
-    tr = comm.expert_traffic(tokens, shp.h, ep, moe_layers, m, k, e, full,
-                             capacity_factor=exact_factor(cf) if cf else None,
-                             num_experts=E)
-    return [t for t in tr if t.count], info
-
-
-def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool,
-                      recompute: str, e: int) -> dict:
-    """One rank's traffic for one transformer layer and one micro-batch, forward and backward
-    (and the recomputed forward), under each way of splitting a layer that parbench models,
-    at this configuration's degrees: Megatron TP and TP + SP (``tensor.megatron_layer_traffic``:
-    SP counts the column-parallel inputs' backward re-gather; ``paper`` is Korthikanti et
-    al.'s 4 all-reduces or 4 all-gather + reduce-scatter pairs), and over the cp ranks ring
-    attention, DeepSpeed-Ulysses and all-gather CP (``context.attention_traffic``) on this
-    rank's h / tp of the width. Each entry: {axis: {count, message_bytes, wire_bytes}}."""
-    from . import context, tensor
-    b, s, h = micro_batch, shape.s, shape.h
-    out: dict[str, Any] = {"scope": "one rank, one layer, one micro-batch (fwd + bwd"
-                                    + (" + recompute" if recompute != "none" else "") + ")"}
-    if tp > 1:
-        out["tp"] = comm.summarize(tensor.megatron_layer_traffic(b, s // cp, h, tp, recompute,
-                                                                 False, e))
-        if (s // cp) % tp == 0:
-            out["tp_sp"] = comm.summarize(tensor.megatron_layer_traffic(
-                b, s // cp, h, tp, recompute, True, e))
-        paper = comm.summarize(comm.tp_traffic(b, s // cp, h, tp, 1, 1, e,
-                                               recompute == "full", sp))
-        out["paper_tp" + ("_sp" if sp else "")] = paper
-    if cp > 1:
-        again = recompute != "none"
-        for kind, key in (("ring-attention", "cp_ring"), ("ulysses", "ulysses"),
-                          ("allgather", "cp_allgather")):
-            if kind == "ulysses" and shape.a % cp:
-                out[key] = f"cp={cp} does not divide num_heads={shape.a}"
-                continue
-            # ring attention and all-gather CP move K and V: kv_hidden wide under GQA
-            width = h // tp if kind == "ulysses" else shape.kv_hidden // tp
-            out[key] = comm.summarize(context.attention_traffic(
-                kind, b, s, width, cp, 1, 1, 1, e, again))
-    return out
 
 
 def _activations_by_recompute(shape: Shape, b: int, s: int, tp: int, sp: bool,
@@ -489,27 +331,3 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     return out
 
 
-def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
-             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> dict:
-    """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
-    ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
-    4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
-    (Megatron-Core splits the query groups, so h_kv / t columns), the layers over pp (the
-    most loaded pipeline rank's layers)."""
-    require_positive_int("batch", batch)
-    require_nonneg_int("generate", generate)
-    s = shape.s if prompt is None else prompt
-    require_positive_int("prompt", s)
-    if shape.kv_heads % tp:
-        raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
-    layers_rank = max(param_model.split_layers(shape.num_layers, pp, vpp))
-    e = bytes_per_element
-    total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
-    per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
-                                     shape.kv_hidden // tp)
-    return {"batch": batch, "prompt_tokens": s, "generated_tokens": generate,
-            "num_kv_heads": shape.kv_heads, "kv_hidden": shape.kv_hidden,
-            "bytes_per_element": e, "total_bytes": total, "per_rank_bytes": per_rank,
-            "layers_per_rank": layers_rank,
-            "formula": "2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
-                       "l / pp layers and num_kv_heads / tp heads"}

@@ -1,0 +1,33 @@
+"""The KV cache of generation: 2 (K and V) x bytes x b x l x (h_kv d) x (s + n), per rank
+under tp and pp (GQA: num_kv_heads heads)."""
+from __future__ import annotations
+
+from . import memory
+from . import params as param_model
+from .shape import (Shape, require_nonneg_int, require_positive_int)
+
+
+def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
+             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> dict:
+    """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
+    ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
+    4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
+    (Megatron-Core splits the query groups, so h_kv / t columns), the layers over pp (the
+    most loaded pipeline rank's layers)."""
+    require_positive_int("batch", batch)
+    require_nonneg_int("generate", generate)
+    s = shape.s if prompt is None else prompt
+    require_positive_int("prompt", s)
+    if shape.kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
+    layers_rank = max(param_model.split_layers(shape.num_layers, pp, vpp))
+    e = bytes_per_element
+    total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
+    per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
+                                     shape.kv_hidden // tp)
+    return {"batch": batch, "prompt_tokens": s, "generated_tokens": generate,
+            "num_kv_heads": shape.kv_heads, "kv_hidden": shape.kv_hidden,
+            "bytes_per_element": e, "total_bytes": total, "per_rank_bytes": per_rank,
+            "layers_per_rank": layers_rank,
+            "formula": "2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
+                       "l / pp layers and num_kv_heads / tp heads"}
