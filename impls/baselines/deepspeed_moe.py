@@ -53,6 +53,7 @@ from parbench.scheme import Scheme, register
 
 from impls.baselines.deepspeed_common import stage0_engine
 from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU
+from impls.baselines.moe_checks import no_drop_capacity
 from impls.expert.scheme import ExpertAllToAll
 
 #: the gradients a checked step read, per scheme object (kept outside the scheme so that the
@@ -129,7 +130,7 @@ class DeepSpeedMoE(ExpertAllToAll):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, p = case.model, case.parallel
+        m = case.model
         if m.moe_top_k not in (1, 2):
             raise ConfigError(f"moe_top_k={m.moe_top_k}: {cls.name} runs top-1 or top-2 "
                               "(DeepSpeed's top-k > 2 gate has other rules)")
@@ -140,13 +141,7 @@ class DeepSpeedMoE(ExpertAllToAll):
             raise ConfigError(f"moe_aux_loss_coef={m.moe_aux_loss_coef} with moe_top_k=2: "
                               f"{cls.name}'s top-2 balancing loss counts first choices only; "
                               "set moe_aux_loss_coef=0")
-        tokens = p.micro_batch_size * m.seq_length
-        from parbench.analytic.expert import capacity
-        c = capacity(tokens, m.num_experts, m.moe_top_k, m.moe_capacity_factor)
-        if c < tokens:
-            raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} gives capacity "
-                              f"{c} < {tokens} tokens per group: {cls.name} would drop tokens "
-                              "in another order (set moe_capacity_factor=0, no limit)")
+        no_drop_capacity(cls.name, case)
         if case.run.optimizer != "adamw":
             raise ConfigError(f"optimizer={case.run.optimizer!r}: {cls.name} runs adamw only")
 

@@ -59,7 +59,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parbench.analytic.expert import capacity
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model
 from parbench.moe import MoE as ReferenceMoE
@@ -67,6 +66,7 @@ from parbench.scheme import register
 
 from impls.baselines.deepspeed_moe import ds_capacity_factor
 from impls.baselines.megatron_tp import megatron_core_missing
+from impls.baselines.moe_checks import no_drop_capacity
 from impls.expert.scheme import ExpertAllToAll
 
 # Megatron-Core's fallbacks and defaults on this install, announced on every rank
@@ -196,11 +196,7 @@ class MegatronMoE(ExpertAllToAll):
                               "expert-parallel rank (mlp.py adds the expert bias in place to "
                               "a view autograd forbids); set ep >= 2")
         tokens = p.micro_batch_size * m.seq_length
-        c = capacity(tokens, m.num_experts, m.moe_top_k, m.moe_capacity_factor)
-        if c < tokens:
-            raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} gives capacity "
-                              f"{c} < {tokens} tokens per group: {cls.name} would drop tokens "
-                              "in another order (set moe_capacity_factor=0, no limit)")
+        c = no_drop_capacity(cls.name, case)
         if c > tokens and m.moe_capacity_factor:
             raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} gives capacity "
                               f"{c} > {tokens} tokens: {cls.name} pads to at most the tokens "
