@@ -40,7 +40,10 @@ OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "model.moe_every",
                  "model.moe_z_loss_coef", "parallel.etp", "parallel.sp", "parallel.vpp",
                  "parallel.schedule", "parallel.zero_stage", "parallel.bucket_mb",
                  "parallel.local_sgd_period", "parallel.recompute", "parallel.tp_depth",
-                 "parallel.cp_balance", "parallel.cp_ulysses", "parallel.cp_kind")
+                 "parallel.cp_balance", "parallel.cp_ulysses", "parallel.cp_kind",
+                 "model.moe_router_skew", "parallel.seq_segments", "parallel.terapipe_slicing",
+                 "parallel.moe_mode", "parallel.moe_a2a", "parallel.moe_shadow",
+                 "parallel.cp_window")
 
 
 # --------------------------------------------------------------------------------------
@@ -79,6 +82,9 @@ class ModelConfig:
     moe_capacity_factor: float = _rule(1.0, "nonneg", "0 = no capacity limit (no dropping)")
     moe_aux_loss_coef: float = _rule(0.01, "nonneg", "load-balancing loss (Switch Eq. 4)")
     moe_z_loss_coef: float = _rule(0.0, "nonneg", "router z-loss (ST-MoE Eq. 5)")
+    #: a fixed bias on the router logits that makes low-numbered experts popular (a skewed
+    #: router for FasterMoE's shadow experts; parbench.moe); 0 = none
+    moe_router_skew: float = _rule(0.0, "nonneg", "0 = unskewed router")
     init_std: float = _rule(0.02, "gt0")
     #: analytic only (see the class doc): grouped-query attention's K/V heads, 0 = num_heads
     num_kv_heads: int = _rule(0, "nonneg", "0 = num_heads (analytic only)")
@@ -136,6 +142,15 @@ class ParallelConfig:
     cp_ulysses: int = _rule(1, "pos")
     #: the hybrid's context-parallel attention: allgather | ring-attention | ulysses
     cp_kind: str = "allgather"
+    seq_segments: int = _rule(1, "pos", "token slices per sequence (Seq1F1B, TeraPipe)")
+    #: TeraPipe's slicing: uniform | dp (its dynamic-programming slicing for a cost model)
+    terapipe_slicing: str = "uniform"
+    #: Tutel: where an MoE layer's experts run: ep | dp | adaptive (switched per step)
+    moe_mode: str = "ep"
+    #: Tutel: the dispatch all-to-all: flat | 2d (hierarchical)
+    moe_a2a: str = "flat"
+    moe_shadow: int = _rule(0, "nonneg", "FasterMoE: shadowed popular experts, 0 = none")
+    cp_window: int = _rule(1, "pos", "inner ring size (LoongTrain double ring)")
 
     @property
     def world_size(self) -> int:
@@ -324,6 +339,12 @@ def validate_runnable_model(m: ModelConfig) -> None:
                               f"GPT-2-style (use {name}={default}, or parbench estimate)")
 
 
+#: string options of ParallelConfig and the values each accepts
+PARALLEL_CHOICES = {"cp_balance": ("none", "zigzag", "striped"),
+                    "terapipe_slicing": ("uniform", "dp"),
+                    "moe_mode": ("ep", "dp", "adaptive"), "moe_a2a": ("flat", "2d")}
+
+
 def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     validate_fields(p)
     if m.num_heads % p.tp:
@@ -348,8 +369,10 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     if p.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"recompute={p.recompute!r} must be none, selective or full")
-    if p.cp_balance not in ("none", "zigzag", "striped"):
-        raise ConfigError(f"cp_balance={p.cp_balance!r} must be none, zigzag or striped")
+    for name, allowed in PARALLEL_CHOICES.items():
+        v = getattr(p, name)
+        if v not in allowed:
+            raise ConfigError(f"{name}={v!r} must be one of {', '.join(allowed)}")
 
 
 def validate_run(r: RunConfig) -> None:

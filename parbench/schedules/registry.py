@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # each generator module registers its schedules when imported, in this (listing) order
 from . import basic, looped, zero_bubble, bidirectional  # noqa: F401  isort: skip
+from . import wave, segments, bpipe  # noqa: F401  isort: skip
 from .actions import Schedule, ScheduleError
 from .closed_forms import ClosedForm
 from .spec import Costs, ScheduleSpec, registered_specs

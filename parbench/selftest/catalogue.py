@@ -40,7 +40,11 @@ def mutant(id: str, *, base: str, bug: str, overrides: dict | None = None):
 
 
 def load() -> dict[str, Mutant]:
-    """Import every mutant module (each registers its mutants)."""
-    from . import mutants_context, mutants_data, mutants_pipeline  # noqa: F401
-    from . import mutants_expert, mutants_hybrid, mutants_tensor  # noqa: F401
+    """Import every ``mutants_*`` module of this package (each registers its mutants)."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+    for mod in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if mod.name.startswith("mutants_"):
+            importlib.import_module(f"{__package__}.{mod.name}")
     return CATALOGUE
