@@ -323,10 +323,12 @@ def main(argv: list[str]) -> int:
               f"load average {load[0]:.2f} on {os.cpu_count()} cores) ...", flush=True)
     if reuse:
         # predict again against the measurements of an earlier run (its out= file)
-        old = {r["id"]: r for r in json.loads(Path(reuse).read_text())["rows"]}
-        measured = {c.id: old[c.id]["repeats_s"] for _, c in modelled if c.id in old}
-        failures = {c.id: old[c.id]["note"] for _, c in modelled
-                    if c.id in old and not old[c.id]["repeats_s"]}
+        # matched by suite and label: ids carry a digest of every field, which changes when
+        # a field is added to the configuration
+        rows_old = {(r["suite"], r["case"]): r for r in json.loads(Path(reuse).read_text())["rows"]}
+        old = {c.id: rows_old[(s, label(c))] for s, c in modelled if (s, label(c)) in rows_old}
+        measured = {cid: r["repeats_s"] for cid, r in old.items()}
+        failures = {cid: r["note"] for cid, r in old.items() if not r["repeats_s"]}
         meta_old = json.loads(Path(reuse).read_text())
         load = meta_old.get("load_average_start", load)
         repeats = meta_old.get("repeats", repeats)

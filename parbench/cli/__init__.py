@@ -44,7 +44,8 @@ verbs:
   selftest [profile=ci|full] [seeds=5] [only=ID,...]
                                    inject the catalogue of bugs: every one must be caught
 
-flags: --json (machine-readable output), --wide (every column of the result tables)
+flags: --json (machine-readable output), --wide (every column of the result tables),
+       --verbose (estimate and plan: the full breakdown behind the summary)
 """
 
 VERBS = {"run": run.cmd_run, "verify": verify.cmd_verify, "compare": compare.cmd_compare,
@@ -53,7 +54,9 @@ VERBS = {"run": run.cmd_run, "verify": verify.cmd_verify, "compare": compare.cmd
          "schedule": schedule.cmd_schedule, "estimate": analytic.cmd_estimate,
          "traffic": analytic.cmd_traffic, "calibrate": calibrate.cmd_calibrate,
          "plan": plan.cmd_plan, "reproduce": reproduce.cmd_reproduce, "selftest": run.cmd_selftest}
-FLAGS = ("--json", "--wide")
+FLAGS = ("--json", "--wide", "--verbose")
+#: verbs whose summary has a full breakdown behind ``--verbose`` (their key ``verbose=true``)
+VERBOSE_VERBS = ("estimate", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"parbench: error: unknown verb {verb!r} (choose from "
                          f"{', '.join(VERBS)})\n")
         return 2
+    if flags["--verbose"]:
+        if verb not in VERBOSE_VERBS:
+            sys.stderr.write(f"parbench: error: --verbose is a flag of "
+                             f"{' and '.join(VERBOSE_VERBS)}, not of {verb}\n")
+            return 2
+        rest = [a for a in rest if not a.startswith("verbose=")] + ["verbose=true"]
     try:
         return VERBS[verb](rest, as_json=flags["--json"], wide=flags["--wide"])
     except ConfigError as e:

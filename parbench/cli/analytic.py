@@ -252,7 +252,7 @@ def _estimate_output(result: dict, shape, model_name, kwargs: dict, tm_opts: dic
                 t.add_row(k, v)
             out.print(t)
     else:
-        out.print("  (verbose=true or --wide: the full breakdown; --json: every figure)",
+        out.print("  (--verbose: the full breakdown; --json: every figure)",
                   style="dim")
     return 0
 

@@ -40,10 +40,11 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     profile = load_profile(device)
     batch = coerce(ov.pop("global_batch_size", str(max(world, 1))), int, "global_batch_size")
     top = coerce(ov.pop("top", "10"), int, "top")
+    verbose = coerce(ov.pop("verbose", "false"), bool, "verbose")
     space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov})
     if ov:
         raise ConfigError(f"{', '.join(sorted(ov))}: not an option of plan (model, world, "
-                          "device, global_batch_size, seq_length, top, max_tp, max_cp)")
+                          "device, global_batch_size, seq_length, top, verbose, max_tp, max_cp)")
     res = plan(shape, world, profile, batch, space, keep=top)
     if as_json:
         print(json.dumps({"model": name, "world": world, "device": device,
@@ -52,8 +53,27 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
                           "ranked": [as_dict(lay, st) for lay, st in res.ranked]},
                          indent=2, default=str))
         return 0 if res.ranked else 1
-    _print(console(), name, world, device, batch, res, why)
+    out = console()
+    _print(out, name, world, device, batch, res, why)
+    if verbose:
+        _print_breakdowns(out, res)
+    else:
+        out.print("  (--verbose: each layout's full breakdown; --json: every figure)")
     return 0 if res.ranked else 1
+
+
+def _print_breakdowns(out, res) -> None:
+    """``--verbose``: each ranked layout's step, term by term, in seconds and shares."""
+    for i, (lay, st) in enumerate(res.ranked, 1):
+        terms = [("compute", st.compute_s), ("recompute", st.recompute_s),
+                 ("bubble", st.bubble_s)]
+        terms += [(f"exposed {axis}", s) for axis, s in sorted(st.exposed_comm_s.items())]
+        parts = ", ".join(f"{k} {v:.3g} s ({100 * v / st.step_s:.1f}%)"
+                          for k, v in terms if v) if st.step_s else "no step time"
+        out.print(f"  {i:>2}. {_degrees(lay)}: step {st.step_s:.3g} s = {parts}",
+                  soft_wrap=True)
+        for note in st.notes:
+            out.print(f"      {note}", soft_wrap=True)
 
 
 def _print(out, name, world, device, batch, res, why) -> None:

@@ -177,6 +177,12 @@ def _predict(shape, lay: Layout, profile: Profile) -> StepTime:
                     c.comm_f["pp"] = c.comm_f.get("pp", 0.0) + p2p
                 if vs > 0:
                     c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
+        if lay.schedule == "pipedream":
+            # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
+            # step after every micro-batch's backward and stashes the new weight version
+            for vs, c in enumerate(stage_costs):
+                psi_s, n_t, opt_vs = _optimizer_time(shape, lay, profile, vs)
+                c.b += opt_vs + _version_copy(profile, psi_s, n_t)
         try:
             makespan, makespan0, busy_ranks = pipeline_time(shape, lay, profile,
                                                             stage_costs, p2p_latency)
@@ -193,24 +199,12 @@ def _predict(shape, lay: Layout, profile: Profile) -> StepTime:
     crit = max(range(p), key=lambda r: busy_ranks[r] if r < len(busy_ranks) else 0.0)
     rc0 = rank_costs[crit]
     # ---- optimizer and data parallelism, on the critical rank's stage
-    stages = _stage_params(shape, lay)
-    psi = float(stages[crit]["total"])
-    tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, crit)
-    pcache = _cache(profile)
-    tensors = pcache.get(tkey)
-    if tensors is None:
-        tensors = pcache[tkey] = len(_rank_tensors(shape, lay, crit)) if not shape.moe else \
-            int(12 * shape.l / p + 5)
     n_dp = lay.dp * lay.cp
-    shard = psi / n_dp if (lay.zero_stage >= 1 and n_dp > 1) else psi
-    opt_tensors = tensors if (lay.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
-    per_el = profile.optimizer.get("per_element_s")
-    if per_el is None:
-        per_el = profile.optimizer.get("bytes_per_element", 32.0) / (profile.mem_bandwidth
-                                                                      or 1e11)
-    opt_s = opt_tensors * profile.optimizer.get("per_tensor_s", 0.0) + shard * per_el
-    if lay.optimizer == "sgd":
-        opt_s *= 0.4
+    psi, tensors, opt_s = _optimizer_time(shape, lay, profile, crit)
+    if lay.schedule == "pipedream":
+        opt_s = 0.0  # every micro-batch's update is inside the pipeline (above)
+    elif lay.schedule == "2bw":
+        opt_s += _version_copy(profile, psi, tensors)
     bwd_each = rc0.b + rc0.w
     bwd_each /= max(m, 1)
     fwd_each = rc0.f / max(m, 1)
@@ -293,3 +287,35 @@ def _predict(shape, lay: Layout, profile: Profile) -> StepTime:
                     exposed_comm_s=exposed, memory_per_rank_bytes=mem,
                     device_memory_bytes=profile.memory_bytes, fits=fits,
                     heaviest_axis=heaviest, notes=notes, breakdown=breakdown)
+
+
+def _optimizer_time(shape, lay: Layout, profile: Profile, rank: int
+                    ) -> tuple[float, int, float]:
+    """(parameters, parameter tensors, seconds of one optimizer step) of pipeline ``rank``:
+    AdamW per tensor and per element of the rank's shard (ZeRO >= 1 steps 1/(dp cp) of it,
+    in a few flat buffers)."""
+    psi = float(_stage_params(shape, lay)[rank]["total"])
+    tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, rank)
+    pcache = _cache(profile)
+    tensors = pcache.get(tkey)
+    if tensors is None:
+        tensors = pcache[tkey] = len(_rank_tensors(shape, lay, rank)) if not shape.moe else \
+            int(12 * shape.l / lay.pp + 5)
+    n_dp = lay.dp * lay.cp
+    shard = psi / n_dp if (lay.zero_stage >= 1 and n_dp > 1) else psi
+    opt_tensors = tensors if (lay.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
+    per_el = profile.optimizer.get("per_element_s")
+    if per_el is None:
+        per_el = profile.optimizer.get("bytes_per_element", 32.0) / (profile.mem_bandwidth
+                                                                      or 1e11)
+    opt_s = opt_tensors * profile.optimizer.get("per_tensor_s", 0.0) + shard * per_el
+    if lay.optimizer == "sgd":
+        opt_s *= 0.4
+    return psi, tensors, opt_s
+
+
+def _version_copy(profile: Profile, psi: float, tensors: int) -> float:
+    """One new weight version of a stage written into its copy (PipeDream's stash, 2BW's
+    second buffer): every fp32 parameter tensor read and written once."""
+    return profile.mem_time(2 * 4 * psi, tensors)
+

@@ -22,6 +22,17 @@ def test_plan_ranks_layouts_that_fit(capsys):
         assert pred["fits"] and pred["memory_per_rank_bytes"] <= pred["device_memory_bytes"]
 
 
+def test_plan_verbose_prints_each_layouts_breakdown(capsys):
+    args = ["plan", "model=gpt3-175b", "world=64", "device=a100-80gb",
+            "global_batch_size=64", "max_cp=1", "top=2"]
+    assert main(args) == 0
+    short = capsys.readouterr().out
+    assert main(args + ["--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "--verbose" in short and "step" in out and out.count("compute ") >= 2
+    assert "= compute " in out and "= compute " not in short
+
+
 @pytest.mark.parametrize("args, says", [
     (["model=gpt3-175b", "world=8"], "device="),
     (["model=nosuch", "world=8", "device=a100-80gb"], "nosuch"),

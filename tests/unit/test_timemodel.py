@@ -312,6 +312,30 @@ def test_estimate_json_and_verbose(capsys):
                  "device=h100-80gb", "verbose=true"]) == 0
     out = capsys.readouterr().out
     assert "time model on h100-80gb" in out and "pipeline makespan" in out
+    # the flag form gives the same full breakdown; the summary alone does not have it
+    assert main(["estimate", "model=gpt3-175b", "tp=8", "pp=16", "dp=8",
+                 "device=h100-80gb", "--verbose"]) == 0
+    assert "pipeline makespan" in capsys.readouterr().out
+    assert main(["estimate", "model=gpt3-175b", "tp=8", "pp=16", "dp=8",
+                 "device=h100-80gb"]) == 0
+    assert "pipeline makespan" not in capsys.readouterr().out
+    assert main(["mesh", "tp=2", "--verbose"]) == 2
+    assert "--verbose" in capsys.readouterr().err
+
+
+def test_pipedream_updates_after_every_microbatch():
+    """PipeDream steps the optimizer after each micro-batch's backward (Narayanan et al.
+    2019, Sec. 3.3), 1F1B once per batch: with the optimizer the only difference, PipeDream's
+    step is longer by at least m - 1 optimizer steps of a stage; 2BW (one update per batch)
+    by one weight-version copy only."""
+    prof = synthetic(optimizer={"per_tensor_s": 1e-3, "bytes_per_element": 32.0})
+    lay = Layout(pp=4, num_microbatches=8, schedule="1f1b")
+    base = predict_step(MID, lay, prof).step_s
+    dream = predict_step(MID, replace(lay, schedule="pipedream"), prof).step_s
+    two = predict_step(MID, replace(lay, schedule="2bw"), prof).step_s
+    per_stage_tensors = 16 // 4 * 12  # 12 tensors per layer (two LayerNorms, 4 linears)
+    assert dream - base >= 7 * per_stage_tensors * 1e-3
+    assert 0 < two - base < 2 * (dream - base) / 7
 
 
 def test_estimate_bad_device(capsys):
