@@ -16,7 +16,9 @@ as Megatron-Core lays them out):
 - ZeRO stage 0-3, recompute none / selective / full.
 
 Every layout is priced by ``parbench.timemodel.predict_step``; those that do not fit in the
-device's memory are dropped, the rest ranked by step time.
+device's memory are dropped, the rest ranked by step time. The schedule simulator runs only for
+layouts whose lower bound (the step without a bubble) could still make the top list (``plan``),
+so the search costs one closed-form pricing per layout and a few hundred simulations.
 """
 from __future__ import annotations
 
@@ -113,28 +115,64 @@ def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
                 yield s, v
 
 
+#: the planner simulates a layout whose lower bound is within this factor of its current
+#: k-th best step (the bound is the busiest rank's busy time; the simulator rounds stage
+#: costs to 3 significant figures and may pick another critical rank on near ties)
+BOUND_SLACK = 0.95
+
+
 def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
-         predictor: Callable | None = None, keep: int = 10) -> PlanResult:
+         predictor: Callable | None = None, keep: int = 10,
+         exhaustive: bool = False) -> PlanResult:
     """Price every layout; keep the ``keep`` fastest that fit (and the fastest few that do
-    not, to say what memory cost)."""
+    not, to say what memory cost).
+
+    Branch and bound: every layout is first priced with ``predict_step(..., bound=True)``
+    (no schedule simulation: a lower bound of its step); then, in the order of the bounds,
+    layouts are simulated until the next bound exceeds the ``keep``-th best simulated step
+    (``BOUND_SLACK``), so the top list is the exhaustive search's (``exhaustive=True``
+    simulates everything: what the tests compare it with). A custom ``predictor`` is called
+    once per layout."""
     if world < 1:
         raise ConfigError(f"world={world} must be >= 1")
     if global_batch < 1:
         raise ConfigError(f"global_batch_size={global_batch} must be >= 1")
-    if predictor is None:
-        from .timemodel import predict_step as predictor
     t0 = time.perf_counter()
-    fits, over = [], []
-    n = 0
-    for lay in layouts(shape, world, global_batch, space):
-        n += 1
-        st = predictor(shape, lay, profile)
-        (fits if st.fits else over).append((st.step_s, lay, st))
-    fits.sort(key=lambda x: x[0])
-    over.sort(key=lambda x: x[0])
-    return PlanResult(ranked=[(lay, st) for _, lay, st in fits[:keep]], evaluated=n,
-                      over_memory=len(over), seconds=time.perf_counter() - t0,
-                      best_over_memory=[(lay, st) for _, lay, st in over[:3]])
+    if predictor is not None or exhaustive:
+        if predictor is None:
+            from .timemodel import predict_step as predictor
+        exact = lambda lay: predictor(shape, lay, profile)  # noqa: E731
+        priced = [(st.step_s, lay, st) for lay in layouts(shape, world, global_batch, space)
+                  for st in (exact(lay),)]
+        fits = sorted((x for x in priced if x[2].fits), key=lambda x: x[0])[:keep]
+        over = sorted((x for x in priced if not x[2].fits), key=lambda x: x[0])[:3]
+        n, n_over = len(priced), sum(1 for x in priced if not x[2].fits)
+    else:
+        from .timemodel import predict_step
+        bounds = [(predict_step(shape, lay, profile, bound=True), lay)
+                  for lay in layouts(shape, world, global_batch, space)]
+        n, n_over = len(bounds), sum(1 for b, _ in bounds if not b.fits)
+        exact = lambda lay: predict_step(shape, lay, profile)  # noqa: E731
+        fits = _best(((b.step_s, lay) for b, lay in bounds if b.fits), keep, exact)
+        over = _best(((b.step_s, lay) for b, lay in bounds if not b.fits), 3, exact)
+    return PlanResult(ranked=[(lay, st) for _, lay, st in fits], evaluated=n,
+                      over_memory=n_over,
+                      seconds=time.perf_counter() - t0,
+                      best_over_memory=[(lay, st) for _, lay, st in over])
+
+
+def _best(bounded, k: int, exact) -> list:
+    """The ``k`` smallest exact steps among ``(bound, layout)`` pairs, simulating in the
+    order of the bounds until no remaining bound can beat the k-th best."""
+    best: list = []  # (step, order, layout, StepTime), sorted
+    for order, (lb, lay) in enumerate(sorted(bounded, key=lambda x: x[0])):
+        if len(best) >= k and lb * BOUND_SLACK > best[k - 1][0]:
+            break
+        st = exact(lay)
+        best.append((st.step_s, order, lay, st))
+        best.sort(key=lambda x: (x[0], x[1]))
+        del best[k:]
+    return [(step, lay, st) for step, _, lay, st in best]
 
 
 def why(st) -> str:

@@ -65,7 +65,7 @@ from .costs import _cache, _Costs, _e, layer_costs, _LinkFn
 from .dp_memory import dp_costs, memory_per_rank, _rank_tensors, _stage_params
 from .ends import _ends
 from .layout import CP_ALGORITHMS, Layout, StepTime
-from .pipeline_time import pipeline_time
+from .pipeline_time import busy_bound, pipeline_time
 from .profile import Profile
 
 # ---------------------------------------------------------------------------------------
@@ -98,21 +98,25 @@ def _validate(shape, lay: Layout) -> None:
     _e(lay.dtype)
 
 
-def predict_step(shape, layout: Layout, profile: Profile) -> StepTime:
+def predict_step(shape, layout: Layout, profile: Profile, bound: bool = False) -> StepTime:
     """The predicted step time of ``layout`` for model ``shape`` on ``profile``'s devices
     (module doc for every rule). ``shape``: a :class:`parbench.analytic.shape.Shape` (or any
-    object ``shape_from`` reads)."""
+    object ``shape_from`` reads).
+
+    ``bound=True``: a lower bound of the step, priced without simulating the schedule (the
+    pipeline's makespan replaced by the busiest rank's busy time; the rest unchanged); the
+    planner ranks by it first and simulates only what could make its top list."""
     from ..analytic.shape import Shape, shape_from
     if not isinstance(shape, Shape):
         shape = shape_from(shape)
     lay = layout
     _validate(shape, lay)
-    key = ("step", shape, lay)
+    key = ("step", shape, lay, bound)
     cache = _cache(profile)
     hit = cache.get(key)
     if hit is not None:
         return hit
-    st = _predict(shape, lay, profile)
+    st = _predict(shape, lay, profile, bound)
     if len(cache) > 200000:
         cache.clear()
     cache[key] = st
@@ -125,7 +129,7 @@ def _moe_layers(shape) -> frozenset:
         else frozenset()
 
 
-def _predict(shape, lay: Layout, profile: Profile) -> StepTime:
+def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepTime:
     from ..analytic import flops as aflops
     notes: list[str] = []
     p, v, m = lay.pp, lay.vpp, lay.num_microbatches
@@ -183,12 +187,13 @@ def _predict(shape, lay: Layout, profile: Profile) -> StepTime:
             for vs, c in enumerate(stage_costs):
                 psi_s, n_t, opt_vs = _optimizer_time(shape, lay, profile, vs)
                 c.b += opt_vs + _version_copy(profile, psi_s, n_t)
-        try:
-            makespan, makespan0, busy_ranks = pipeline_time(shape, lay, profile,
-                                                            stage_costs, p2p_latency)
-        except Exception as exc:  # noqa: BLE001 - a schedule the simulator refuses
-            raise ValueError(f"schedule={lay.schedule!r} with pp={p}, vpp={v}, "
-                             f"num_microbatches={m}: {exc}") from None
+        if bound:
+            # no bound for the V and two-pipe placements: 0, still a lower bound
+            busy_ranks = busy_bound(lay, stage_costs) or [0.0] * p
+            makespan = makespan0 = max(busy_ranks)
+        else:
+            makespan, makespan0, busy_ranks = _simulated(shape, lay, profile, stage_costs,
+                                                         p2p_latency)
     # ---- per rank totals (rank r holds virtual stages r, r + p, ...)
     rank_costs = []
     for r in range(p):
@@ -318,4 +323,13 @@ def _version_copy(profile: Profile, psi: float, tensors: int) -> float:
     """One new weight version of a stage written into its copy (PipeDream's stash, 2BW's
     second buffer): every fp32 parameter tensor read and written once."""
     return profile.mem_time(2 * 4 * psi, tensors)
+
+
+def _simulated(shape, lay: Layout, profile: Profile, stage_costs, p2p_s: float):
+    """``pipeline_time``, with a schedule the simulator refuses named in the error."""
+    try:
+        return pipeline_time(shape, lay, profile, stage_costs, p2p_s)
+    except Exception as exc:  # noqa: BLE001 - a schedule the simulator refuses
+        raise ValueError(f"schedule={lay.schedule!r} with pp={lay.pp}, vpp={lay.vpp}, "
+                         f"num_microbatches={lay.num_microbatches}: {exc}") from None
 

@@ -81,3 +81,20 @@ def pipeline_time(shape, lay: Layout, profile: Profile, stage_costs: list[_Costs
     ms, busy = _simulate(name, p, m, v, kf, kb, kw, q)
     ms0, _ = _simulate(name, p, m, v, kf, kb, kw, 0.0) if q else (ms, busy)
     return ms * unit, ms0 * unit, [x * unit for x in busy]
+
+
+#: schedules whose ranks hold virtual stages r, r + p, ... of one pipe, every micro-batch
+#: passing each stage once (what ``busy_bound`` assumes)
+_LOOPED = frozenset(("gpipe", "1f1b", "interleaved", "bfs", "zb-h1", "zb-h2", "pipedream",
+                     "2bw"))
+
+
+def busy_bound(lay: Layout, stage_costs: list[_Costs]) -> list[float] | None:
+    """Each rank's busy time (its actions' costs, no waiting), a lower bound of any
+    schedule's makespan; None for placements it does not cover (V, two pipes)."""
+    if lay.schedule not in _LOOPED:
+        return None
+    p, m = lay.pp, lay.num_microbatches
+    per = [c.tf + c.tb + c.w for c in stage_costs]
+    return [m * sum(per[r::p]) for r in range(p)]
+

@@ -66,3 +66,21 @@ def test_bad_world_is_rejected():
     shape = shape_from(model_preset("gpt3-175b"))
     with pytest.raises(ConfigError, match="world"):
         plan(shape, 0, None, 8, predictor=lambda *a: None)
+
+
+@pytest.mark.parametrize("preset, world, batch", [("gpt3-175b", 16, 32), ("small", 8, 64)])
+def test_branch_and_bound_finds_the_exhaustive_top_list(preset, world, batch):
+    """The planner simulates only layouts whose lower bound (no bubble) could still make the
+    top list; its top list and counts must be the exhaustive search's, layout for layout."""
+    from parbench.timemodel import load_profile, predict_step
+    shape = shape_from(model_preset(preset))
+    prof = load_profile("a100-80gb")
+    space = Space(micro_batch_sizes=(1, 2), zero_stages=(0, 1, 3))
+    fast = plan(shape, world, prof, batch, space, keep=8)
+    full = plan(shape, world, prof, batch, space, keep=8, exhaustive=True)
+    assert fast.evaluated == full.evaluated and fast.over_memory == full.over_memory
+    assert [lay for lay, _ in fast.ranked] == [lay for lay, _ in full.ranked]
+    assert [lay for lay, _ in fast.best_over_memory] == [lay for lay, _ in full.best_over_memory]
+    # the bound is a bound: never above the simulated step
+    for lay, st in full.ranked:
+        assert predict_step(shape, lay, prof, bound=True).step_s <= st.step_s * (1 + 1e-9)
