@@ -11,8 +11,8 @@ as Megatron-Core lays them out):
 - vpp (interleaved 1F1B) divides the layers per stage, and needs m divisible by pp;
 - micro-batch size b divides the global batch per dp rank, m = B / (dp b); pipelines need
   m >= pp;
-- schedule: 1F1B, GPipe and ZB-H1 with one stage per rank, interleaved 1F1B with vpp > 1
-  (pp = 1: no schedule);
+- schedule: 1F1B, GPipe, ZB-H1 and ZB-H2 with one stage per rank, interleaved 1F1B with
+  vpp > 1, ZB-V and DualPipeV with two chunks per rank (pp = 1: no schedule);
 - ZeRO stage 0-3, recompute none / selective / full.
 
 Every layout is priced by ``parbench.timemodel.predict_step``; those that do not fit in the
@@ -40,7 +40,8 @@ class Space:
     max_tp: int = 8
     max_cp: int = 8
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved", "zbv",
+                                  "dualpipev")
     vpps: tuple[int, ...] = (2, 3, 4)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recomputes: tuple[str, ...] = ("none", "selective", "full")
@@ -100,11 +101,24 @@ def _per_degrees(layout_cls, shape, tp, cp, ep, dp, pp, global_batch, space):
                                      recompute=rc, micro_batch_size=b, num_microbatches=m)
 
 
+#: the V-shaped schedules: always two chunks per rank (Qi et al. 2024; DeepSeek-V3)
+_V_SHAPES = ("zbv", "dualpipev")
+#: the fewest micro-batches a schedule runs with on p stages (its generator's rule; m >= p
+#: for the others)
+_MIN_M = {"zb-h2": lambda p: 2 * p - 1, "dualpipev": lambda p: 2 * p}
+
+
 def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
     if pp == 1:
         yield "1f1b", 1
         return
     for s in space.schedules:
+        if m < _MIN_M.get(s, lambda p: p)(pp):
+            continue
+        if s in _V_SHAPES:
+            if layers_per_stage % 2 == 0:
+                yield s, 2  # two chunks per rank, stages r and 2p - 1 - r
+            continue
         if s != "interleaved":
             yield s, 1
             continue

@@ -89,12 +89,22 @@ _LOOPED = frozenset(("gpipe", "1f1b", "interleaved", "bfs", "zb-h1", "zb-h2", "p
                      "2bw"))
 
 
+#: rank r holds stages r and 2p - 1 - r (the V shapes)
+_V = frozenset(("zbv", "dualpipev"))
+#: two pipes, m / 2 micro-batches each: rank r holds stage r of one and p - 1 - r of the other
+_TWO_PIPES = frozenset(("chimera", "dualpipe"))
+
+
 def busy_bound(lay: Layout, stage_costs: list[_Costs]) -> list[float] | None:
     """Each rank's busy time (its actions' costs, no waiting), a lower bound of any
-    schedule's makespan; None for placements it does not cover (V, two pipes)."""
-    if lay.schedule not in _LOOPED:
-        return None
+    schedule's makespan; None for a schedule whose placement is not listed here."""
     p, m = lay.pp, lay.num_microbatches
     per = [c.tf + c.tb + c.w for c in stage_costs]
-    return [m * sum(per[r::p]) for r in range(p)]
+    if lay.schedule in _LOOPED:
+        return [m * sum(per[r::p]) for r in range(p)]
+    if lay.schedule in _V and len(per) == 2 * p:
+        return [m * (per[r] + per[2 * p - 1 - r]) for r in range(p)]
+    if lay.schedule in _TWO_PIPES and len(per) == p:
+        return [m / 2 * (per[r] + per[p - 1 - r]) for r in range(p)]
+    return None
 

@@ -41,8 +41,16 @@ def test_every_layout_obeys_the_rules():
         if lay.pp > 1:
             assert lay.num_microbatches >= lay.pp
         if lay.vpp > 1:
-            assert lay.schedule == "interleaved" and (shape.l // lay.pp) % lay.vpp == 0
+            assert lay.schedule in ("interleaved", "zbv", "dualpipev")
+            assert (shape.l // lay.pp) % lay.vpp == 0
+        if lay.schedule == "interleaved":
             assert lay.num_microbatches % lay.pp == 0
+        if lay.schedule in ("zbv", "dualpipev"):
+            assert lay.vpp == 2
+        if lay.schedule == "zb-h2":
+            assert lay.num_microbatches >= 2 * lay.pp - 1
+        if lay.schedule == "dualpipev":
+            assert lay.num_microbatches >= 2 * lay.pp
         if lay.dp == 1:
             assert lay.zero_stage == 0
     assert seen > 1000
