@@ -48,7 +48,13 @@ def _clear_stale_locks(cache: str) -> None:
 
 
 def _import_deepspeed():
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "parbench", "torch_extensions")
+    # one extension directory per Python environment: two venvs sharing one would rebuild
+    # DeepSpeed's CPU extension over each other (its build key is the source, not torch's)
+    import hashlib
+    import sys
+    env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "parbench", "torch_extensions",
+                         env)
     os.makedirs(cache, exist_ok=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
     _clear_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"])
