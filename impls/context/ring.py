@@ -15,8 +15,8 @@ every block use the rows' final output and log-sum-exp (FlashAttention-2's backw
 Causal masking is decided per block from the *global* positions of the two blocks
 (``block_plan``): with the contiguous layout (``none``) blocks from later ranks are skipped,
 so rank N-1 computes N blocks and rank 0 one; zig-zag and striped layouts give every rank the
-same work. K/V messages and dK/dV messages use separate tags: the backward interleaves them
-on the same pair of ranks.
+same work. K/V messages and dK/dV messages use separate tags (gloo) and are posted in the same
+order on both ends of each pair (NCCL, which ignores tags): the backward interleaves them.
 """
 from __future__ import annotations
 
@@ -197,8 +197,10 @@ class RingAttention(torch.autograd.Function):
         sends = []
         for j in range(1, size):
             kv = pending.wait()
-            pending = ring.exchange(kv, TAG_KV) if j < size - 1 else None
+            # posted in the order the previous rank sends (its dK/dV of step j-1 before its
+            # K/V of step j): NCCL matches a pair's messages by order, not by tag
             incoming = ring.recv_prev(kv, TAG_DKV) if j >= 2 else None
+            pending = ring.exchange(kv, TAG_KV) if j < size - 1 else None
             plan = ring.plan((rank - j) % size, n)
             blk = torch.zeros_like(kv) if plan else None
             with ring.clock.span("bwd"):
