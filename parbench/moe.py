@@ -7,6 +7,12 @@ Semantics (stated once, here):
   logits = x W_r^T in fp32 (W_r: ``[E, h]``, no bias), p = softmax(logits); the top-k experts
   of each token by p. Gates: k = 1 (Switch) the chosen expert's probability; k > 1 (GShard
   top-2) the top-k probabilities renormalised to sum to 1.
+- **Router skew** (``moe_router_skew`` = a >= 0, a benchmark knob, not from a paper): a
+  fixed bias b_e = -a sigma e / (E - 1) added to the logits (0 for E = 1), sigma =
+  init_std sqrt(h) the router's logit scale at initialisation (the standard deviation of a
+  logit of a unit-variance token), so that low-numbered experts are popular -- the skewed
+  expert popularity FasterMoE measures (He et al. 2022, Sec. 2.3). a = 1 shifts neighbouring
+  experts by sigma / (E - 1); a = 0 adds nothing (the logits are bit-identical).
 - **Routing groups.** Capacity and the auxiliary losses are computed per routing group: the
   tokens one rank routes in one micro-batch ("per rank", GShard's local groups, DeepSpeed's
   and Megatron's rule), never globally. The golden run holds the whole batch, so it is told the
@@ -87,18 +93,39 @@ class Routing:
     stats: dict
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
-          capacity_factor: float, aux_coef: float, z_coef: float) -> Routing:
-    """Route tokens ``x`` ``[T, h]`` in groups ``groups`` ``[T]`` (tokens of a group in
-    priority order)."""
-    num_experts = weight.shape[0]
+def router_logits(x: torch.Tensor, weight: torch.Tensor, skew: float = 0.0,
+                  scale: float = 1.0) -> torch.Tensor:
+    """x W_r^T in fp32, plus the router skew's bias -skew scale e / (E - 1) (``scale``: the
+    logit scale sigma, module docstring)."""
     logits = x.float() @ weight.float().t()
+    if skew:
+        e = weight.shape[0]
+        bias = torch.arange(e, device=logits.device, dtype=logits.dtype) / max(e - 1, 1)
+        logits = logits - (skew * scale) * bias
+    return logits
+
+
+def skew_of(cfg) -> tuple[float, float]:
+    """(skew, logit scale init_std sqrt(h)) of a model config: ``route``'s last two
+    arguments."""
+    return cfg.moe_router_skew, cfg.init_std * cfg.hidden_size ** 0.5
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
+          capacity_factor: float, aux_coef: float, z_coef: float, skew: float = 0.0,
+          scale: float = 1.0) -> Routing:
+    """Route tokens ``x`` ``[T, h]`` in groups ``groups`` ``[T]`` (tokens of a group in
+    priority order); ``skew``, ``scale``: the router skew and the logit scale (module
+    docstring, ``skew_of``). ``stats["group_load"]`` ``[G, E]``: the assignments of each
+    group (ascending group id) to each expert."""
+    num_experts = weight.shape[0]
+    logits = router_logits(x, weight, skew, scale)
     probs = torch.softmax(logits, dim=-1)
     top_p, top_e = probs.topk(k, dim=-1)
     gate = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
     slot = torch.zeros_like(top_e)
     kept = torch.zeros_like(top_e, dtype=torch.bool)
-    aux_terms, cap = [], 0
+    aux_terms, cap, group_load = [], 0, []
     load = torch.zeros(num_experts, dtype=torch.long)
     dropped = torch.zeros(num_experts, dtype=torch.long)
     aux_val = z_val = 0.0
@@ -114,6 +141,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
             slot[idx, j] = pos
             taken += onehot.sum(0)
         load += taken.cpu()
+        group_load.append(taken.cpu())
         kept[idx] = slot[idx] < c
         dropped += torch.bincount(top_e[idx][~kept[idx]].cpu(), minlength=num_experts)
         f = taken.to(probs.device, probs.dtype) / (t * k)
@@ -124,7 +152,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
         z_val += float(z.detach())
     n = len(aux_terms)
     stats = {"aux_loss": aux_val / n, "z_loss": z_val / n, "load": load, "dropped": dropped,
-             "capacity": cap, "groups": n}
+             "capacity": cap, "groups": n, "group_load": torch.stack(group_load)}
     return Routing(top_e, gate, slot, kept, cap, torch.stack(aux_terms).mean(), stats)
 
 
@@ -149,12 +177,12 @@ def expert_mlp(x: torch.Tensor, fc1, fc2) -> torch.Tensor:
 
 
 def combine_reference(x: torch.Tensor, r: Routing, experts) -> torch.Tensor:
-    """The single-device MoE output: sum over kept assignments of gate * expert(token)."""
+    """The single-device MoE output: sum over kept assignments of gate * expert(token). An
+    expert without tokens still runs (on no rows), so that its gradient is zero, not None:
+    the optimizer then decays it as every scheme's flat gradient buffer does."""
     out = torch.zeros_like(x)
     for e, ex in enumerate(experts):
         tok, choice = ((r.expert == e) & r.kept).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
         y = expert_mlp(x[tok], ex.fc1, ex.fc2) * r.gate[tok, choice].unsqueeze(1).to(x.dtype)
         out = out.index_add(0, tok, y)
     return out
@@ -182,7 +210,7 @@ class MoE(nn.Module):
         groups = (self.routing or RoutingGroups(rows=b)).ids(b, s).to(x.device)
         cfg = self.cfg
         r = route(xt, self.router.weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
-                  cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef)
+                  cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg))
         self.last = r.stats
         y = combine_reference(xt, r, self.experts)
         y = AttachAux.apply(y, r.aux * self.aux_scale)

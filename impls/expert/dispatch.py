@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parbench.moe import AttachAux, Routing, expert_mlp, route
+from parbench.moe import AttachAux, Routing, expert_mlp, route, skew_of
 
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -71,7 +71,7 @@ class ExpertDispatch:
               ) -> Routing:
         cfg = self.cfg
         return route(x, router_weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
-                     cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef)
+                     cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg))
 
     # ---- 2. the dispatch buffer ------------------------------------------------------------
     @staticmethod

@@ -50,7 +50,7 @@ from .stats import StepStats, row_metrics
 
 #: the MoE fields the scheme reads (``Scheme.options``)
 MOE_OPTIONS = ("num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef")
+               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_skew")
 
 
 @register
@@ -78,6 +78,9 @@ class ExpertAllToAll(Scheme):
         if case.run.dtype != "fp32":
             raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name} "
                               "(fp32 only)")
+        if m.moe_router_skew and cls.baseline_of:
+            raise ConfigError(f"moe_router_skew={m.moe_router_skew}: {cls.name} routes with "
+                              "its library's own gate, which has no skew; set moe_router_skew=0")
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -15,6 +15,7 @@ from parbench.schedules import SCHEDULES
 
 from .asynchronous import PipeDreamScheme, TwoBWScheme
 from .scheme import PipelineScheme
+from .segments import SEGMENT_BASES
 
 #: the asynchronous schedules' weight rules; every other schedule is synchronous
 _ASYNC_BASES = {"pipedream": PipeDreamScheme, "2bw": TwoBWScheme}
@@ -25,7 +26,7 @@ def _register_all() -> dict[str, type]:
     for name, spec in SCHEDULES.items():
         if spec.asynchronous and name not in _ASYNC_BASES:
             raise TypeError(f"schedule {name!r} is asynchronous but has no weight rule here")
-        base = _ASYNC_BASES.get(name, PipelineScheme)
+        base = _ASYNC_BASES.get(name) or SEGMENT_BASES.get(name, PipelineScheme)
         cls = type(f"Pipeline_{name.replace('-', '_')}", (base,), {
             "name": f"pipeline.{name}", "schedule_name": name,
             "description": spec.description, "__module__": __name__})

@@ -184,12 +184,16 @@ class Executor:
         while self._next_recv[src] < len(queue):
             k = queue[self._next_recv[src]]
             self._next_recv[src] += 1
-            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+            buf = torch.empty(self.recv_shape(k), dtype=self.dtype, device=self.device)
             self._recv_buf[k] = buf
             ops.append((dist.P2POp(dist.irecv, buf, self.global_ranks[src], self.group), k))
             if k == key:
                 break
         return ops
+
+    def recv_shape(self, key) -> tuple:
+        """The shape of the message ``key`` (token-slice pipelines: the slice's length)."""
+        return self.act_shape
 
     def _take(self, key) -> torch.Tensor | None:
         if key is None:
@@ -272,6 +276,16 @@ class Executor:
         else:
             self._fused(slot, a, saved, saved["grad_out"])
 
+    # ---- extension points (no-ops here; BPipe's executor moves activations in them) ------
+    def _before_action(self, k: int, a) -> None:
+        """At position ``k``, once the action's receives are posted, before its input."""
+
+    def _after_action(self, k: int, a) -> None:
+        """After the action at position ``k`` (its output send queued, not yet posted)."""
+
+    def _after_row(self, hi: int) -> None:
+        """After the step's last action and the last send posted, before sends drain."""
+
     # ---- one step ----------------------------------------------------------------------
     def run(self, xs: list[torch.Tensor], ys: list[torch.Tensor], step: int = 0,
             track: bool = True) -> StepOutcome:
@@ -300,6 +314,7 @@ class Executor:
                 ops += self._recv_ops(needed_key(schedule, nxt))
             pending = []
             self._post(ops)
+            self._before_action(k, a)
             received = self._take(need)
             slot = self.slots[(a.pipe, a.stage)]
             with timeline.span(a.kind, mb=a.mb, stage=a.stage, pipe=a.pipe):
@@ -325,7 +340,9 @@ class Executor:
                     pending.append((dist.P2POp(dist.isend, tensor, self.global_ranks[dst],
                                                self.group), None))
             produced = None
+            self._after_action(k, a)
         self._post(pending)
+        self._after_row(hi)
         self._finish_sends(drain)
         if drain:
             leftover = list(self._recv_buf)

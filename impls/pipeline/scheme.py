@@ -1,9 +1,10 @@
 """Pipeline parallelism: every schedule of ``parbench.schedules`` run by one executor.
 
 Schemes ``pipeline.<name>`` for gpipe, 1f1b, interleaved, zb-h1, zb-h2, zbv, chimera,
-dualpipe, dualpipev, bfs, pipedream and 2bw. The model is cut into S consecutive stages
-(``parbench.model.build_stage``; S = p for one-stage-per-rank and bidirectional schedules,
-p*v for interleaved / looped BFS, 2p for the V shapes); a rank holds the stages the
+dualpipe, dualpipev, bfs, pipedream, 2bw, hanayo, vhalf and vmin (and every other registered
+schedule). The model is cut into S consecutive stages (``parbench.model.build_stage``; S = p
+for one-stage-per-rank and bidirectional schedules, p*v for interleaved / looped BFS and
+Hanayo's waves, 2p for the V shapes); a rank holds the stages the
 schedule's placement gives it (two model replicas for Chimera and DualPipe).
 
 Synchronous schedules equal the golden run: each micro-batch loss is scaled by 1/m, so the
@@ -81,7 +82,7 @@ class PipelineScheme(Scheme):
         super().__init__(ctx)
         cfg, run = ctx.model, ctx.run
         self.m = ctx.parallel.num_microbatches
-        self.schedule = schedule_for(ctx.case, self.schedule_name)
+        self.schedule = self.case_schedule(ctx.case)
         self.group = ctx.mesh.group("pp")
         self.group_ranks = ctx.mesh.ranks("pp")
         self.pp_rank = ctx.mesh.index("pp")
@@ -96,6 +97,11 @@ class PipelineScheme(Scheme):
         self._held: list[tuple[int, int]] = []  # (held graphs, activation bytes) per step
         # First use of the group by every member (NCCL creates communicators lazily).
         torch.distributed.barrier(group=self.group)
+
+    @classmethod
+    def case_schedule(cls, case: CaseConfig) -> Schedule:
+        """The validated schedule this scheme runs for ``case`` (a mutant may swap it)."""
+        return schedule_for(case, cls.schedule_name)
 
     def make_weights(self) -> WeightRule:
         """The weight rule of this scheme (synchronous; the asynchronous schemes override)."""
@@ -210,7 +216,7 @@ class PipelineScheme(Scheme):
         if model.num_experts:
             raise ConfigError(f"num_experts={model.num_experts}: pipeline schemes run the "
                               "dense model")
-        schedule = schedule_for(case, cls.schedule_name)
+        schedule = cls.case_schedule(case)
         if model.num_layers % schedule.num_stages:
             raise ConfigError(f"num_layers={model.num_layers} is not divisible by the "
                               f"{schedule.num_stages} stages of {cls.schedule_name} with "

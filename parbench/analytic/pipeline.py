@@ -10,8 +10,12 @@ check the schedules and the executor instead of restating them.
 * linear (GPipe, 1F1B, ZB-H1/H2, PipeDream, 2BW): S = p, stage r on rank r;
 * looped (interleaved 1F1B, Narayanan et al. 2021 Sec. 2.2.2; looped BFS): S = p v, stage
   s on rank s mod p, so rank r holds stages r, r + p, ..., r + (v-1) p;
-* V (ZB-V, Qi et al. 2024 Sec. 6; DualPipeV): S = 2p, rank r holds stages r and 2p-1-r, so
-  the hand-off between stages p-1 and p stays on rank p-1;
+* V (ZB-V, Qi et al. 2024 Sec. 6; DualPipeV; V-Half and V-Min, Qi et al. 2024b): S = 2p,
+  rank r holds stages r and 2p-1-r, so the hand-off between stages p-1 and p stays on rank
+  p-1;
+* wave (Hanayo, Liu et al. 2023 Sec. 3): S = p v, chunk c = s // p runs down the
+  ranks (c even: stage c p + r on rank r) or back up (c odd: stage c p + p-1-r on rank r);
+  every turn (stages c p + p-1 -> (c+1) p) stays on one rank (p-1 or 0); v = 2 is the V;
 * bidirectional (Chimera, Li & Hoefler 2021 Sec. 3; DualPipe, DeepSeek-V3 report Sec.
   3.2.1): two replicas of S = p stages, the down pipe with stage s on rank s and the up pipe
   with stage s on rank p-1-s. Both papers feed half of the m micro-batches to each pipe
@@ -40,7 +44,7 @@ from __future__ import annotations
 from .params import embedding_params, head_params, layer_params
 from .shape import Shape, require_positive_int
 
-PLACEMENTS = ("linear", "looped", "v", "bidirectional")
+PLACEMENTS = ("linear", "looped", "v", "bidirectional", "wave")
 #: fp32 bytes per element: the pipeline family runs fp32
 FP32 = 4
 
@@ -55,11 +59,11 @@ def _check_placement(placement: str) -> str:
 # ---- placement ---------------------------------------------------------------------------
 
 def num_stages(placement: str, p: int, v: int = 1) -> int:
-    """S: p (linear, bidirectional: each replica), p v (looped), 2p (V)."""
+    """S: p (linear, bidirectional: each replica), p v (looped, wave), 2p (V)."""
     kind = _check_placement(placement)
     require_positive_int("p", p)
     require_positive_int("v", v)
-    return {"linear": p, "looped": p * v, "v": 2 * p, "bidirectional": p}[kind]
+    return {"linear": p, "looped": p * v, "v": 2 * p, "bidirectional": p, "wave": p * v}[kind]
 
 
 def stages_on_rank(placement: str, p: int, rank: int, v: int = 1) -> list[tuple[int, int]]:
@@ -73,6 +77,8 @@ def stages_on_rank(placement: str, p: int, rank: int, v: int = 1) -> list[tuple[
         return [(0, c * p + rank) for c in range(v)]
     if kind == "v":
         return [(0, rank), (0, 2 * p - 1 - rank)]
+    if kind == "wave":
+        return [(0, c * p + (rank if c % 2 == 0 else p - 1 - rank)) for c in range(v)]
     return [(0, rank), (1, p - 1 - rank)]
 
 
@@ -156,6 +162,9 @@ def p2p_sends(placement: str, p: int, m: int, rank: int, v: int = 1) -> tuple[in
     forward to rank r-1 unless r = 0 (the last stage); backward mirrors it. Bidirectional:
     each pipe carries m/2 micro-batches; the down pipe's stage r sends forward unless
     r = p-1, the up pipe's stage p-1-r (on rank r) unless r = 0, and backward the reverse.
+    Wave: per chunk, the rank at the chunk's far end (p-1 going down, 0 going up) hands the
+    activation on locally (a turn) or holds the last stage, every other rank sends it; the
+    gradient likewise, from every rank but the chunk's near end.
     """
     kind = _check_placement(placement)
     require_positive_int("m", m)
@@ -168,6 +177,10 @@ def p2p_sends(placement: str, p: int, m: int, rank: int, v: int = 1) -> tuple[in
         return m * not_last, m * not_first
     if kind == "looped":
         return m * (v - 1 + not_last), m * (v - 1 + not_first)
+    if kind == "wave":
+        down, up = (v + 1) // 2, v // 2  # chunks running down (c even) and up (c odd)
+        return (m * (down * not_last + up * not_first),
+                m * (down * not_first + up * not_last))
     both = not_last + not_first
     if kind == "v":
         return m * both, m * both

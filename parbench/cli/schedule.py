@@ -22,21 +22,23 @@ def cmd_schedule(args: list[str], as_json: bool = False, wide: bool = False) -> 
     if name not in SCHEDULES:
         raise ConfigError(f"schedule={name!r} is not known (choose from "
                           f"{', '.join(SCHEDULES)})")
-    ints = {k: number(k, rest.pop(k), integer=True, minimum=1) for k in ("p", "m", "v")
-            if k in rest}
+    ints = {k: number(k, rest.pop(k), integer=True, minimum=1)
+            for k in ("p", "m", "v", "segments") if k in rest}
     costs = {k: number(k, rest.pop(k), minimum=0) for k in ("tf", "tb", "tw", "p2p") if k in rest}
     if "overlap" in rest:  # DualPipe: run each F&B pair as one unit (DeepSeek-V3 Table 2)
         costs["overlap"] = coerce(rest.pop("overlap"), bool, "overlap")
-    size = ints.get("p", 4) * ints.get("m", 8) * ints.get("v", 1)
+    size = ints.get("p", 4) * ints.get("m", 8) * ints.get("v", 1) * ints.get("segments", 1)
     if size > MAX_SLOTS:
-        raise ConfigError(f"p*m*v={size} exceeds {MAX_SLOTS}, the largest schedule this "
+        raise ConfigError(f"p*m*v*segments={size} exceeds {MAX_SLOTS}, the largest schedule this "
                           "verb simulates and draws")
     if rest:
         raise ConfigError(f"unknown key {next(iter(rest))!r} for schedule (p, m, v, tf, tb, tw, "
-                          "p2p, overlap)")
+                          "p2p, overlap, segments)")
+    # token slices per micro-batch (Seq1F1B, TeraPipe); only passed when given
+    extra = {"segments": ints["segments"]} if "segments" in ints else {}
     try:
         schedule = validate(make_schedule(name, ints.get("p", 4), ints.get("m", 8),
-                                          ints.get("v")))
+                                          ints.get("v"), **extra))
         sim = simulate(schedule, **costs)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None

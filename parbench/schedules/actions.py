@@ -11,7 +11,10 @@ Dependency rules (shared by the validator, the simulator and the executor):
 * the backward-for-inputs of ``(mb, s)`` — a ``B`` or a fused ``BW`` — needs
   ``F(mb, s)`` and the backward-for-inputs of ``(mb, s+1)`` (the last stage
   needs only its own forward);
-* ``W(mb, s)`` needs ``B(mb, s)``, which lives on the same rank.
+* ``W(mb, s)`` needs ``B(mb, s)``, which lives on the same rank;
+* with token slices (``Schedule.segments`` > 1: Seq1F1B, TeraPipe, see ``segments``), F of
+  slice j needs F of slice j-1 on the same stage and the backward of slice j-1 that of
+  slice j -- same-rank dependencies, kept by the rank order the validator checks.
 
 Stages are global model stages ``0..S-1`` of one model replica; bidirectional
 schedules (Chimera, DualPipe) hold two replicas, told apart by ``pipe``, and each
@@ -106,6 +109,10 @@ class Schedule:
     the simulator treats them as done at time 0. Empty for a whole schedule, which
     the validator requires.
     notes: free text for reports.
+    segments: token slices per micro-batch (Seq1F1B, TeraPipe: ``segments``); above 1 an
+    action's ``mb`` is a (micro-batch, slice) unit ``u = mb * segments + slice``, ``m``
+    counts units, and F of slice j needs F of slice j-1 of the same stage, the backward
+    of slice j-1 the backward of slice j (``segment_dependencies``).
     """
 
     name: str
@@ -121,6 +128,7 @@ class Schedule:
     overlapped: list[tuple[Action, Action]] = field(default_factory=list)
     done_before: frozenset = field(default_factory=frozenset)
     notes: str = field(default="", compare=False)
+    segments: int = 1
 
     # -- placement -------------------------------------------------------
     def rank_of(self, action: Action) -> int:
@@ -152,6 +160,8 @@ class Schedule:
         pipe suffix: the micro-batch number already says which replica it uses.
         """
         text = f"{action.kind}{action.mb}"
+        if self.segments > 1:  # unit u = (micro-batch, slice): 'F3.1'
+            text = f"{action.kind}{action.mb // self.segments}.{action.mb % self.segments}"
         if self.v > 1:
             text += f"c{self.chunk_of(action.pipe, action.stage)}"
         return text
@@ -182,6 +192,23 @@ class Schedule:
         """
         if backward_kinds is None:
             backward_kinds = self.backward_kinds()
+        deps = self._stage_dependencies(action, backward_kinds)
+        if self.segments > 1:
+            deps += self.segment_dependencies(action, backward_kinds)
+        return deps
+
+    def segment_dependencies(self, action: Action, backward_kinds) -> list[Action]:
+        """Within one stage: F of slice j needs F of slice j-1 (its cached K/V), the
+        backward-for-inputs of slice j needs that of slice j+1 (the K/V gradients)."""
+        a, k = action, self.segments
+        if a.kind == FORWARD and a.mb % k:
+            return [Action(FORWARD, a.mb - 1, a.stage, a.pipe)]
+        if a.kind in INPUT_GRAD_KINDS and a.mb % k < k - 1:
+            kind = backward_kinds.get((a.mb + 1, a.stage, a.pipe), BACKWARD_FULL)
+            return [Action(kind, a.mb + 1, a.stage, a.pipe)]
+        return []
+
+    def _stage_dependencies(self, action: Action, backward_kinds) -> list[Action]:
         a = action
         if a.kind == FORWARD:
             return [Action(FORWARD, a.mb, a.stage - 1, a.pipe)] if a.stage > 0 else []
@@ -232,6 +259,17 @@ def v_placement(p: int) -> dict[tuple[int, int], int]:
     placement = {}
     for s in range(2 * p):
         placement[(0, s)] = s if s < p else 2 * p - 1 - s
+    return placement
+
+
+def wave_placement(p: int, v: int) -> dict[tuple[int, int], int]:
+    """Zig-zag over p*v stages (Hanayo, Liu et al. 2023): chunk c = s // p runs down the
+    ranks when c is even and back up when odd, so rank r holds stages c*p + r (c even) and
+    c*p + p-1-r (c odd); v=2 is the V placement, each turn is a local hand-off."""
+    placement = {}
+    for s in range(p * v):
+        c, q = divmod(s, p)
+        placement[(0, s)] = q if c % 2 == 0 else p - 1 - q
     return placement
 
 

@@ -9,6 +9,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from . import segment_deps
 from .actions import BACKWARD_FULL, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 
 
@@ -167,6 +168,7 @@ class _Plan:
         b, bw = index[up + 1], index[up + 3]
         listed_b, listed_bw = (b >= 0) & (b < n), (bw >= 0) & (bw < n)
         dep_b[nxt] = np.where(listed_b & (~listed_bw | (b < bw)), b, bw)
+        segment_deps.link_regular(self, dep_a, dep_b)  # token slices (Seq1F1B, TeraPipe)
         for deps in (dep_a, dep_b):
             deps[deps < 0] = self.MISSING
         return dep_a, dep_b
@@ -199,6 +201,7 @@ class _Plan:
                     up = BACKWARD_INPUT if b is not None and (bw is None or b < bw) \
                         else BACKWARD_FULL
                     wants.append((up, mb, stage + 1, pipe))
+            wants = segment_deps.wants_keys(self.schedule, keys[i], wants, first)
             for deps, key in zip((self.dep_a, self.dep_b), wants):
                 u = first.get(key)
                 deps[i] = before.get(key, missing) if u is None else u

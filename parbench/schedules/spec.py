@@ -53,6 +53,7 @@ class Placement(StrEnum):
     LOOPED = "looped"                # stage s on rank s % p
     V = "v"                          # rank r holds stages r and 2p-1-r
     BIDIRECTIONAL = "bidirectional"  # two replicas: pipe 0 stage s on s, pipe 1 on p-1-s
+    WAVE = "wave"                    # zig-zag: chunk c down the ranks (c even) or up (odd)
 
 
 @dataclass(frozen=True, kw_only=True)

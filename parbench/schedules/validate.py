@@ -50,6 +50,9 @@ def _check_shape(s: Schedule) -> None:
         _fail(s, f"actions has {len(s.actions)} rank lists, expected p={s.p}")
     if len(s.mb_pipe) != s.m:
         _fail(s, f"mb_pipe has {len(s.mb_pipe)} entries, expected m={s.m}")
+    if s.segments < 1 or s.m % s.segments:
+        _fail(s, f"m={s.m} units is not a whole number of micro-batches of "
+                 f"segments={s.segments} token slices")
     pipes = sorted({pipe for pipe, _ in s.placement})
     for pipe in pipes:
         stages = sorted(stage for q, stage in s.placement if q == pipe)

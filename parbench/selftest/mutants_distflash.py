@@ -1,1 +1,71 @@
-"""(issue 13: being written)"""
+"""Realistic bugs in DistFlashAttn (``context.distflashattn``; see mutants_context): the
+helper's partial result merged without its log-sum-exp, a helped block computed twice, a
+causal mask on a helped block, and a rematerialised layer whose checkpoint hands backward a
+stale attention output. Each needs cp = 4 (at cp = 2 nobody helps)."""
+from __future__ import annotations
+
+import torch
+
+from impls.context.distflash import DistFlashAttnScheme
+from impls.context.distflash_attn import DistFlashCore, DistFlashPeers
+from impls.context.distflash_plan import BalancedSchedule
+
+from .catalogue import mutant
+
+
+class _UnscaledHelperPeers(DistFlashPeers):
+    def merge_remote(self, out, lse, blk_out, blk_lse):
+        new = torch.logaddexp(lse, blk_lse)
+        out.mul_(torch.exp(lse - new).unsqueeze(-1))
+        out.add_(blk_out)  # the bug: the helper's rows are not weighted by exp(lse_h - lse)
+        lse.copy_(new)
+
+
+@mutant("dfa-helper-no-rescale", base="context.distflashattn", overrides={"cp": "4"},
+        bug="the helper's partial output is added without rescaling by its log-sum-exp")
+class DFAHelperNoRescale(DistFlashAttnScheme):
+    peers_class = _UnscaledHelperPeers
+
+
+class _OddHelpingSchedule(BalancedSchedule):
+    def helping_steps(self):
+        return self.P // 2  # the bug: P // 2 helping steps for even P too (right for odd P)
+
+
+@mutant("dfa-help-double-count", base="context.distflashattn", overrides={"cp": "4"},
+        bug="even cp: idle workers also help in the last step, computing blocks their owners "
+            "compute themselves (counted twice)")
+class DFAHelpDoubleCount(DistFlashAttnScheme):
+    schedule_class = _OddHelpingSchedule
+
+
+class _CausalHelperPeers(DistFlashPeers):
+    helped_causal = True  # the bug: the diagonal's mask (local offsets) on a helped block
+
+
+@mutant("dfa-helper-causal-mask", base="context.distflashattn", overrides={"cp": "4"},
+        bug="the helper masks the busy worker's queries causally on local offsets, as if the "
+            "helped block were a diagonal one")
+class DFAHelperCausalMask(DistFlashAttnScheme):
+    peers_class = _CausalHelperPeers
+
+
+class _StaleCheckpointCore(DistFlashCore):
+    def __init__(self, peers):
+        super().__init__(peers)
+        self.buffer = {}
+
+    def keep(self, blk, x, out, lse):
+        self.buffer.setdefault(id(blk), (out, lse))  # the bug: filled once, never refreshed
+        return (x,)
+
+    def kept(self, blk, saved):
+        return (saved[0], *self.buffer[id(blk)])
+
+
+@mutant("dfa-remat-stale-checkpoint", base="context.distflashattn",
+        overrides={"cp": "4", "recompute": "full", "num_microbatches": "2"},
+        bug="rematerialised layers read the attention output and log-sum-exp from a per-layer "
+            "buffer filled by the first micro-batch only (stale in backward)")
+class DFARematStaleCheckpoint(DistFlashAttnScheme):
+    core_class = _StaleCheckpointCore

@@ -31,6 +31,7 @@ from parbench.schedules.actions import (
     linear_placement,
     looped_placement,
     v_placement,
+    wave_placement,
 )
 
 settings.register_profile("schedules-ci", max_examples=40, deadline=None,
@@ -44,7 +45,8 @@ PROFILE = settings.get_profile(
 def supported(name: str, p: int, m: int, v: int | None) -> bool:
     """The generators' documented preconditions, restated independently."""
     single = v in (None, 1)
-    if name in ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1"):
+    if name in ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1", "seq1f1b", "terapipe",
+                "bpipe"):
         return single
     if name == "zb-h2":
         return single and m >= 2 * p - 1
@@ -61,6 +63,10 @@ def supported(name: str, p: int, m: int, v: int | None) -> bool:
         return single and p % 2 == 0 and m % 2 == 0 and m >= 2 * p
     if name == "dualpipev":
         return v in (None, 2) and m >= 2 * p
+    if name == "hanayo":
+        return v is None or v >= 2
+    if name in ("vhalf", "vmin"):
+        return v in (None, 2)
     raise AssertionError(name)
 
 
@@ -107,7 +113,8 @@ def test_spec_metadata_matches_what_the_generator_builds(name):
     expected = {Placement.LINEAR: lambda: linear_placement(p),
                 Placement.LOOPED: lambda: looped_placement(p, schedule.v),
                 Placement.V: lambda: v_placement(p),
-                Placement.BIDIRECTIONAL: lambda: bidirectional_placement(p)}[spec.placement]()
+                Placement.BIDIRECTIONAL: lambda: bidirectional_placement(p),
+                Placement.WAVE: lambda: wave_placement(p, schedule.v)}[spec.placement]()
     assert schedule.placement == expected
     if spec.chunks is ChunkRule.ONE:
         assert schedule.v == 1 and spec.v_for(1) is None

@@ -1,0 +1,181 @@
+"""LoongTrain (Gu et al. 2024, "LoongTrain: Efficient Training of Long-Sequence LLMs with
+Head-Context Parallelism", arXiv 2406.18485, Sec. 4): 2D-Attention with Double-Ring-Attention.
+
+The cp ranks of a group form a u x c grid, u = ``cp_ulysses`` (head parallel: Ulysses
+all-to-alls inside a head group) by c = cp/u (context parallel); the context ring is cut into
+c/w inner rings of w = ``cp_window`` ranks joined by an outer ring (``double_ring``). Tokens are
+laid out as USP lays them (``layout.usp_positions``): the context rank's tokens under
+``cp_balance`` (zig-zag by default, as LoongTrain's ring), cut into u contiguous pieces, so the
+head group's all-to-all gathers its context rank's tokens in order.
+
+Device placement (Sec. 4, compared in the paper; no config field, one scheme each):
+
+- ``context.loongtrain``: **head-first** -- a head group is u consecutive cp ranks, a context
+  ring takes every u-th (the all-to-all on the closest links; this is also USP's layout here,
+  so the two compare group for group);
+- ``context.loongtrain-cf``: **context-first** -- a context ring is c consecutive cp ranks, a
+  window w consecutive ones (the inner ring on the closest links), a head group every c-th.
+
+The ledger knows the groups as ``cp_ulysses`` (head), ``cp_inner`` and ``cp_outer``; bytes and
+calls per group are placement-independent (``analytic.context_loongtrain``).
+"""
+from __future__ import annotations
+
+from parbench.analytic import context as closed
+from parbench.analytic import context_loongtrain as loong
+from parbench.analytic import shape_from
+from parbench.config import CaseConfig, ConfigError
+from parbench.scheme import Prediction, register
+
+from .base import ContextParallelScheme
+from .double_ring import DoubleRingAttention, DoubleRingPeers
+from .layout import usp_positions
+from .ulysses import UlyssesRingCore
+
+
+class LoongTrainCore(UlyssesRingCore):
+    """Ulysses over the head group, then Double-Ring-Attention over the context ring."""
+
+    attention = DoubleRingAttention
+
+
+def grid_groups(cp_groups: list[list[int]], u: int, w: int, head_first: bool
+                ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(head groups, inner rings, outer rings) as lists of global ranks, each in its group's
+    rank order, for every cp group. Head-first: cp index i = head index + u * context index;
+    context-first: i = context index + c * head index."""
+    heads, inner, outer = [], [], []
+    for g in cp_groups:
+        c = len(g) // u
+        if head_first:
+            rings = [g[j::u] for j in range(u)]
+            heads += [g[i * u:(i + 1) * u] for i in range(c)]
+        else:
+            rings = [g[i * c:(i + 1) * c] for i in range(u)]
+            heads += [g[j::c] for j in range(c)]
+        for ring in rings:
+            inner += [ring[a * w:(a + 1) * w] for a in range(c // w)]
+            outer += [ring[j::w] for j in range(w)]
+    return heads, inner, outer
+
+
+@register
+class LoongTrainScheme(ContextParallelScheme):
+    """Gu et al. 2024: head-parallel x context-parallel, double ring, head-first placement."""
+
+    name = "context.loongtrain"
+    kind = "loongtrain"
+    balanced = True
+    head_first = True
+    options = ("cp_balance", "cp_ulysses", "cp_window", "recompute")
+    description = ("LoongTrain (Gu et al. 2024): 2D-Attention (Ulysses heads x double-ring "
+                   "context), head-first placement")
+    core_class = LoongTrainCore
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        p, m = case.parallel, case.model
+        try:
+            loong.check_grid(p.cp, p.cp_ulysses, p.cp_window)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if m.num_heads % p.cp_ulysses:
+            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
+                              f"num_heads={m.num_heads} (the head group shards the heads)")
+        super().check(case)
+
+    @classmethod
+    def ring_size(cls, p) -> int:
+        return p.cp // p.cp_ulysses
+
+    @classmethod
+    def cp_ulysses(cls, p) -> int:
+        return p.cp_ulysses
+
+    def _coords(self):
+        """(u, c, head index, context index) of this rank."""
+        u = self.ctx.parallel.cp_ulysses
+        c = self.cp // u
+        if self.head_first:
+            return u, c, self.cp_rank % u, self.cp_rank // u
+        return u, c, self.cp_rank // c, self.cp_rank % c
+
+    def build_core(self):
+        mesh, p = self.ctx.mesh, self.ctx.parallel
+        u, c, _, _ = self._coords()
+        w = p.cp_window
+        heads, inner, outer = grid_groups(mesh.layout.groups("cp"), u, w, self.head_first)
+        head = mesh.subgroup(loong.HEAD_AXIS, heads) if u > 1 else None
+        ring_in = mesh.subgroup(loong.INNER_AXIS, inner) if w > 1 else None
+        ring_out = mesh.subgroup(loong.OUTER_AXIS, outer) if c // w > 1 else None
+        peers = self.make_peers(ring_in, ring_out)
+        return self.core_class(head, u, peers)
+
+    def make_peers(self, ring_in, ring_out) -> DoubleRingPeers:
+        balance = self.balance(self.ctx.parallel)
+        return DoubleRingPeers(self.peers_class(ring_in, self.clock),
+                               self.peers_class(ring_out, self.clock), self.clock, balance)
+
+    def token_positions(self):
+        u, c, hi, ci = self._coords()
+        return usp_positions(self.ctx.model.seq_length, u, c, hi, ci,
+                             self.balance(self.ctx.parallel))
+
+    # ---- closed forms -------------------------------------------------------------------------
+    @classmethod
+    def predict(cls, case: CaseConfig) -> Prediction:
+        p, mdl = case.parallel, case.model
+        pred = loong.loongtrain_prediction(
+            shape_from(mdl), cp=p.cp, dp=p.dp, cp_ulysses=p.cp_ulysses,
+            cp_window=p.cp_window, micro_batch=p.micro_batch_size,
+            microbatches=p.num_microbatches, recompute=p.recompute,
+            optimizer=case.run.optimizer)
+        figures = dict(pred.figures)
+        figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
+            cls.kind, mdl.seq_length, p.micro_batch_size, mdl.hidden_size, mdl.num_heads,
+            p.cp, p.recompute, mdl.ffn)
+        figures["attention_work_per_rank"] = cls.predicted_work(case)
+        figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
+        figures["versus_usp"] = cls.versus_usp(case)
+        return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,
+                                  **figures)
+
+    @classmethod
+    def versus_usp(cls, case: CaseConfig) -> dict:
+        p, m = case.parallel, case.model
+        return loong.versus_usp(p.micro_batch_size, m.seq_length, m.hidden_size, p.cp,
+                                p.cp_ulysses, p.cp_window, m.num_layers, p.num_microbatches,
+                                4, p.recompute != "none")
+
+    @classmethod
+    def predicted_work(cls, case: CaseConfig):
+        """As USP's: the double ring visits every block of the context ring once."""
+        p = case.parallel
+        u, c = p.cp_ulysses, p.cp // p.cp_ulysses
+        ring = closed.causal_block_work(case.model.seq_length, c, p.cp_balance)
+        if cls.head_first:
+            return [wk // u for wk in ring for _ in range(u)]
+        return [wk // u for _ in range(u) for wk in ring]
+
+    # ---- the row ------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        out = super().metrics()
+        v = self.predict(self.ctx.case).figures["versus_usp"]
+        out["loongtrain_bytes_head_inner_outer"] = (
+            f"{v['head_bytes']:.0f} / {v['inner_bytes']:.0f} / {v['outer_bytes']:.0f}")
+        out["usp_bytes_ulysses_ring_same_grid"] = (
+            f"{v['usp_ulysses_bytes']:.0f} / {v['usp_ring_bytes']:.0f}")
+        out["same_total_as_usp"] = v["same_total_as_usp"]
+        out["outer_hop_share"] = v["outer_hop_share"]
+        out["inner_steps_hiding_outer_hop"] = v["steps_hiding_outer_hop"]
+        return out
+
+
+@register
+class LoongTrainContextFirstScheme(LoongTrainScheme):
+    """The same, context-first placement: a context ring on consecutive cp ranks."""
+
+    name = "context.loongtrain-cf"
+    head_first = False
+    description = ("LoongTrain (Gu et al. 2024): 2D-Attention (Ulysses heads x double-ring "
+                   "context), context-first placement")
