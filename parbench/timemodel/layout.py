@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 
 SCHEDULES_SPLIT_BW = ("zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev")
+
+
+@lru_cache(maxsize=None)
+def splits_backward(schedule: str) -> bool:
+    """True when the schedule runs separate B and W passes (read off a small instance of
+    it: the listed zero-bubble shapes, and any registered later, such as V-Half / V-Min)."""
+    if schedule in SCHEDULES_SPLIT_BW:
+        return True
+    from ..schedules import make_schedule
+    try:
+        sched = make_schedule(schedule, 2, 4)
+    except Exception:  # noqa: BLE001 -- unknown here; the simulator names the problem
+        return False
+    return any(a.kind == "W" for acts in sched.actions for a in acts)
 CP_ALGORITHMS = ("ring", "ring-attention", "ring-self-attention", "ulysses", "allgather",
                  "usp")
 

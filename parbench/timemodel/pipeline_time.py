@@ -6,7 +6,7 @@ from functools import lru_cache
 import math
 
 from .costs import _Costs
-from .layout import Layout, SCHEDULES_SPLIT_BW
+from .layout import Layout, splits_backward
 from .profile import Profile
 
 
@@ -32,7 +32,7 @@ def _simulate(name: str, p: int, m: int, v: int, tf: tuple, tb: tuple, tw: tuple
     """(makespan, busy per rank) of schedule ``name`` with per-virtual-stage costs."""
     from ..schedules import simulate
     sched = _schedule(name, p, m, v)
-    split = name in SCHEDULES_SPLIT_BW
+    split = splits_backward(name)
     stages = len(tf)
 
     def per(vals):
@@ -61,7 +61,7 @@ def pipeline_time(shape, lay: Layout, profile: Profile, stage_costs: list[_Costs
     tf = [c.tf for c in stage_costs]
     tb = [c.tb for c in stage_costs]
     tw = [c.w for c in stage_costs]
-    if name not in SCHEDULES_SPLIT_BW:
+    if not splits_backward(name):
         tb = [x + y for x, y in zip(tb, tw)]
         tw = [0.0] * len(tw)
     unit = max(sum(tf) / len(tf), 1e-12)
