@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parbench.config import ConfigError
@@ -90,8 +90,7 @@ def cases(draw):
         num_microbatches=draw(st.integers(1, 2)), micro_batch_size=draw(st.integers(1, 2)))
 
 
-@pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE") != "thorough",
-                    reason="thorough profile only")
+@settings(max_examples=100 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 2)
 @given(case=cases())
 def test_loongtrain_drawn_cases(pools, case):
     merged, per_rank = run_on_pool(pools, case)

@@ -80,8 +80,7 @@ def cases(draw):
         **extra)
 
 
-@pytest.mark.skipif(not THOROUGH, reason="many multi-rank cases: HYPOTHESIS_PROFILE=thorough")
-@settings(max_examples=40)
+@settings(max_examples=40 if THOROUGH else 2)
 @given(case=cases())
 def test_drawn_cases_match_golden_with_exact_bytes(pools, case):
     check_case(pools, case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, validate_case
@@ -83,8 +83,7 @@ def cases(draw):
         moe_every=draw(st.integers(1, 2)), num_microbatches=draw(st.integers(1, 2)))
 
 
-@pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE") != "thorough",
-                    reason="drawn variations run under the thorough profile")
+@settings(max_examples=100 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 2)
 @given(case=cases())
 def test_tutel_drawn_cases(pools, case):
     merged, per_rank = run_on_pool(pools, case)

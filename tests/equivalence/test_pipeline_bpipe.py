@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parbench.analytic import pipeline_bpipe as closed
@@ -71,7 +71,7 @@ def test_bpipe_equals_golden_with_exact_bytes_and_balanced_memory(pools, m, mbs,
     check_bpipe(pools, _case(m, mbs, layers))
 
 
-@pytest.mark.skipif(not THOROUGH, reason="thorough profile only")
+@settings(max_examples=100 if THOROUGH else 2)  # CI: two draws; thorough: 100
 @given(st.integers(1, 13), st.integers(1, 2), st.integers(1, 2))
 def test_drawn_bpipe_cases(pools, m, mbs, layers):
     check_bpipe(pools, _case(m, mbs, layers))
