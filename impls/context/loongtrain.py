@@ -30,6 +30,7 @@ from parbench.scheme import Prediction, register
 from .base import ContextParallelScheme
 from .double_ring import DoubleRingAttention, DoubleRingPeers
 from .layout import usp_positions
+from .schemes import UlyssesRingGrid
 from .ulysses import UlyssesRingCore
 
 
@@ -60,7 +61,7 @@ def grid_groups(cp_groups: list[list[int]], u: int, w: int, head_first: bool
 
 
 @register
-class LoongTrainScheme(ContextParallelScheme):
+class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
     """Gu et al. 2024: head-parallel x context-parallel, double ring, head-first placement."""
 
     name = "context.loongtrain"
@@ -71,26 +72,16 @@ class LoongTrainScheme(ContextParallelScheme):
     description = ("LoongTrain (Gu et al. 2024): 2D-Attention (Ulysses heads x double-ring "
                    "context), head-first placement")
     core_class = LoongTrainCore
+    head_sharder = "the head group"
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        p, m = case.parallel, case.model
+        p = case.parallel
         try:
             loong.check_grid(p.cp, p.cp_ulysses, p.cp_window)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if m.num_heads % p.cp_ulysses:
-            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
-                              f"num_heads={m.num_heads} (the head group shards the heads)")
-        super().check(case)
-
-    @classmethod
-    def ring_size(cls, p) -> int:
-        return p.cp // p.cp_ulysses
-
-    @classmethod
-    def cp_ulysses(cls, p) -> int:
-        return p.cp_ulysses
+        super().check(case)  # the heads (UlyssesRingGrid), then the rest
 
     def _coords(self):
         """(u, c, head index, context index) of this rank."""

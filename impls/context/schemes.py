@@ -108,8 +108,33 @@ class UlyssesScheme(ContextParallelScheme):
         return out
 
 
+class UlyssesRingGrid:
+    """Mixin for schemes on a 2-D cp grid: ``cp_ulysses`` ranks share out the heads, rings of
+    ``cp / cp_ulysses`` ranks pass K and V (USP, LoongTrain); put it before
+    ``ContextParallelScheme``."""
+
+    #: what shards the heads, for the error message
+    head_sharder = "Ulysses"
+
+    @classmethod
+    def check(cls, case: CaseConfig) -> None:
+        p, m = case.parallel, case.model
+        if m.num_heads % p.cp_ulysses:
+            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
+                              f"num_heads={m.num_heads} ({cls.head_sharder} shards the heads)")
+        super().check(case)
+
+    @classmethod
+    def ring_size(cls, p) -> int:
+        return p.cp // p.cp_ulysses
+
+    @classmethod
+    def cp_ulysses(cls, p) -> int:
+        return p.cp_ulysses
+
+
 @register
-class USPScheme(ContextParallelScheme):
+class USPScheme(UlyssesRingGrid, ContextParallelScheme):
     """Fang & Zhao 2024: Ulysses (cp_ulysses ranks) x ring attention (cp / cp_ulysses)."""
 
     name = "context.usp"
@@ -121,21 +146,10 @@ class USPScheme(ContextParallelScheme):
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        p, m = case.parallel, case.model
+        p = case.parallel
         if p.cp % p.cp_ulysses:
             raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide cp={p.cp}")
-        if m.num_heads % p.cp_ulysses:
-            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
-                              f"num_heads={m.num_heads} (Ulysses shards the heads)")
-        super().check(case)
-
-    @classmethod
-    def ring_size(cls, p) -> int:
-        return p.cp // p.cp_ulysses
-
-    @classmethod
-    def cp_ulysses(cls, p) -> int:
-        return p.cp_ulysses
+        super().check(case)  # the heads (UlyssesRingGrid), then the rest
 
     def _grid(self):
         u = self.ctx.parallel.cp_ulysses

@@ -121,24 +121,40 @@ class ExpertDispatch:
 
     # ---- the layer -------------------------------------------------------------------------
     def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
+        num_experts, groups = self.prologue(x, router_weight, experts, first_expert, groups)
+        r = self.route(x, router_weight, groups)
+        y, g = self.expert_parallel(x, r, experts, groups, num_experts)
+        y = AttachAux.apply(y, r.aux * aux_scale)
+        return y, stats_of(r, g)
+
+    def prologue(self, x, router_weight, experts, first_expert, groups):
+        """The layer's argument check (this rank holds E/ep experts, from a multiple of E/ep)
+        and its routing groups; returns ``(num_experts, groups)``."""
         num_experts = router_weight.shape[0]
         local = num_experts // self.ep
         if len(experts) != local or first_expert % max(local, 1):
             raise ValueError(f"{len(experts)} experts from {first_expert}: expected E/ep="
                              f"{local} from a multiple of {local}")
-        if groups is None:
-            groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        r = self.route(x, router_weight, groups)
+        return num_experts, routing_groups(x, groups)
+
+    def expert_parallel(self, x, r: Routing, experts, groups, num_experts: int):
+        """Dispatch buffer ``[E, C, h]``, exchange, local experts, exchange back, combine;
+        returns ``(y, number of routing groups)``."""
         tok, choice, row, g = self.slots(r, groups, num_experts)
         buf = self.dispatch(x, tok, row, num_experts * g * r.capacity)
         recv = self.exchange(buf.view(num_experts, g * r.capacity, x.shape[1]))
-        recv = recv.reshape(self.ep, local, g * r.capacity, x.shape[1])
+        recv = recv.reshape(self.ep, num_experts // self.ep, g * r.capacity, x.shape[1])
         out = self.run_experts(self.to_local(recv), experts)
         back = self.exchange(self.from_local(out, self.ep).reshape(num_experts, -1,
                                                                    x.shape[1]))
-        y = self.combine(x, back, r, tok, choice, row)
-        y = AttachAux.apply(y, r.aux * aux_scale)
-        return y, stats_of(r, g)
+        return self.combine(x, back, r, tok, choice, row), g
+
+
+def routing_groups(x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """The routing-group id of each token of ``x``; None: one group."""
+    if groups is None:
+        return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    return groups
 
 
 def stats_of(r: Routing, groups: int) -> dict:

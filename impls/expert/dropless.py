@@ -33,14 +33,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parbench import comm
 from parbench.config import CaseConfig, ConfigError
 from parbench.moe import AttachAux, expert_mlp
 from parbench.scheme import Prediction, register
 
-from .dispatch import ExpertDispatch, stats_of
+from .dispatch import ExpertDispatch, routing_groups, stats_of
 from .scheme import ExpertAllToAll
-from .stats import StepStats
+from .stats import StepStats, gather_last
 
 
 def uneven_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group
@@ -124,8 +123,7 @@ class DroplessDispatch(ExpertDispatch):
     def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
         num_experts = router_weight.shape[0]
         local = num_experts // self.ep
-        if groups is None:
-            groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        groups = routing_groups(x, groups)
         r = self.route(x, router_weight, groups)
         tok, choice, counts = self.sort_by_expert(r, num_experts)
         if self.group is None:
@@ -164,13 +162,7 @@ class ExpertDropless(ExpertAllToAll):
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
         from parbench.analytic.expert_dropless import dropless_prediction
-        from parbench.moe_trace import reference_loads
-        p = case.parallel
-        pred = dropless_prediction(case.model, ep=p.ep, dp=p.dp, micro_batch=p.micro_batch_size,
-                                   microbatches=p.num_microbatches,
-                                   loads=reference_loads(case, case.run.steps),
-                                   optimizer=case.run.optimizer)
-        return by_step_prediction(p.world_size, pred.steps, pred.states, pred.figures)
+        return routed_prediction(case, dropless_prediction)
 
     #: the prediction's figures the row shows beside the measured bytes
     shown_figures = ("alltoall_padded_ep_wire_bytes_all_ranks",
@@ -194,6 +186,19 @@ def by_step_prediction(world: int, steps, states: dict, figures: dict) -> Predic
                       model_state_bytes=[dict(states) for _ in range(world)], figures=figures)
 
 
+def routed_prediction(case: CaseConfig, closed_form, **extra) -> Prediction:
+    """``closed_form`` (``dropless_prediction``, ``shadow_prediction``) on the case's degrees
+    and the reference run's per-step expert loads, as a by-step ``Prediction``; ``extra``
+    goes to ``closed_form`` as it is."""
+    from parbench.moe_trace import reference_loads
+    p = case.parallel
+    pred = closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch=p.micro_batch_size,
+                       microbatches=p.num_microbatches,
+                       loads=reference_loads(case, case.run.steps),
+                       optimizer=case.run.optimizer, **extra)
+    return by_step_prediction(p.world_size, pred.steps, pred.states, pred.figures)
+
+
 class EpStepStats(StepStats):
     """``StepStats`` plus the step's wire bytes on the ep axis, every op (counts, tokens,
     shadows' parameters and gradients)."""
@@ -211,11 +216,7 @@ def ep_metrics(stats: EpStepStats, ctx, figures: dict, shown: tuple[str, ...]) -
     dropped) and its measured ep-axis bytes, beside the closed form's
     (``ep_wire_bytes_all_ranks_predicted``) and the ``shown`` figures of the prediction (the
     padded buffers of ``expert.alltoall``: the headline)."""
-    mine = stats.last(ctx.run.steps)
-    every: list = [None] * dist.get_world_size()
-    with comm.unrecorded():
-        dist.all_gather_object(every, mine)
-    every = [e for e in every if e]
+    _, every = gather_last(stats, ctx)
     if not every:
         return {}
     load = [sum(v) for v in zip(*[e["load"] for e in every])]

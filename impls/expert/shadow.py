@@ -40,8 +40,8 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.moe import AttachAux, expert_mlp
 from parbench.scheme import Prediction, register
 
-from .dispatch import stats_of
-from .dropless import DroplessDispatch, ExpertDropless, by_step_prediction
+from .dispatch import routing_groups, stats_of
+from .dropless import DroplessDispatch, ExpertDropless, routed_prediction
 from .scheme import MOE_OPTIONS
 
 
@@ -121,8 +121,7 @@ class ShadowDispatch(DroplessDispatch):
             return super().__call__(x, router_weight, experts, first_expert, groups, aux_scale)
         num_experts = router_weight.shape[0]
         local = num_experts // self.ep
-        if groups is None:
-            groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        groups = routing_groups(x, groups)
         r = self.route(x, router_weight, groups)
         tok, choice, counts = self.sort_by_expert(r, num_experts)
         all_counts = self.gather_counts(counts)
@@ -184,10 +183,4 @@ class ExpertFasterMoE(ExpertDropless):
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
         from parbench.analytic.expert_shadow import shadow_prediction
-        from parbench.moe_trace import reference_loads
-        p = case.parallel
-        pred = shadow_prediction(case.model, ep=p.ep, dp=p.dp, micro_batch=p.micro_batch_size,
-                                 microbatches=p.num_microbatches,
-                                 loads=reference_loads(case, case.run.steps),
-                                 shadows=p.moe_shadow, optimizer=case.run.optimizer)
-        return by_step_prediction(p.world_size, pred.steps, pred.states, pred.figures)
+        return routed_prediction(case, shadow_prediction, shadows=case.parallel.moe_shadow)

@@ -56,14 +56,20 @@ def _one_or_all(sizes: list[int]):
     return "/".join(str(b) for b in sizes) or None
 
 
-def row_metrics(stats: StepStats, ctx, predicted: dict) -> dict:
-    """The row's expert figures, every rank's routing merged (collective, outside the
-    ledger)."""
+def gather_last(stats: StepStats, ctx) -> tuple[dict | None, list[dict]]:
+    """This rank's figures of the last checked step and every rank's that has some
+    (a collective, outside the ledger)."""
     mine = stats.last(ctx.run.steps)
     every: list = [None] * dist.get_world_size()
     with comm.unrecorded():
         dist.all_gather_object(every, mine)
-    every = [e for e in every if e]
+    return mine, [e for e in every if e]
+
+
+def row_metrics(stats: StepStats, ctx, predicted: dict) -> dict:
+    """The row's expert figures, every rank's routing merged (collective, outside the
+    ledger)."""
+    mine, every = gather_last(stats, ctx)
     if not every:
         return {}
     load = _summed([e["load"] for e in every])

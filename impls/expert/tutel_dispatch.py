@@ -140,13 +140,8 @@ class TutelDispatch(ExpertDispatch):
 
     # ---- the layer --------------------------------------------------------------------------
     def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
-        num_experts, h = router_weight.shape
-        local = num_experts // self.ep
-        if len(experts) != local or first_expert % max(local, 1):
-            raise ValueError(f"{len(experts)} experts from {first_expert}: expected E/ep="
-                             f"{local} from a multiple of {local}")
-        if groups is None:
-            groups = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        num_experts, groups = self.prologue(x, router_weight, experts, first_expert, groups)
+        h = router_weight.shape[1]
         r = self.route(x, router_weight, groups)
         cap = self.capacity(r, x.device)
         r = replace(r, capacity=cap, stats={**r.stats, "capacity": cap})
@@ -158,14 +153,3 @@ class TutelDispatch(ExpertDispatch):
             y, g = combine_reference(x, r, self.gather_experts(experts, num_experts)), 1
         y = AttachAux.apply(y, r.aux * aux_scale)
         return y, {**stats_of(r, g), "mode": mode}
-
-    def expert_parallel(self, x, r: Routing, experts, groups, num_experts: int):
-        """Dispatch buffer ``[E, C, h]``, exchange, local experts, exchange back, combine."""
-        tok, choice, row, g = self.slots(r, groups, num_experts)
-        buf = self.dispatch(x, tok, row, num_experts * g * r.capacity)
-        recv = self.exchange(buf.view(num_experts, g * r.capacity, x.shape[1]))
-        recv = recv.reshape(self.ep, num_experts // self.ep, g * r.capacity, x.shape[1])
-        out = self.run_experts(self.to_local(recv), experts)
-        back = self.exchange(self.from_local(out, self.ep).reshape(num_experts, -1,
-                                                                   x.shape[1]))
-        return self.combine(x, back, r, tok, choice, row), g

@@ -72,8 +72,13 @@ class HeldActivations:
                 return
             weakref.finalize(storage, self._free, key)
             self._live[key] = nbytes
-            self.bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
+            self._counted(key, nbytes)
+
+    def _counted(self, key, nbytes: int) -> None:
+        """A new storage of ``nbytes`` is live (called under the lock); subclasses that
+        keep more counts extend this."""
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     @contextmanager
     def forward(self, existing: list):

@@ -72,19 +72,12 @@ class EvictableActivations(HeldActivations):
 
     def _free(self, key) -> None:  # the storage died
         with self._lock:
-            self.bytes -= self._live.pop(key, 0)
+            super()._free(key)
             self.bytes_unevicted -= self._full.pop(key, 0)
 
-    def _add(self, key, storage) -> None:
-        with self._lock:
-            if key in self._live:
-                return
-            nbytes = storage.nbytes()
-            if not nbytes:
-                return
-            weakref.finalize(storage, self._free, key)
-            self._live[key] = self._full[key] = nbytes
-            self._bump(nbytes, nbytes)
+    def _counted(self, key, nbytes: int) -> None:  # a new storage (HeldActivations._add)
+        self._full[key] = nbytes
+        self._bump(nbytes, nbytes)
 
     @contextmanager
     def forward(self, existing: list):

@@ -54,6 +54,11 @@ def _moe_shape(model) -> Shape:
     return shape
 
 
+def expert_numel(shape: Shape) -> int:
+    """P_e: one expert MLP's parameters, h -> f -> h with biases (hf + f + fh + h)."""
+    return 2 * shape.h * shape.f + shape.f + shape.h
+
+
 def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
     """Sizes of the parameter tensors one rank holds: (dense, expert). Dense: embedding (V h,
     s h), per layer LN 2 x h, QKV 3h^2 + 3h, projection h^2 + h, LN 2 x h, and either the MLP

@@ -33,7 +33,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from .comm import rooted_wire_factor, wire_factor
-from .expert import _moe_shape, rank_states
+from .expert import _moe_shape, expert_numel, rank_states
 from .expert_dropless import (COUNT_BYTES, DroplessPrediction, RankStep, add_gradients,
                               dropless_step, ep_peers, group_loads, owner, padded_a2a_wire,
                               token_rows)
@@ -44,11 +44,6 @@ def choose_shadows(global_counts: list[int], count: int) -> list[int]:
     ascending id."""
     ranked = sorted(range(len(global_counts)), key=lambda x: (-global_counts[x], x))
     return sorted(ranked[:count])
-
-
-def expert_numel(shape) -> int:
-    """P: one expert MLP's parameters (h -> f -> h with biases)."""
-    return 2 * shape.h * shape.f + shape.f + shape.h
 
 
 def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatches: int,

@@ -33,7 +33,7 @@ from fractions import Fraction
 
 from .comm import Transfer, as_number, wire_factor
 from .expert import capacity as switch_capacity
-from .expert import gradient_traffic, rank_states
+from .expert import expert_numel, gradient_traffic, rank_states
 from .prediction import RankPrediction
 from .shape import Shape, require_positive_int, shape_from
 
@@ -41,11 +41,6 @@ from .shape import Shape, require_positive_int, shape_from
 RANKS_PER_NODE = 2
 #: bytes of the all-reduced need (one int64)
 NEED_BYTES = 8
-
-
-def expert_numel(shape: Shape) -> int:
-    """P_e: one expert MLP, h -> f -> h with biases."""
-    return 2 * shape.h * shape.f + shape.f + shape.h
 
 
 def a2a_phases(ep: int, a2a: str, local: int = RANKS_PER_NODE) -> list[tuple[str, int]]:

@@ -10,17 +10,13 @@ Every example runs on the session's pool for its world size.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impls.expert.dispatch import moe_tokens
 from parbench.config import CaseConfig, ConfigError, ModelConfig, validate_case
-from parbench.model import MLP
-from parbench.moe import MoE, RoutingGroups
 from parbench.overrides import apply_overrides
 from parbench.scheme import get_scheme
-from tests.helpers import run_on_pool
+from tests.helpers import assert_wire_and_calls_per_step, moe_layer_against_reference, run_on_pool
 
 
 def make_case(scheme: str = "expert.alltoall", **ov) -> CaseConfig:
@@ -39,12 +35,7 @@ def assert_exact(case, per_rank) -> None:
     for r in per_rank:
         for states in r.model_states_per_step:
             assert states == pred.model_state_bytes[r.rank], (r.rank, states)
-        for step, (wire, calls) in enumerate(zip(r.wire_by_axis_per_step,
-                                                 r.calls_by_axis_per_step)):
-            want_w, want_c = pred.wire_at(step)[r.rank], pred.calls_at(step)[r.rank]
-            for axis in set(wire) | set(want_w):
-                assert wire.get(axis, 0.0) == want_w.get(axis, 0.0), (r.rank, axis, wire)
-            assert {a: c for a, c in calls.items() if c} == want_c, (r.rank, step, calls)
+    assert_wire_and_calls_per_step(pred, per_rank)
     m = per_rank[0].metrics
     assert m["capacity"] == m["capacity_predicted"]
     assert m["a2a_per_moe_layer"] == m["a2a_per_moe_layer_predicted"]
@@ -81,29 +72,7 @@ def test_moe_tokens_equals_the_reference_layer(k, cf, groups):
     of ``moe_tokens`` equal ``parbench.moe.MoE`` on the same tokens and routing groups."""
     cfg = ModelConfig(num_experts=4, moe_top_k=k, moe_capacity_factor=cf,
                       moe_z_loss_coef=1e-2)
-    torch.manual_seed(0)
-    b, s, h = 2 * groups, 8, cfg.hidden_size
-    ref = MoE(cfg, RoutingGroups(rows=2))
-    for p in ref.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    x = torch.randn(b, s, h, requires_grad=True)
-    y_ref = ref(x)
-    (y_ref.square().sum()).backward()
-    xt = x.detach().transpose(0, 1).reshape(s * b, h).requires_grad_()
-    ids = RoutingGroups(rows=2).ids(b, s)
-    experts = [MLP(cfg) for _ in range(4)]
-    for e, ex in enumerate(experts):
-        ex.load_state_dict(ref.experts[e].state_dict())
-    w = ref.router.weight.detach().clone().requires_grad_()
-    y, stats = moe_tokens(xt, w, experts, 0, cfg, ids, None, 1, 1.0)
-    (y.square().sum()).backward()
-    torch.testing.assert_close(y.view(s, b, h).transpose(0, 1), y_ref)
-    torch.testing.assert_close(xt.grad.view(s, b, h).transpose(0, 1), x.grad)
-    torch.testing.assert_close(w.grad, ref.router.weight.grad)
-    for e in range(4):
-        for name in ("fc1", "fc2"):
-            torch.testing.assert_close(getattr(experts[e], name).weight.grad,
-                                       getattr(ref.experts[e], name).weight.grad)
+    stats, ref = moe_layer_against_reference(cfg, b=2 * groups, s=8)
     assert stats["dropped"] == ref.last["dropped"].tolist()
     assert stats["load"] == ref.last["load"].tolist() and stats["groups"] == groups
 

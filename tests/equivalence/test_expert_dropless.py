@@ -13,17 +13,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impls.expert.dispatch import moe_tokens
 from impls.expert.dropless import DroplessDispatch
 from parbench.config import ConfigError, ModelConfig
-from parbench.model import MLP
-from parbench.moe import MoE, RoutingGroups
 from tests.equivalence.test_expert import make_case
-from tests.helpers import run_on_pool
+from tests.helpers import moe_layer_against_reference, run_on_pool
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
@@ -107,29 +103,8 @@ def test_dropless_layer_equals_the_reference_layer(k, skew):
     ``DroplessDispatch`` equals ``parbench.moe.MoE`` (output, input and every gradient)."""
     cfg = ModelConfig(num_experts=4, moe_top_k=k, moe_capacity_factor=0.0,
                       moe_z_loss_coef=1e-2, moe_router_skew=skew)
-    torch.manual_seed(0)
-    b, s, h = 4, 8, cfg.hidden_size
-    ref = MoE(cfg, RoutingGroups(rows=2))
-    for p in ref.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    x = torch.randn(b, s, h, requires_grad=True)
-    y_ref = ref(x)
-    y_ref.square().sum().backward()
-    xt = x.detach().transpose(0, 1).reshape(s * b, h).requires_grad_()
-    experts = [MLP(cfg) for _ in range(4)]
-    for e, ex in enumerate(experts):
-        ex.load_state_dict(ref.experts[e].state_dict())
-    w = ref.router.weight.detach().clone().requires_grad_()
-    y, stats = moe_tokens(xt, w, experts, 0, cfg, RoutingGroups(rows=2).ids(b, s), None, 1,
-                          1.0, dispatch=DroplessDispatch(cfg, None, 1))
-    y.square().sum().backward()
-    torch.testing.assert_close(y.view(s, b, h).transpose(0, 1), y_ref)
-    torch.testing.assert_close(xt.grad.view(s, b, h).transpose(0, 1), x.grad)
-    torch.testing.assert_close(w.grad, ref.router.weight.grad)
-    for e in range(4):
-        for name in ("fc1", "fc2"):
-            torch.testing.assert_close(getattr(experts[e], name).weight.grad,
-                                       getattr(ref.experts[e], name).weight.grad)
+    stats, ref = moe_layer_against_reference(cfg, b=4, s=8,
+                                             dispatch=DroplessDispatch(cfg, None, 1))
     assert stats["load"] == ref.last["load"].tolist() and sum(stats["dropped"]) == 0
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
 from parbench.scheme import get_scheme
-from tests.helpers import run_on_pool
+from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
 
 
 def make_case(**ov) -> CaseConfig:
@@ -40,12 +40,7 @@ def check_exact(case, merged, per_rank) -> dict:
     for r in per_rank:
         for step, states in enumerate(r.model_states_per_step):
             assert states == pred.states_at(step)[r.rank], (r.rank, states)
-        for step, (wire, calls) in enumerate(zip(r.wire_by_axis_per_step,
-                                                 r.calls_by_axis_per_step)):
-            want_w, want_c = pred.wire_at(step)[r.rank], pred.calls_at(step)[r.rank]
-            for axis in set(wire) | set(want_w):
-                assert wire.get(axis, 0.0) == want_w.get(axis, 0.0), (r.rank, step, axis)
-            assert {a: c for a, c in calls.items() if c} == want_c, (r.rank, step, calls)
+    assert_wire_and_calls_per_step(pred, per_rank)
     rank0 = next(r for r in per_rank if r.rank == 0)
     fig = pred.figures
     assert rank0.metrics["capacity_per_layer_microbatch"] == fig["capacity_per_step_rank0"][-1]
