@@ -64,7 +64,7 @@ import math
 from .costs import _cache, _Costs, _e, layer_costs, _LinkFn
 from .dp_memory import dp_costs, memory_per_rank, _rank_tensors, _stage_params
 from .ends import _ends
-from .layout import CP_ALGORITHMS, Layout, StepTime
+from .layout import CP_ALGORITHMS, Layout, StepTime, splits_backward
 from .pipeline_time import busy_bound, pipeline_time
 from .profile import Profile
 
@@ -181,6 +181,13 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
                     c.comm_f["pp"] = c.comm_f.get("pp", 0.0) + p2p
                 if vs > 0:
                     c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
+        if splits_backward(lay.schedule):
+            # a split backward's W (Qi et al. 2024, Sec. 2) re-enters the autograd graph once
+            # per linear layer (4 per transformer layer, the LM head on the last stage): one
+            # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
+            for vs, c in enumerate(stage_costs):
+                calls = 4 * per_chunk + (1 if vs == nstages - 1 else 0)
+                c.w += calls * profile.backward_call_s
         if lay.schedule == "pipedream":
             # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
             # step after every micro-batch's backward and stashes the new weight version

@@ -366,3 +366,16 @@ def test_quick_calibration_on_two_ranks(tmp_path, monkeypatch):
                       Layout(dp=2, micro_batch_size=2, num_microbatches=2, dtype="fp32"),
                       load_profile(str(path)))
     assert math.isfinite(st.step_s) and st.step_s > 0
+
+
+def test_split_backward_pays_one_engine_call_per_linear():
+    """A split backward's W re-enters the graph once per linear layer (4 per transformer
+    layer), each at the profile's backward-call cost: the busiest rank's busy time (the
+    bound) grows by at least m x 4 x layers-per-stage calls under ZB-H1; under fused 1F1B
+    only by the loss's own backward calls."""
+    def busy(schedule, call):
+        lay = Layout(pp=4, num_microbatches=8, schedule=schedule)
+        return predict_step(MID, lay, synthetic(backward_call_s=call), bound=True).step_s
+    calls = 8 * 4 * (16 // 4)
+    assert busy("zb-h1", 1e-3) - busy("zb-h1", 0.0) >= calls * 1e-3 * (1 - 1e-9)
+    assert busy("1f1b", 1e-3) - busy("1f1b", 0.0) < calls * 1e-3 / 4
