@@ -51,7 +51,7 @@ def median_ms(rows: list[Row]) -> float:
 
 
 def describe(case: CaseConfig, repeats: int, started: float) -> str:
-    m, p, r = case.model, case.parallel, case.run
+    m, p, r = case.model, case.layout, case.run
     return (f"case: model={m.name} (h={m.hidden_size}, layers={m.num_layers}, "
             f"seq={m.seq_length}), tp={p.tp} dp={p.dp} pp={p.pp}, micro-batches="
             f"{p.num_microbatches}x{p.micro_batch_size}, dtype={r.dtype}, "

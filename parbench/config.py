@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .layout import ConfigError, Layout
+from .options import Options
 
-class ConfigError(ValueError):
-    """A bad setting: the message names the field, the value and the rule."""
+__all__ = ["ConfigError", "Layout", "Options", "ModelConfig", "RunConfig", "CaseConfig"]
 
 
 def _rule(default, rule: str, help: str = ""):
@@ -33,17 +34,11 @@ RULES: dict[str, tuple[Any, str]] = {
     "seed": (lambda v: 0 <= v < 2**31, "must be in [0, 2^31)"),
 }
 
-#: option fields that only some schemes read; a command-line override of one that no case of
-#: the suite reads is an error (see ``Scheme.options``)
-OPTION_FIELDS = ("model.num_experts", "model.moe_top_k", "model.moe_every",
-                 "model.moe_capacity_factor", "model.moe_aux_loss_coef",
-                 "model.moe_z_loss_coef", "parallel.etp", "parallel.sp", "parallel.vpp",
-                 "parallel.schedule", "parallel.zero_stage", "parallel.bucket_mb",
-                 "parallel.local_sgd_period", "parallel.recompute", "parallel.tp_depth",
-                 "parallel.cp_balance", "parallel.cp_ulysses", "parallel.cp_kind",
-                 "model.moe_router_skew", "parallel.seq_segments", "parallel.terapipe_slicing",
-                 "parallel.moe_mode", "parallel.moe_a2a", "parallel.moe_shadow",
-                 "parallel.cp_window")
+#: fields outside the option dataclasses that only some schemes read: an override of one
+#: that no case of a suite reads is an error, as for every option (``Scheme.options``)
+OPTIONAL_FIELDS = ("num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
+                   "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_skew", "etp", "vpp",
+                   "schedule")
 
 
 # --------------------------------------------------------------------------------------
@@ -109,63 +104,6 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """Degrees of every parallelism axis and the pipeline / data-parallel options.
-
-    Megatron-Core layout: world = tp * cp * dp * pp (tp fastest, pp slowest); ep re-partitions
-    the tp * cp * dp ranks of a stage and is not a further factor of the world.
-    """
-
-    tp: int = _rule(1, "pos")
-    cp: int = _rule(1, "pos")
-    ep: int = _rule(1, "pos")
-    #: expert tensor-parallel size: 0 = tp (Megatron-Core's default)
-    etp: int = _rule(0, "nonneg", "0 = tp")
-    dp: int = _rule(1, "pos")
-    pp: int = _rule(1, "pos")
-    vpp: int = _rule(1, "pos", "virtual stages (chunks) per pipeline rank")
-    sp: bool = False  # Megatron sequence parallelism (with tp)
-    micro_batch_size: int = _rule(2, "pos")
-    num_microbatches: int = _rule(1, "pos", "per data-parallel rank per step")
-    schedule: str = "1f1b"
-    zero_stage: int = _rule(0, "nonneg")
-    bucket_mb: float = _rule(0.25, "gt0", "DDP/ZeRO gradient bucket size in MiB")
-    local_sgd_period: int = _rule(2, "pos", "H: average every H steps (local SGD)")
-    #: activation recomputation (Korthikanti et al. 2022): none | selective (the attention
-    #: core) | full (every layer, from its input)
-    recompute: str = "none"
-    #: 2.5-D tensor parallelism (Tesseract): depth d of the q x q x d grid, tp = q^2 d
-    tp_depth: int = _rule(1, "pos")
-    #: ring attention's load balancing: none | zigzag | striped
-    cp_balance: str = "zigzag"
-    #: USP (Ulysses x ring): the Ulysses degree of the cp grid; cp / cp_ulysses ring ranks
-    cp_ulysses: int = _rule(1, "pos")
-    #: the hybrid's context-parallel attention: allgather | ring-attention | ulysses
-    cp_kind: str = "allgather"
-    seq_segments: int = _rule(1, "pos", "token slices per sequence (Seq1F1B, TeraPipe)")
-    #: TeraPipe's slicing: uniform | dp (its dynamic-programming slicing for a cost model)
-    terapipe_slicing: str = "uniform"
-    #: Tutel: where an MoE layer's experts run: ep | dp | adaptive (switched per step)
-    moe_mode: str = "ep"
-    #: Tutel: the dispatch all-to-all: flat | 2d (hierarchical)
-    moe_a2a: str = "flat"
-    moe_shadow: int = _rule(0, "nonneg", "FasterMoE: shadowed popular experts, 0 = none")
-    cp_window: int = _rule(1, "pos", "inner ring size (LoongTrain double ring)")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * self.dp
-
-
-@dataclass
 class RunConfig:
     """What to run and how: scheme, steps, optimizer, device, tolerances.
 
@@ -208,10 +146,11 @@ class RunConfig:
 
 @dataclass
 class CaseConfig:
-    """One case of a suite: model + parallel + run."""
+    """One case of a suite: the model, the parallel layout, the families' options, the run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    layout: Layout = field(default_factory=Layout)
+    options: Options = field(default_factory=Options)
     run: RunConfig = field(default_factory=RunConfig)
     id: str = ""
 
@@ -220,22 +159,35 @@ class CaseConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CaseConfig":
-        return cls(
-            model=ModelConfig(**d.get("model", {})),
-            parallel=ParallelConfig(**d.get("parallel", {})),
-            run=RunConfig(**d.get("run", {})),
-            id=d.get("id", ""),
-        )
+        """From ``to_dict`` output; a case written before the layout record (one
+        ``parallel`` section) is read too."""
+        if "parallel" in d and "layout" not in d:
+            return _from_parallel_section(d)
+        return cls(model=ModelConfig(**d.get("model", {})), layout=Layout(**d.get("layout", {})),
+                   options=Options.from_dict(d.get("options")),
+                   run=RunConfig(**d.get("run", {})), id=d.get("id", ""))
 
 
-SECTIONS = ("model", "parallel", "run")
+def _from_parallel_section(d: dict) -> CaseConfig:
+    """A case dict of an older results file: its ``parallel`` section split into the layout
+    and the options (``cp_kind`` was the name of ``cp_algorithm``)."""
+    layout_names = {f.name for f in fields(Layout)}
+    par = dict(d["parallel"])
+    if "cp_kind" in par:
+        par["cp_algorithm"] = par.pop("cp_kind")
+    lay = {k: v for k, v in par.items() if k in layout_names}
+    opts = Options().with_values(**{k: v for k, v in par.items() if k not in layout_names})
+    return CaseConfig(model=ModelConfig(**d.get("model", {})), layout=Layout(**lay),
+                      options=opts, run=RunConfig(**d.get("run", {})), id=d.get("id", ""))
 
 
 def with_changes(case: CaseConfig, **sections: dict) -> CaseConfig:
-    """Copy of ``case`` with per-section field changes: ``with_changes(c, run={'steps': 2})``."""
+    """Copy of ``case`` with field changes by section: ``with_changes(c, run={'steps': 2},
+    layout={'tp': 2}, options={'sp': True})`` (options by bare name)."""
     return CaseConfig(
         model=replace(case.model, **sections.get("model", {})),
-        parallel=replace(case.parallel, **sections.get("parallel", {})),
+        layout=replace(case.layout, **sections.get("layout", {})),
+        options=case.options.with_values(**sections.get("options", {})),
         run=replace(case.run, **sections.get("run", {})),
         id=case.id,
     )
@@ -339,40 +291,14 @@ def validate_runnable_model(m: ModelConfig) -> None:
                               f"GPT-2-style (use {name}={default}, or parbench estimate)")
 
 
-#: string options of ParallelConfig and the values each accepts
-PARALLEL_CHOICES = {"cp_balance": ("none", "zigzag", "striped"),
-                    "terapipe_slicing": ("uniform", "dp"),
-                    "moe_mode": ("ep", "dp", "adaptive"), "moe_a2a": ("flat", "2d")}
-
-
-def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
-    validate_fields(p)
-    if m.num_heads % p.tp:
-        raise ConfigError(f"tp={p.tp} does not divide num_heads={m.num_heads}")
-    if m.ffn % p.tp:
-        raise ConfigError(f"tp={p.tp} does not divide ffn_hidden_size={m.ffn}")
-    # no rule for vocab_size: tensor-parallel schemes pad the vocabulary to a multiple of tp
-    # (Megatron's make-vocab-size-divisible-by) and mask the padded logits
-    if m.seq_length % p.cp:
-        raise ConfigError(f"cp={p.cp} does not divide seq_length={m.seq_length}")
-    if p.sp and p.tp > 1 and m.seq_length % p.tp:
-        raise ConfigError(f"sp with tp={p.tp} needs tp to divide seq_length={m.seq_length}")
-    from .mesh import check_expert_layout
-    check_expert_layout(tp=p.tp, cp=p.cp, dp=p.dp, ep=p.ep, etp=p.expert_tp, error=ConfigError)
-    if p.ep > 1 and not m.num_experts:
-        raise ConfigError(f"ep={p.ep} needs an MoE model (num_experts=0)")
-    if p.ep > 1 and m.num_experts % p.ep:
-        raise ConfigError(f"ep={p.ep} does not divide num_experts={m.num_experts}")
-    if m.num_layers % (p.pp * p.vpp):
-        raise ConfigError(f"pp*vpp={p.pp * p.vpp} does not divide num_layers={m.num_layers}")
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
-    if p.recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"recompute={p.recompute!r} must be none, selective or full")
-    for name, allowed in PARALLEL_CHOICES.items():
-        v = getattr(p, name)
-        if v not in allowed:
-            raise ConfigError(f"{name}={v!r} must be one of {', '.join(allowed)}")
+def validate_layout(c: "CaseConfig") -> None:
+    """The layout's rules against the model (``Layout.check_model``) and the options that
+    depend on the degrees. The zig-zag split's 2 cp rule is the ring schemes' own check:
+    only they read ``cp_balance``."""
+    lay, o = c.layout, c.options
+    lay.check_model(c.model, sp=o.tensor.sp)
+    if o.context.cp_ulysses > 1 and lay.cp % o.context.cp_ulysses:
+        raise ConfigError(f"cp_ulysses={o.context.cp_ulysses} does not divide cp={lay.cp}")
 
 
 def validate_run(r: RunConfig) -> None:
@@ -391,9 +317,9 @@ def validate_case(c: CaseConfig, world_size: int | None = None) -> None:
     """Check a case before anything is spawned; ``world_size`` is checked if given."""
     validate_model(c.model)
     validate_runnable_model(c.model)
-    validate_parallel(c.parallel, c.model)
+    validate_layout(c)
     validate_run(c.run)
-    if world_size is not None and world_size != c.parallel.world_size:
-        p = c.parallel
+    if world_size is not None and world_size != c.layout.world_size:
+        lay = c.layout
         raise ConfigError(f"world_size={world_size} does not match tp*cp*dp*pp="
-                          f"{p.tp}*{p.cp}*{p.dp}*{p.pp}={p.world_size}")
+                          f"{lay.tp}*{lay.cp}*{lay.dp}*{lay.pp}={lay.world_size}")

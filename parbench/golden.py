@@ -30,7 +30,7 @@ class GoldenRun:
 
 
 def global_batch(case: CaseConfig, step: int):
-    p = case.parallel
+    p = case.layout
     return synthetic_batch(case.model, p.global_batch_size, case.run.seed, step)
 
 
@@ -58,7 +58,7 @@ def golden_key(case: CaseConfig, steps: int) -> str:
     # reference model, so they stay out of the key
     model = {k: v for k, v in d["model"].items()
              if not (k in ANALYTIC_ONLY_FIELDS and v == ANALYTIC_ONLY_FIELDS[k])}
-    parts = [model, case.parallel.global_batch_size, keep_run, steps]
+    parts = [model, case.layout.global_batch_size, keep_run, steps]
     routing = routing_groups(case)
     if routing is not None:
         parts.append(routing.key())

@@ -20,7 +20,7 @@ from .comm import Ledger
 from .config import CaseConfig
 from .golden import global_batch
 from .memory import PeakMemory, model_states
-from .mesh import Mesh, MeshLayout
+from .mesh import Mesh
 from .model import compute_dtype
 from .results import RankResult
 from .scheme import SchemeContext, get_scheme
@@ -32,11 +32,9 @@ _MESHES: dict[tuple, Mesh] = {}
 
 def get_mesh(case: CaseConfig, rank: int) -> Mesh:
     """Meshes are cached per process: every rank runs the same cases in the same order."""
-    p = case.parallel
-    key = (p.tp, p.cp, p.dp, p.pp, p.ep)
+    key = case.layout.grid()
     if key not in _MESHES:
-        layout = MeshLayout(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep, etp=p.etp)
-        _MESHES[key] = Mesh.build(layout, rank)
+        _MESHES[key] = Mesh.build(key, rank)
     return _MESHES[key]
 
 

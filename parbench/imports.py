@@ -10,18 +10,22 @@ import json
 import shlex
 from typing import Any
 
-from .config import CaseConfig, ConfigError, ModelConfig, ParallelConfig, RunConfig
-from .overrides import coerce
+from dataclasses import replace
+
+from .config import CaseConfig, ConfigError, RunConfig
+from .layout import Layout
+from .options import Options
+from .overrides import apply_overrides, coerce
 
 # imports from Megatron arguments and DeepSpeed JSON
 # --------------------------------------------------------------------------------------
 
 _MEGATRON_ARGS = {
-    "--tensor-model-parallel-size": ("parallel", "tp"),
-    "--pipeline-model-parallel-size": ("parallel", "pp"),
-    "--context-parallel-size": ("parallel", "cp"),
-    "--expert-model-parallel-size": ("parallel", "ep"),
-    "--micro-batch-size": ("parallel", "micro_batch_size"),
+    "--tensor-model-parallel-size": ("layout", "tp"),
+    "--pipeline-model-parallel-size": ("layout", "pp"),
+    "--context-parallel-size": ("layout", "cp"),
+    "--expert-model-parallel-size": ("layout", "ep"),
+    "--micro-batch-size": ("layout", "micro_batch_size"),
     "--num-layers": ("model", "num_layers"),
     "--hidden-size": ("model", "hidden_size"),
     "--num-attention-heads": ("model", "num_heads"),
@@ -45,7 +49,7 @@ def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseCo
     vals: dict[tuple[str, str], Any] = {}
     gbs = None
     layers_per_vstage = None
-    flags = {"--sequence-parallel": ("parallel", "sp"),
+    flags = {"--sequence-parallel": ("tensor", "sp"),
              "--untie-embeddings-and-output-weights": None}
     tie = True
     i = 0
@@ -54,7 +58,7 @@ def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseCo
         key, _, inline = a.partition("=")
         if key in flags:
             if key == "--sequence-parallel":
-                vals[("parallel", "sp")] = True
+                vals[("tensor", "sp")] = True
             else:
                 tie = False
             i += 1
@@ -77,33 +81,27 @@ def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseCo
             layers_per_vstage = coerce(value, int, key)
         else:
             vals[_MEGATRON_ARGS[key]] = coerce(value, int, key)
-    case = CaseConfig()
-    model = dataclasses.asdict(case.model)
-    par = dataclasses.asdict(case.parallel)
-    model["tie_embeddings"] = tie
-    model["ffn_hidden_size"] = 0
-    for (sec, name), v in vals.items():
-        (model if sec == "model" else par)[name] = v
-    mc = ModelConfig(**model)
-    pc = ParallelConfig(**par)
+    vals[("model", "tie_embeddings")] = tie
+    vals.setdefault(("model", "ffn_hidden_size"), 0)
+    case = apply_overrides(CaseConfig(), {name: v for (_, name), v in vals.items()})
+    lay = case.layout
     if world_size is not None:
-        denom = pc.tp * pc.cp * pc.pp
+        denom = lay.tp * lay.cp * lay.pp
         if world_size % denom:
             raise ConfigError(f"world_size={world_size} is not a multiple of tp*cp*pp={denom}")
-        pc.dp = world_size // denom
+        lay = replace(lay, dp=world_size // denom)
     if layers_per_vstage:
-        per_stage = mc.num_layers // pc.pp
+        per_stage = case.model.num_layers // lay.pp
         if per_stage % layers_per_vstage:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={layers_per_vstage} "
                               f"does not divide num_layers/pp={per_stage}")
-        pc.vpp = per_stage // layers_per_vstage
+        lay = replace(lay, vpp=per_stage // layers_per_vstage)
     if gbs is not None:
-        per = pc.micro_batch_size * pc.dp
-        if gbs % per:
-            raise ConfigError(f"--global-batch-size={gbs} is not a multiple of "
-                              f"micro_batch_size*dp={per}")
-        pc.num_microbatches = gbs // per
-    return CaseConfig(model=mc, parallel=pc, run=RunConfig())
+        try:
+            lay = lay.with_global_batch(gbs)
+        except ConfigError as e:
+            raise ConfigError(f"--global-batch-size={gbs}: {e}") from None
+    return replace(case, layout=lay)
 
 
 def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
@@ -114,7 +112,6 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
     ``bf16``/``fp16`` and ``optimizer``. dp = world_size (no model parallelism in the JSON).
     """
     cfg = _load_json(cfg)
-    pc = ParallelConfig(dp=world_size)
     rc = RunConfig()
     mb = cfg.get("train_micro_batch_size_per_gpu")
     ga = cfg.get("gradient_accumulation_steps")
@@ -123,13 +120,12 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
         mb = tb // (ga * world_size)
     if ga is None and tb is not None and mb is not None:
         ga = tb // (mb * world_size)
-    pc.micro_batch_size = int(mb or 1)
-    pc.num_microbatches = int(ga or 1)
-    if tb is not None and tb != pc.micro_batch_size * pc.num_microbatches * world_size:
+    lay = Layout(dp=world_size, micro_batch_size=int(mb or 1), num_microbatches=int(ga or 1))
+    if tb is not None and tb != lay.global_batch_size:
         raise ConfigError(f"train_batch_size={tb} != train_micro_batch_size_per_gpu*"
                           f"gradient_accumulation_steps*world_size="
-                          f"{pc.micro_batch_size}*{pc.num_microbatches}*{world_size}")
-    pc.zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+                          f"{lay.micro_batch_size}*{lay.num_microbatches}*{world_size}")
+    zero = int(cfg.get("zero_optimization", {}).get("stage", 0))
     if cfg.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16.enabled=true is not supported (parbench runs fp32 or bf16)")
     if cfg.get("bf16", {}).get("enabled"):
@@ -149,19 +145,22 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
         if "betas" in params:
             rc.beta1, rc.beta2 = (float(x) for x in params["betas"])
         rc.eps = float(params.get("eps", rc.eps))
-    return CaseConfig(parallel=pc, run=rc)
+    return CaseConfig(layout=lay, options=Options().with_values(zero_stage=zero), run=rc)
 
 
 def megatron_overrides(text: str) -> dict[str, str]:
-    """``key=value`` overrides (model and parallel fields) from a Megatron argument string."""
+    """``key=value`` overrides (model, layout and option fields) from a Megatron argument
+    string."""
     case = from_megatron_args(shlex.split(text))
     out: dict[str, str] = {}
     base = CaseConfig()
-    for sec in ("model", "parallel"):
+    for sec in ("model", "layout"):
         for f in dataclasses.fields(getattr(case, sec)):
             v = getattr(getattr(case, sec), f.name)
             if v != getattr(getattr(base, sec), f.name) or f.name == "tie_embeddings":
                 out[f"{sec}.{f.name}"] = str(v).lower() if isinstance(v, bool) else str(v)
+    if case.options.tensor.sp:
+        out["tensor.sp"] = "true"
     return out
 
 
@@ -172,11 +171,11 @@ def deepspeed_overrides(path_or_text: str, world_size: int | None = None) -> dic
     case = from_deepspeed_json(cfg, world_size or 1)
     out: dict[str, str] = {}
     if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" in cfg:
-        out["parallel.micro_batch_size"] = str(case.parallel.micro_batch_size)
+        out["layout.micro_batch_size"] = str(case.layout.micro_batch_size)
     if "gradient_accumulation_steps" in cfg or "train_batch_size" in cfg:
-        out["parallel.num_microbatches"] = str(case.parallel.num_microbatches)
+        out["layout.num_microbatches"] = str(case.layout.num_microbatches)
     if "zero_optimization" in cfg:
-        out["parallel.zero_stage"] = str(case.parallel.zero_stage)
+        out["data.zero_stage"] = str(case.options.data.zero_stage)
     if cfg.get("bf16", {}).get("enabled"):
         out["run.dtype"] = "bf16"
     if cfg.get("optimizer"):

@@ -4,15 +4,22 @@ and by memory, ranked by the time model's predicted step time (``parbench plan``
 The search space, per layout (Narayanan et al. 2021 Sec. 3 give the rules of PTD-P; cp and ep
 as Megatron-Core lays them out):
 
-- tp divides the attention heads (and, with ``max_tp``, at most a node's devices: Megatron
-  keeps tensor parallelism inside the NVLink domain); cp divides the sequence into 2 cp
-  chunks (the load-balanced split); pp divides the layers; dp = N / (tp cp pp);
-- ep divides the experts and tp cp dp (it re-partitions them, expert-tp 1);
-- vpp (interleaved 1F1B) divides the layers per stage, and needs m divisible by pp;
+- the degrees pass every rule of ``parbench.layout`` (``Layout.fits_model``, stated once
+  there): tp divides the heads, the K/V heads (or they divide tp), the MLP and, with
+  sequence parallelism (on whenever tp > 1), the rank's s / cp tokens; 2 cp divides the
+  sequence (the load-balanced split); ep divides the experts and cp dp (expert-tp = tp,
+  Megatron-Core's default); pp divides the layers; dp = N / (tp cp pp). With ``max_tp``,
+  tp stays within a node's devices (Megatron keeps tensor parallelism inside the NVLink
+  domain);
+- vpp (interleaved 1F1B) divides the layers per stage, and m passes the schedule's rules
+  (``ScheduleSpec.refusal``; interleaved: m a multiple of max(1, m // pp));
 - micro-batch size b divides the global batch per dp rank, m = B / (dp b); pipelines need
   m >= pp;
 - schedule: 1F1B, GPipe, ZB-H1 and ZB-H2 with one stage per rank, interleaved 1F1B with
-  vpp > 1, ZB-V and DualPipeV with two chunks per rank (pp = 1: no schedule);
+  vpp > 1, ZB-V, DualPipeV, V-Half and V-Min with two chunks per rank (pp = 1: no
+  schedule); any registered schedule can be asked for (``Space.schedules``), each searched
+  through its spec (``parbench.schedules.ScheduleSpec``) unless the spec says why the time
+  model cannot price it;
 - ZeRO stage 0-3, recompute none / selective / full.
 
 Every layout is priced by ``parbench.timemodel.predict_step``; those that do not fit in the
@@ -23,10 +30,10 @@ so the search costs one closed-form pricing per layout and a few hundred simulat
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from .config import ConfigError
+from .layout import ConfigError, Layout
 
 
 def divisors(n: int) -> list[int]:
@@ -41,7 +48,7 @@ class Space:
     max_cp: int = 8
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved", "zbv",
-                                  "dualpipev")
+                                  "dualpipev", "vhalf", "vmin")
     vpps: tuple[int, ...] = (2, 3, 4)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recomputes: tuple[str, ...] = ("none", "selective", "full")
@@ -51,7 +58,7 @@ class Space:
 class PlanResult:
     """The ranked layouts that fit, and what the search saw."""
 
-    ranked: list  # (Layout, StepTime), fastest first
+    ranked: list  # (Training, StepTime), fastest first
     evaluated: int
     over_memory: int
     seconds: float
@@ -59,74 +66,80 @@ class PlanResult:
 
 
 def layouts(shape, world: int, global_batch: int, space: Space = Space()):
-    """Every layout of ``shape`` on ``world`` devices the rules allow (a generator of
-    ``timemodel.Layout``)."""
-    from .timemodel import Layout
-    heads, layers, seq = shape.a, shape.l, shape.s
+    """Every way to train ``shape`` on ``world`` devices that the layout rules accept (a
+    generator of ``timemodel.Training``): the degrees pass ``Layout.fits_model`` with
+    sequence parallelism on when tp > 1, then every micro-batch size, schedule, ZeRO stage
+    and recomputation of :func:`_per_degrees`."""
+    for lay in _grids(shape, world, global_batch, space):
+        yield from _per_degrees(shape, lay, global_batch, space)
+
+
+def _grids(shape, world: int, global_batch: int, space: Space):
+    """The degrees (tp, cp, ep, dp, pp) of every layout the rules accept."""
     experts = shape.num_experts
     for tp in divisors(world):
-        if tp > space.max_tp or heads % tp:
+        if tp > space.max_tp:
             continue
         for cp in divisors(world // tp):
-            if cp > space.max_cp or seq % (2 * cp):
+            if cp > space.max_cp:
                 continue
             for pp in divisors(world // (tp * cp)):
-                if layers % pp:
-                    continue
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                eps = [e for e in divisors(experts) if (tp * cp * dp) % e == 0] \
-                    if experts else [1]
-                for ep in eps:
-                    yield from _per_degrees(Layout, shape, tp, cp, ep, dp, pp, global_batch,
-                                            space)
+                for ep in (divisors(experts) if experts else [1]):
+                    if (cp * dp) % ep:
+                        continue
+                    lay = Layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, micro_batch_size=1)
+                    if lay.fits_model(shape, sp=tp > 1, cp_balance="zigzag"):
+                        yield lay
 
 
-def _per_degrees(layout_cls, shape, tp, cp, ep, dp, pp, global_batch, space):
-    per_rank = global_batch // dp
+def _per_degrees(shape, grid: Layout, global_batch: int, space: Space):
+    """Every micro-batch size, schedule, ZeRO stage and recomputation on one grid."""
+    from .timemodel import Training
+    base = Training.of(sp=grid.tp > 1)
+    options = [base.options.with_values(zero_stage=zero, recompute=rc)
+               for zero in space.zero_stages if not (zero and grid.dp == 1)
+               for rc in space.recomputes]  # ZeRO with dp = 1 has nothing to shard over
+    per_rank = global_batch // grid.dp
     for b in space.micro_batch_sizes:
         if per_rank % b:
             continue
         m = per_rank // b
-        if pp > 1 and m < pp:
+        if grid.pp > 1 and m < grid.pp:
             continue
-        for schedule, vpp in _schedules(shape.l // pp, pp, m, space):
-            for zero in space.zero_stages:
-                if zero and dp == 1:
-                    continue  # nothing to shard over
-                for rc in space.recomputes:
-                    yield layout_cls(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp,
-                                     sp=tp > 1, schedule=schedule, zero_stage=zero,
-                                     recompute=rc, micro_batch_size=b, num_microbatches=m)
-
-
-#: the V-shaped schedules: always two chunks per rank (Qi et al. 2024; DeepSeek-V3)
-_V_SHAPES = ("zbv", "dualpipev")
-#: the fewest micro-batches a schedule runs with on p stages (its generator's rule; m >= p
-#: for the others)
-_MIN_M = {"zb-h2": lambda p: 2 * p - 1, "dualpipev": lambda p: 2 * p}
+        for schedule, vpp in _schedules(shape.l // grid.pp, grid.pp, m, space):
+            lay = replace(grid, vpp=vpp, schedule=schedule, micro_batch_size=b,
+                          num_microbatches=m)
+            for opts in options:
+                yield replace(base, layout=lay, options=opts)
 
 
 def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
+    """Every (schedule, vpp) of the space that its spec accepts on pp ranks with m
+    micro-batches (``ScheduleSpec.refusal``: its chunks, fewest micro-batches and further
+    rules; never fewer than pp micro-batches) and whose chunks split a stage's layers evenly;
+    a schedule the time model does not price (``ScheduleSpec.unpriced``) is skipped."""
+    from .schedules import ChunkRule, get_spec
     if pp == 1:
         yield "1f1b", 1
         return
-    for s in space.schedules:
-        if m < _MIN_M.get(s, lambda p: p)(pp):
+    for name in space.schedules:
+        spec = get_spec(name)
+        if not spec.priced or m < max(pp, spec.min_microbatches(pp)):
             continue
-        if s in _V_SHAPES:
-            if layers_per_stage % 2 == 0:
-                yield s, 2  # two chunks per rank, stages r and 2p - 1 - r
-            continue
-        if s != "interleaved":
-            yield s, 1
-            continue
-        if m % pp:
-            continue
-        for v in space.vpps:
-            if layers_per_stage % v == 0:
-                yield s, v
+        chunks = {ChunkRule.ONE: (1,), ChunkRule.TWO: (2,)}.get(spec.chunks, space.vpps)
+        for vpp in chunks:
+            if layers_per_stage % vpp == 0 and spec.refusal(pp, m, spec.v_for(vpp)) is None:
+                yield name, vpp
+
+
+def unpriced(space: Space) -> dict[str, str]:
+    """The schedules of ``space`` the planner skips, and why (``ScheduleSpec.unpriced``)."""
+    from .schedules import get_spec
+    return {name: get_spec(name).unpriced for name in space.schedules
+            if not get_spec(name).priced}
 
 
 #: the planner simulates a layout whose lower bound is within this factor of its current
@@ -155,38 +168,38 @@ def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
     if predictor is not None or exhaustive:
         if predictor is None:
             from .timemodel import predict_step as predictor
-        exact = lambda lay: predictor(shape, lay, profile)  # noqa: E731
-        priced = [(st.step_s, lay, st) for lay in layouts(shape, world, global_batch, space)
-                  for st in (exact(lay),)]
+        exact = lambda trn: predictor(shape, trn, profile)  # noqa: E731
+        priced = [(st.step_s, trn, st) for trn in layouts(shape, world, global_batch, space)
+                  for st in (exact(trn),)]
         fits = sorted((x for x in priced if x[2].fits), key=lambda x: x[0])[:keep]
         over = sorted((x for x in priced if not x[2].fits), key=lambda x: x[0])[:3]
         n, n_over = len(priced), sum(1 for x in priced if not x[2].fits)
     else:
         from .timemodel import predict_step
-        bounds = [(predict_step(shape, lay, profile, bound=True), lay)
-                  for lay in layouts(shape, world, global_batch, space)]
+        bounds = [(predict_step(shape, trn, profile, bound=True), trn)
+                  for trn in layouts(shape, world, global_batch, space)]
         n, n_over = len(bounds), sum(1 for b, _ in bounds if not b.fits)
-        exact = lambda lay: predict_step(shape, lay, profile)  # noqa: E731
-        fits = _best(((b.step_s, lay) for b, lay in bounds if b.fits), keep, exact)
-        over = _best(((b.step_s, lay) for b, lay in bounds if not b.fits), 3, exact)
-    return PlanResult(ranked=[(lay, st) for _, lay, st in fits], evaluated=n,
+        exact = lambda trn: predict_step(shape, trn, profile)  # noqa: E731
+        fits = _best(((b.step_s, trn) for b, trn in bounds if b.fits), keep, exact)
+        over = _best(((b.step_s, trn) for b, trn in bounds if not b.fits), 3, exact)
+    return PlanResult(ranked=[(trn, st) for _, trn, st in fits], evaluated=n,
                       over_memory=n_over,
                       seconds=time.perf_counter() - t0,
-                      best_over_memory=[(lay, st) for _, lay, st in over])
+                      best_over_memory=[(trn, st) for _, trn, st in over])
 
 
 def _best(bounded, k: int, exact) -> list:
     """The ``k`` smallest exact steps among ``(bound, layout)`` pairs, simulating in the
     order of the bounds until no remaining bound can beat the k-th best."""
     best: list = []  # (step, order, layout, StepTime), sorted
-    for order, (lb, lay) in enumerate(sorted(bounded, key=lambda x: x[0])):
+    for order, (lb, trn) in enumerate(sorted(bounded, key=lambda x: x[0])):
         if len(best) >= k and lb * BOUND_SLACK > best[k - 1][0]:
             break
-        st = exact(lay)
-        best.append((st.step_s, order, lay, st))
+        st = exact(trn)
+        best.append((st.step_s, order, trn, st))
         best.sort(key=lambda x: (x[0], x[1]))
         del best[k:]
-    return [(step, lay, st) for step, _, lay, st in best]
+    return [(step, trn, st) for step, _, trn, st in best]
 
 
 def why(st) -> str:
@@ -204,5 +217,5 @@ def why(st) -> str:
     return "; ".join(parts)
 
 
-def as_dict(lay, st) -> dict:
-    return {"layout": asdict(lay), "prediction": asdict(st), "why": why(st)}
+def as_dict(trn, st) -> dict:
+    return {"layout": asdict(trn), "prediction": asdict(st), "why": why(st)}

@@ -38,7 +38,7 @@ def run_per_rank(case: CaseConfig, pool: WorkerPool | None = None) -> list[RankR
     run = case.run
     limit = run.timeout_s * 4
     if cls.isolated or pool is None:
-        with WorkerPool(case.parallel.world_size, device=run.device, timeout_s=run.timeout_s,
+        with WorkerPool(case.layout.world_size, device=run.device, timeout_s=run.timeout_s,
                         threads=run.threads_per_rank) as fresh:
             return fresh.run(_run_case_task, case.to_dict(), timeout_s=limit,
                              hang_timeout_s=run.hang_timeout_s)
@@ -63,7 +63,7 @@ def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
     golden = cls.reference(case, case.run.steps)
     merged = merge_ranks(per_rank, sorted(golden.params[0]))
     pred = cls.predict(case)
-    p = case.parallel
+    p = case.layout
     trace = figures = None
     if out_dir is not None:
         trace = _write_trace(case, per_rank, Path(out_dir))
@@ -78,7 +78,7 @@ def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
     return Row(
         id=case.id, suite=suite, scheme=case.run.scheme, family=cls.family,
         baseline_of=cls.baseline_of, world_size=p.world_size,
-        degrees={a: getattr(p, a) for a in ("tp", "cp", "ep", "dp", "pp", "vpp")},
+        degrees={**p.degrees(), "vpp": p.vpp},
         model=case.model.name, case=case.to_dict(),
         equivalent=merged.equivalent, golden_ok=merged.golden_ok,
         update_ok=merged.update_ok if cls.checks_update else None,
@@ -123,11 +123,11 @@ def failed_row(suite: str, case: CaseConfig, error: RankError) -> Row:
     """The row of a case that crashed or hung: no verdict, the failure instead."""
     import torch
     cls = get_scheme(case.run.scheme)
-    p = case.parallel
+    p = case.layout
     message = str(error)
     return Row(id=case.id, suite=suite, scheme=case.run.scheme, family=cls.family,
                baseline_of=cls.baseline_of, world_size=p.world_size,
-               degrees={a: getattr(p, a) for a in ("tp", "cp", "ep", "dp", "pp", "vpp")},
+               degrees={**p.degrees(), "vpp": p.vpp},
                model=case.model.name, case=case.to_dict(), status="failed",
                failure=Failure(kind=error.kind, rank=error.rank, message=message,
                                traceback=error.traceback_text),
@@ -189,7 +189,7 @@ class PoolCache:
 
     def get(self, case: CaseConfig) -> WorkerPool:
         run = case.run
-        key = (case.parallel.world_size, run.device, run.threads_per_rank, run.timeout_s)
+        key = (case.layout.world_size, run.device, run.threads_per_rank, run.timeout_s)
         pool = self._pools.get(key)
         if pool is None or not pool.alive:
             pool = WorkerPool(key[0], device=run.device, timeout_s=run.timeout_s,

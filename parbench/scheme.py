@@ -40,8 +40,18 @@ class SchemeContext:
         return self.case.model
 
     @property
+    def layout(self):
+        return self.case.layout
+
+    @property
+    def options(self):
+        return self.case.options
+
+    @property
     def parallel(self):
-        return self.case.parallel
+        raise AttributeError("SchemeContext.parallel was split: the degrees, micro-batches and "
+                             "schedule are ctx.layout (parbench.layout.Layout), the options "
+                             "ctx.options.<family> (parbench.options)")
 
     @property
     def run(self):
@@ -119,7 +129,8 @@ class Scheme(ABC):
     description: ClassVar[str] = ""
     #: the mesh axes this scheme uses; the other degrees must be 1 (checked before spawning)
     uses: ClassVar[tuple[str, ...]] = ("dp",)
-    #: the option fields (``config.OPTION_FIELDS``, bare names) this scheme reads
+    #: the option fields this scheme reads, by bare name: fields of the option dataclasses
+    #: (``parbench.options``) and ``config.OPTIONAL_FIELDS``; checked when registered
     options: ClassVar[tuple[str, ...]] = ()
     #: True for baselines that keep process-global state (DeepSpeed engines): the runner
     #: gives each such case a fresh pool of ranks instead of the shared one
@@ -154,7 +165,7 @@ class Scheme(ABC):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         """Reject a case before spawning (raise ConfigError naming field, value, rule)."""
-        p = case.parallel
+        p = case.layout
         for axis in ("tp", "cp", "ep", "pp"):
             if axis not in cls.uses and getattr(p, axis) != 1:
                 raise ConfigError(f"{axis}={getattr(p, axis)} is not used by scheme "
@@ -168,7 +179,7 @@ class Scheme(ABC):
         """The MoE routing groups of this scheme, as the golden run must cut the batch: by
         default one group per rank and micro-batch (``parbench.moe``)."""
         from .moe import RoutingGroups
-        return RoutingGroups(rows=case.parallel.micro_batch_size)
+        return RoutingGroups(rows=case.layout.micro_batch_size)
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -226,8 +237,20 @@ def register(cls: type[Scheme]) -> type[Scheme]:
     """Class decorator: make ``cls`` available by its ``name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
+    check_declared_options(cls)
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def check_declared_options(cls: type[Scheme]) -> None:
+    """Every option a scheme declares is a real field (a typo is an error at import)."""
+    from .config import OPTIONAL_FIELDS
+    from .options import option_names
+    known = set(option_names()) | set(OPTIONAL_FIELDS)
+    unknown = [n for n in cls.options if n not in known]
+    if unknown:
+        raise ValueError(f"{cls.__name__}.options names {', '.join(unknown)}: not an option "
+                         f"(options: {', '.join(sorted(known))})")
 
 
 #: entry points of the group ``parbench.schemes`` that failed to load: name -> why

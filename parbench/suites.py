@@ -46,10 +46,7 @@ def case_id(case: CaseConfig) -> str:
     d = case.to_dict()
     d.pop("id", None)
     digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
-    p = case.parallel
-    degrees = "-".join(f"{a}{getattr(p, a)}" for a in ("tp", "cp", "ep", "dp", "pp")
-                       if getattr(p, a) > 1) or "single"
-    return f"{case.run.scheme}:{degrees}:{digest}"
+    return f"{case.run.scheme}:{case.layout.label()}:{digest}"
 
 
 def load_suite(name: str, overrides: dict | None = None) -> Suite:

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     schemes = [s for pair in PAIRS for s in pair]
     started = time.time()
     rows = alternate({s: apply_overrides(base, {"scheme": s}) for s in schemes}, repeats)
-    print("\n" + describe(base, repeats, started) + f", cp={base.parallel.cp}")
+    print("\n" + describe(base, repeats, started) + f", cp={base.layout.cp}")
     print_ratios(rows, PAIRS)
 
 

@@ -61,7 +61,7 @@ def bubbles(argv: list[str]) -> None:
                   f"{'pass' if row.passed else 'FAIL'}", flush=True)
     m = base.model
     print(f"\nmodel={m.name} (h={m.hidden_size}, layers={m.num_layers}, seq={m.seq_length}), "
-          f"m={base.parallel.num_microbatches}, {base.run.timed_steps} timed steps "
+          f"m={base.layout.num_microbatches}, {base.run.timed_steps} timed steps "
           "(measured: median over the steady ones), device "
           f"{base.run.device}; unit: T_F = T_B = T_W = 1")
 

@@ -45,8 +45,6 @@ from parbench.config import ConfigError  # noqa: E402
 from parbench.overrides import coerce, parse_overrides  # noqa: E402
 
 SUITES = ("data", "pipeline", "tensor", "sequence")
-CP_KIND = {"ring-attention": "ring", "ring-self-attention": "ring-self-attention",
-           "ulysses": "ulysses", "allgather": "allgather", "usp": "usp"}
 #: schemes whose mechanism the time model does not price (said in the table, not predicted)
 NOT_MODELLED = {
     "pipeline.bpipe": "BPipe's activation evict/load transfers are not in the time model",
@@ -66,12 +64,12 @@ TORCH_PIPE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "z
 
 def layout_of(case):
     """The :class:`Layout` a case's configuration describes, and a note (None: not modelled)."""
-    from parbench.timemodel import Layout
-    p, r = case.parallel, case.run
+    from parbench.timemodel import Training
+    p, o, r = case.layout, case.options, case.run
     s = r.scheme
-    kw = dict(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, vpp=p.vpp, sp=p.sp,
+    kw = dict(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, vpp=p.vpp, sp=o.tensor.sp,
               micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches,
-              dtype=r.dtype, recompute=p.recompute, bucket_mb=p.bucket_mb,
+              dtype=r.dtype, recompute=o.recompute, bucket_mb=o.data.bucket_mb,
               optimizer=r.optimizer)
     note = ""
     fam = s.split(".")[0]
@@ -102,20 +100,21 @@ def layout_of(case):
     elif s in ("baseline.dtensor.tp", "baseline.megatron.tp"):
         kw.update(sp=False)
     elif fam == "context":
-        kind = CP_KIND[s.split(".", 1)[1]]
-        kw.update(cp_algorithm=kind, cp_ulysses=p.cp_ulysses, bucket_mb=math.inf,
+        kind = s.split(".", 1)[1]  # the scheme's name is its cp_algorithm
+        u = o.context.cp_ulysses
+        kw.update(cp_algorithm=kind, cp_ulysses=u, bucket_mb=math.inf,
                   overlap_grad_reduce=False)
-        if kind == "usp" and p.cp_ulysses == p.cp:
+        if kind == "usp" and u == p.cp:
             kw.update(cp_algorithm="ulysses")
     elif s == "baseline.deepspeed.ulysses":
         kw.update(cp_algorithm="ulysses", bucket_mb=math.inf, overlap_grad_reduce=False)
     elif s == "baseline.torch.context_parallel":
-        kw.update(cp_algorithm="ring", bucket_mb=math.inf)
+        kw.update(cp_algorithm="ring-attention", bucket_mb=math.inf)
     else:
         return None, f"scheme {s} not modelled"
     if kw["dp"] * kw["cp"] == 1:
         kw["zero_stage"] = 0
-    return Layout(**kw), note
+    return Training.of(**kw), note
 
 
 def predict(case, profile) -> float:
@@ -127,15 +126,15 @@ def predict(case, profile) -> float:
     if case.run.scheme == "data.local_sgd":
         # one averaging all-reduce of the fp32 parameters every H steps; the timed steps
         # are the run's last ones, so the fraction of them that average is counted exactly
-        H = case.parallel.local_sgd_period  # noqa: N806
+        H = case.options.data.local_sgd_period  # noqa: N806
         r = case.run
         timed = range(r.steps + r.warmup_steps, r.steps + r.timed_steps)
         frac = sum(1 for s in timed if (s + 1) % H == 0) / max(len(timed), 1)
         alone = predict_step(shape, replace(lay, dp=1), profile)
         from parbench.analytic.data_parallel import layer_tensors
         psi = sum(x for _, ts in layer_tensors(shape) for x in ts)
-        avg = profile.collective_time("all_reduce", case.parallel.dp, 4 * psi, "intra")
-        loss = profile.collective_time("all_reduce", case.parallel.dp, 8, "intra")
+        avg = profile.collective_time("all_reduce", case.layout.dp, 4 * psi, "intra")
+        loss = profile.collective_time("all_reduce", case.layout.dp, 8, "intra")
         return alone.step_s + frac * avg + loss
     return st.step_s
 
@@ -176,17 +175,17 @@ def spearman(a: list[float], b: list[float]) -> float:
 # ---------------------------------------------------------------------------------------
 
 def label(case) -> str:
-    p, r = case.parallel, case.run
-    deg = " ".join(f"{k}{getattr(p, k)}" for k in ("tp", "cp", "dp", "pp") if getattr(p, k) > 1)
+    p, o, r = case.layout, case.options, case.run
+    deg = " ".join(f"{k}{n}" for k, n in p.degrees().items() if n > 1 and k != "ep")
     opts = []
     if p.vpp > 1:
         opts.append(f"v{p.vpp}")
-    if p.recompute != "none":
-        opts.append(f"rc={p.recompute}")
+    if o.recompute != "none":
+        opts.append(f"rc={o.recompute}")
     if r.dtype != "fp32":
         opts.append(r.dtype)
-    if p.cp_ulysses > 1:
-        opts.append(f"u{p.cp_ulysses}")
+    if o.context.cp_ulysses > 1:
+        opts.append(f"u{o.context.cp_ulysses}")
     return f"{r.scheme} {deg}" + (f" [{', '.join(opts)}]" if opts else "")
 
 
@@ -196,7 +195,7 @@ def two_rank_cases(suites, timed_steps: int | None, instrument: bool = False):
     seen, out = set(), []
     for name in suites:
         for c in load_suite(name).cases:
-            if c.parallel.world_size != 2:
+            if c.layout.world_size != 2:
                 continue
             ov = {"instrument": str(instrument).lower()}
             if timed_steps is not None:
@@ -227,7 +226,7 @@ def ensure_profile(name: str, mode: str, cases, instrument: bool = False):
     if mode == "false" or (mode == "auto" and (path.exists() or name.endswith(".json"))):
         return load_profile(name)
     shapes = shapes_of(cases)
-    mbs = tuple(sorted({c.parallel.micro_batch_size for _, c in cases}))
+    mbs = tuple(sorted({c.layout.micro_batch_size for _, c in cases}))
     print(f"calibrating {name} at the suites' shapes ({len(shapes)} model shapes, "
           f"micro-batches {mbs}) ...", flush=True)
     dtypes = tuple(sorted({c.run.dtype for _, c in cases}, key=lambda d: d != "fp32"))

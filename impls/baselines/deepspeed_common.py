@@ -13,7 +13,7 @@ from impls.baselines.deepspeed_zero import _quiet
 def stage0_engine(ds, module, ctx, mpu):
     """``deepspeed.initialize`` (module ``ds``) of ``module`` for the case of ``ctx``, torch
     distributed already up; returns the engine."""
-    p = ctx.parallel
+    p = ctx.layout
     config = {"train_micro_batch_size_per_gpu": p.micro_batch_size,
               "gradient_accumulation_steps": p.num_microbatches,
               "train_batch_size": p.micro_batch_size * p.num_microbatches * p.dp,

@@ -73,7 +73,7 @@ class DeepSpeedPipe(Scheme):
         deepspeed = _import_deepspeed()
         from deepspeed.pipe import PipelineModule
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
-        cfg, par, run = ctx.model, ctx.parallel, ctx.run
+        cfg, par, run = ctx.model, ctx.layout, ctx.run
         full = build_model(cfg, run.seed)
         layers = [EmbedLayer(full.embed)]
         prefixes = ["embed."]
@@ -112,7 +112,7 @@ class DeepSpeedPipe(Scheme):
                            if p.grad is not None}
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         dev = self.ctx.device
         data = list(zip(inputs.to(dev).chunk(m), targets.to(dev).chunk(m)))
         self._capture = step < self.ctx.run.steps
@@ -129,7 +129,7 @@ class DeepSpeedPipe(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p = case.parallel
+        p = case.layout
         if p.dp != 1 or p.vpp != 1:
             raise ConfigError(f"dp={p.dp}, vpp={p.vpp}: {cls.name} runs one 1F1B pipeline "
                               "(set dp=1, vpp=1)")
@@ -148,7 +148,7 @@ class DeepSpeedPipe(Scheme):
         from parbench.analytic.comm import rooted_wire_factor
         from parbench.scheme import get_scheme
         pred = get_scheme(cls.baseline_of).predict(case)
-        pp = case.parallel.pp
+        pp = case.layout.pp
         pred.wire_bytes = [{"world": w.get("pp", 0.0),
                             "other": float(8 * rooted_wire_factor("broadcast", pp, rank,
                                                                   pp - 1))}

@@ -91,8 +91,8 @@ class DeepSpeedUlysses(UlyssesScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        if case.parallel.recompute != "none":
-            raise ConfigError(f"recompute={case.parallel.recompute!r}: {cls.name} runs "
+        if case.options.recompute != "none":
+            raise ConfigError(f"recompute={case.options.recompute!r}: {cls.name} runs "
                               "recompute=none")
         if case.run.optimizer != "adamw":
             raise ConfigError(f"optimizer={case.run.optimizer!r}: {cls.name} runs adamw only")

@@ -64,8 +64,8 @@ def _import_deepspeed():
 
 
 def deepspeed_config(case: CaseConfig, stage: int) -> dict:
-    p, r = case.parallel, case.run
-    bucket = max(1, int(p.bucket_mb * 2**20 / 4))
+    p, r = case.layout, case.run
+    bucket = max(1, int(case.options.data.bucket_mb * 2**20 / 4))
     return {
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.num_microbatches,
@@ -133,8 +133,8 @@ class _DeepSpeedZero(DataParallelScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        if case.parallel.world_size != case.parallel.dp:
-            raise ConfigError(f"dp={case.parallel.dp} must equal the world size for {cls.name}")
+        if case.layout.world_size != case.layout.dp:
+            raise ConfigError(f"dp={case.layout.dp} must equal the world size for {cls.name}")
         if case.run.optimizer != "adamw":
             raise ConfigError(f"optimizer={case.run.optimizer!r}: {cls.name} runs adamw only")
 
@@ -152,7 +152,7 @@ class _DeepSpeedZero(DataParallelScheme):
         self._grads: dict[str, torch.Tensor] = {}
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         tl = self.ctx.timeline
         total = 0.0

@@ -129,10 +129,10 @@ class DTensorTP(MegatronFigures):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        if case.parallel.recompute != "none":
-            raise ConfigError(f"recompute={case.parallel.recompute} is not used by {cls.name}")
-        if cls.sp and case.model.seq_length % case.parallel.tp:
-            raise ConfigError(f"tp={case.parallel.tp} does not divide "
+        if case.options.recompute != "none":
+            raise ConfigError(f"recompute={case.options.recompute} is not used by {cls.name}")
+        if cls.sp and case.model.seq_length % case.layout.tp:
+            raise ConfigError(f"tp={case.layout.tp} does not divide "
                               f"seq_length={case.model.seq_length}")
 
     def forward(self, inputs, targets):

@@ -190,7 +190,7 @@ class MegatronMoE(ExpertAllToAll):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         if p.ep == 1:
             raise ConfigError(f"ep=1: {cls.name} fails inside Megatron-Core 0.16 with one "
                               "expert-parallel rank (mlp.py adds the expert bias in place to "

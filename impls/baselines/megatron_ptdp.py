@@ -161,7 +161,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p, m = case.parallel, case.model
+        p, m = case.layout, case.model
         if p.schedule != "1f1b":
             raise ConfigError(f"schedule={p.schedule!r}: {cls.name} runs Megatron-Core's "
                               "non-interleaved schedule (1f1b)")
@@ -187,7 +187,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
                                                finalize_model_grads)
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
         from megatron.core.transformer.transformer_config import TransformerConfig
-        mesh, cfg, par = ctx.mesh, ctx.model, ctx.parallel
+        mesh, cfg, par = ctx.mesh, ctx.model, ctx.layout
         point_current_device_at_cpu(ctx.device)  # shim 1
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp,
                                      pipeline_model_parallel_size=par.pp,
@@ -222,7 +222,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         self.opt = make_optimizer(self.params, ctx.run)
 
     def train_step(self, inputs, targets, step):
-        cfg, par, dev, tl = self.ctx.model, self.ctx.parallel, self.ctx.device, self.ctx.timeline
+        cfg, par, dev, tl = self.ctx.model, self.ctx.layout, self.ctx.device, self.ctx.timeline
         x = dp_slice(inputs, self.dp_rank, self.dp).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp).to(dev)
         for p in self.params:

@@ -8,7 +8,7 @@ from parbench.config import CaseConfig, ConfigError
 
 def no_drop_capacity(name: str, case: CaseConfig) -> int:
     """The per-group capacity C, after refusing a case where C < the group's tokens."""
-    m, p = case.model, case.parallel
+    m, p = case.model, case.layout
     tokens = p.micro_batch_size * m.seq_length
     c = capacity(tokens, m.num_experts, m.moe_top_k, m.moe_capacity_factor)
     if c < tokens:

@@ -112,9 +112,9 @@ class TorchContextParallel(RingAttentionScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p = case.parallel
-        if p.cp_balance != "zigzag" or p.recompute != "none":
-            raise ConfigError(f"cp_balance={p.cp_balance!r} recompute={p.recompute!r}: "
+        p, o = case.layout, case.options
+        if o.context.cp_balance != "zigzag" or o.recompute != "none":
+            raise ConfigError(f"cp_balance={o.context.cp_balance!r} recompute={o.recompute!r}: "
                               f"{cls.name} runs torch's head-tail (zigzag) layout, no "
                               "recomputation")
         if case.model.seq_length % (2 * p.cp):
@@ -153,7 +153,7 @@ class TorchContextParallel(RingAttentionScheme):
         x = dp_slice(inputs, self.dp_rank, self.dp).to(dev).clone()
         y = dp_slice(targets, self.dp_rank, self.dp).to(dev).clone()
         pos = torch.arange(x.shape[1], device=dev).expand_as(x).clone()
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         tl = self.ctx.timeline
         self.opt.zero_grad(set_to_none=False)
         total = 0.0

@@ -46,7 +46,7 @@ class TorchDDP(ReplicaScheme):
         self.ddp = None
         gc.collect()  # the old reducer's hooks go with it
         self.ddp = DistributedDataParallel(self.model, process_group=self.group,
-                                           bucket_cap_mb=self.ctx.parallel.bucket_mb)
+                                           bucket_cap_mb=self.ctx.options.data.bucket_mb)
         if accounted:
             self.ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
         self.accounted = accounted
@@ -55,7 +55,7 @@ class TorchDDP(ReplicaScheme):
         checked = step < self.ctx.run.steps
         if checked != self.accounted:
             self._wrap(accounted=checked)
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         self.opt.zero_grad(set_to_none=False)
         tl = self.ctx.timeline

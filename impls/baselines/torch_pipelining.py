@@ -79,7 +79,7 @@ class TorchPipelining(Scheme):
     def __init__(self, ctx):
         super().__init__(ctx)
         from torch.distributed import pipelining as tpp
-        cfg, par, run = ctx.model, ctx.parallel, ctx.run
+        cfg, par, run = ctx.model, ctx.layout, ctx.run
         cls_name, _, placement = TORCH_SCHEDULES[self.torch_name]
         self.group = ctx.mesh.group("pp")
         p, rank = ctx.mesh.size("pp"), ctx.mesh.index("pp")
@@ -126,7 +126,7 @@ class TorchPipelining(Scheme):
             return 1
         if placement is Placement.V:
             return 2
-        return case.parallel.vpp
+        return case.layout.vpp
 
     def train_step(self, inputs, targets, step):
         dev = self.ctx.device
@@ -137,7 +137,7 @@ class TorchPipelining(Scheme):
         self.torch_schedule.step(*args, **kwargs)
         with self.ctx.timeline.span("optim"):
             self.opt.step()
-        total = sum(float(x.detach()) for x in losses) / self.ctx.parallel.num_microbatches \
+        total = sum(float(x.detach()) for x in losses) / self.ctx.layout.num_microbatches \
             if self.has_last else 0.0
         return self.reduce_loss(total, self.group)
 
@@ -151,7 +151,7 @@ class TorchPipelining(Scheme):
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
         from parbench.scheme import get_scheme
-        par = case.parallel
+        par = case.layout
         if par.dp != 1:
             raise ConfigError(f"dp={par.dp}: pipeline baselines run one pipeline (set dp=1)")
         placement = TORCH_SCHEDULES[cls.torch_name][2]

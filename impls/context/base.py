@@ -54,23 +54,24 @@ class ContextParallelScheme(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p, m = case.parallel, case.model
+        m = case.model
         if case.run.dtype != "fp32":
             raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name} "
                               "(fp32 only)")
         if m.num_experts:
             raise ConfigError(f"num_experts={m.num_experts}: {cls.name} runs dense models")
-        if cls.balanced and p.cp_balance == "zigzag" and m.seq_length % (2 * cls.ring_size(p)):
-            raise ConfigError(f"cp_balance='zigzag' needs 2*{cls.ring_size(p)} to divide "
+        balance = case.options.context.cp_balance
+        if cls.balanced and balance == "zigzag" and m.seq_length % (2 * cls.ring_size(case)):
+            raise ConfigError(f"cp_balance='zigzag' needs 2*{cls.ring_size(case)} to divide "
                               f"seq_length={m.seq_length} (2 chunks per ring rank)")
 
     @classmethod
-    def ring_size(cls, p) -> int:
-        return p.cp
+    def ring_size(cls, case) -> int:
+        return case.layout.cp
 
     @classmethod
-    def balance(cls, p) -> str:
-        return p.cp_balance if cls.balanced else "none"
+    def balance(cls, case) -> str:
+        return case.options.context.cp_balance if cls.balanced else "none"
 
     # ---- construction -------------------------------------------------------------------------
     def __init__(self, ctx):
@@ -104,7 +105,7 @@ class ContextParallelScheme(Scheme):
         pos = self.token_positions()
         x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
         y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         return pos.to(self.ctx.device), list(zip(x.chunk(m), y.chunk(m)))
 
     def train_step(self, inputs, targets, step):
@@ -133,7 +134,7 @@ class ContextParallelScheme(Scheme):
     def forward(self, tokens, targets, pos, measure: bool = False):
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = shard_forward(self.model, tokens, pos, targets, self.core,
-                             self.ctx.parallel.recompute, saved, self.embed)
+                             self.ctx.options.recompute, saved, self.embed)
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()
@@ -156,22 +157,22 @@ class ContextParallelScheme(Scheme):
 
     # ---- closed forms -------------------------------------------------------------------------
     @classmethod
-    def cp_ulysses(cls, p) -> int:
+    def cp_ulysses(cls, case) -> int:
         return 1
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        p, mdl = case.parallel, case.model
+        p, mdl = case.layout, case.model
         shape = shape_from(mdl)
         pred = closed.context_prediction(
-            cls.kind, shape, cp=p.cp, dp=p.dp, cp_ulysses=cls.cp_ulysses(p),
+            cls.kind, shape, cp=p.cp, dp=p.dp, cp_ulysses=cls.cp_ulysses(case),
             micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
-            recompute=p.recompute, optimizer=case.run.optimizer)
+            recompute=case.options.recompute, optimizer=case.run.optimizer)
         b = p.micro_batch_size
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
-            cls.kind, mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp, p.recompute,
-            mdl.ffn)
+            cls.kind, mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp,
+            case.options.recompute, mdl.ffn)
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,
@@ -180,7 +181,7 @@ class ContextParallelScheme(Scheme):
     @classmethod
     def predicted_work(cls, case: CaseConfig) -> list[int]:
         """Query-key pairs per cp rank per head and sample (layer, micro-batch)."""
-        s, cp = case.model.seq_length, case.parallel.cp
+        s, cp = case.model.seq_length, case.layout.cp
         return [s // cp * s] * cp  # every rank evaluates its n x s rows (masked)
 
     # ---- measurements for the row ---------------------------------------------------------------

@@ -64,7 +64,7 @@ class DistFlashAttnScheme(ContextParallelScheme):
         return positions(self.ctx.model.seq_length, self.cp, self.cp_rank)
 
     def forward(self, tokens, targets, pos, measure: bool = False):
-        if self.ctx.parallel.recompute != "full":
+        if self.ctx.options.recompute != "full":
             return super().forward(tokens, targets, pos, measure)
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = remat_shard_forward(self.model, tokens, pos, targets, self.core, saved,
@@ -80,19 +80,20 @@ class DistFlashAttnScheme(ContextParallelScheme):
     # ---- closed forms -------------------------------------------------------------------------
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        p, mdl = case.parallel, case.model
+        p, mdl = case.layout, case.model
         shape = shape_from(mdl)
         b = p.micro_batch_size
         ranks = closed.rank_predictions(shape, cp=p.cp, dp=p.dp, micro_batch=b,
                                         microbatches=p.num_microbatches,
-                                        recompute=p.recompute, optimizer=case.run.optimizer)
-        if p.recompute == "full":
+                                        recompute=case.options.recompute,
+                                        optimizer=case.run.optimizer)
+        if case.options.recompute == "full":
             act = closed.remat_layer_activation_bytes(mdl.seq_length, b, mdl.hidden_size,
                                                       mdl.num_heads, p.cp)
         else:
             act = cp_layer_activation_bytes("ring-attention", mdl.seq_length, b,
                                             mdl.hidden_size, mdl.num_heads, p.cp,
-                                            p.recompute, mdl.ffn)
+                                            case.options.recompute, mdl.ffn)
         work = cls.predicted_work(case)
         naive = closed.rank_predictions(shape, cp=p.cp, dp=1, micro_batch=b,
                                         microbatches=p.num_microbatches, recompute="selective")
@@ -104,7 +105,7 @@ class DistFlashAttnScheme(ContextParallelScheme):
                    "idle_fraction": closed.idle_fraction(p.cp),
                    "idle_fraction_unbalanced": closed.idle_fraction(p.cp, balanced=False),
                    "attention_forwards_per_step": mdl.num_layers * p.num_microbatches
-                   * (2 if p.recompute == "selective" else 1),
+                   * (2 if case.options.recompute == "selective" else 1),
                    "cp_bytes_per_cp_rank_naive_recompute": [r.wire_bytes.get("cp", 0.0)
                                                             for r in naive],
                    "transfers": [r.figures["transfers"] for r in ranks]}
@@ -114,7 +115,7 @@ class DistFlashAttnScheme(ContextParallelScheme):
 
     @classmethod
     def predicted_work(cls, case: CaseConfig) -> list[int]:
-        return closed.work_per_worker(case.model.seq_length, case.parallel.cp)
+        return closed.work_per_worker(case.model.seq_length, case.layout.cp)
 
     # ---- measurements -----------------------------------------------------------------------
     def metrics(self) -> dict:

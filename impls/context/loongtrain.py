@@ -76,25 +76,25 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        p = case.parallel
+        p = case.layout
         try:
-            loong.check_grid(p.cp, p.cp_ulysses, p.cp_window)
+            loong.check_grid(p.cp, case.options.context.cp_ulysses, case.options.context.cp_window)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         super().check(case)  # the heads (UlyssesRingGrid), then the rest
 
     def _coords(self):
         """(u, c, head index, context index) of this rank."""
-        u = self.ctx.parallel.cp_ulysses
+        u = self.ctx.options.context.cp_ulysses
         c = self.cp // u
         if self.head_first:
             return u, c, self.cp_rank % u, self.cp_rank // u
         return u, c, self.cp_rank // c, self.cp_rank % c
 
     def build_core(self):
-        mesh, p = self.ctx.mesh, self.ctx.parallel
+        mesh = self.ctx.mesh
         u, c, _, _ = self._coords()
-        w = p.cp_window
+        w = self.ctx.options.context.cp_window
         heads, inner, outer = grid_groups(mesh.layout.groups("cp"), u, w, self.head_first)
         head = mesh.subgroup(loong.HEAD_AXIS, heads) if u > 1 else None
         ring_in = mesh.subgroup(loong.INNER_AXIS, inner) if w > 1 else None
@@ -103,28 +103,28 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         return self.core_class(head, u, peers)
 
     def make_peers(self, ring_in, ring_out) -> DoubleRingPeers:
-        balance = self.balance(self.ctx.parallel)
+        balance = self.balance(self.ctx.case)
         return DoubleRingPeers(self.peers_class(ring_in, self.clock),
                                self.peers_class(ring_out, self.clock), self.clock, balance)
 
     def token_positions(self):
         u, c, hi, ci = self._coords()
         return usp_positions(self.ctx.model.seq_length, u, c, hi, ci,
-                             self.balance(self.ctx.parallel))
+                             self.balance(self.ctx.case))
 
     # ---- closed forms -------------------------------------------------------------------------
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        p, mdl = case.parallel, case.model
+        p, mdl = case.layout, case.model
         pred = loong.loongtrain_prediction(
-            shape_from(mdl), cp=p.cp, dp=p.dp, cp_ulysses=p.cp_ulysses,
-            cp_window=p.cp_window, micro_batch=p.micro_batch_size,
-            microbatches=p.num_microbatches, recompute=p.recompute,
+            shape_from(mdl), cp=p.cp, dp=p.dp, cp_ulysses=case.options.context.cp_ulysses,
+            cp_window=case.options.context.cp_window, micro_batch=p.micro_batch_size,
+            microbatches=p.num_microbatches, recompute=case.options.recompute,
             optimizer=case.run.optimizer)
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
             cls.kind, mdl.seq_length, p.micro_batch_size, mdl.hidden_size, mdl.num_heads,
-            p.cp, p.recompute, mdl.ffn)
+            p.cp, case.options.recompute, mdl.ffn)
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         figures["versus_usp"] = cls.versus_usp(case)
@@ -133,17 +133,17 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
 
     @classmethod
     def versus_usp(cls, case: CaseConfig) -> dict:
-        p, m = case.parallel, case.model
+        p, m, o = case.layout, case.model, case.options
         return loong.versus_usp(p.micro_batch_size, m.seq_length, m.hidden_size, p.cp,
-                                p.cp_ulysses, p.cp_window, m.num_layers, p.num_microbatches,
-                                4, p.recompute != "none")
+                                o.context.cp_ulysses, o.context.cp_window, m.num_layers,
+                                p.num_microbatches, 4, o.recompute != "none")
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):
         """As USP's: the double ring visits every block of the context ring once."""
-        p = case.parallel
-        u, c = p.cp_ulysses, p.cp // p.cp_ulysses
-        ring = closed.causal_block_work(case.model.seq_length, c, p.cp_balance)
+        p = case.layout
+        u, c = case.options.context.cp_ulysses, p.cp // case.options.context.cp_ulysses
+        ring = closed.causal_block_work(case.model.seq_length, c, case.options.context.cp_balance)
         if cls.head_first:
             return [wk // u for wk in ring for _ in range(u)]
         return [wk // u for _ in range(u) for wk in ring]

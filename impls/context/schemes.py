@@ -43,17 +43,17 @@ class RingAttentionScheme(ContextParallelScheme):
 
     def build_core(self):
         ring = self.peers_class(self.ctx.mesh.group("cp") if self.cp > 1 else None,
-                                self.clock, self.balance(self.ctx.parallel))
+                                self.clock, self.balance(self.ctx.case))
         return self.core_class(None, 1, ring)
 
     def token_positions(self):
         return positions(self.ctx.model.seq_length, self.cp, self.cp_rank,
-                         self.balance(self.ctx.parallel))
+                         self.balance(self.ctx.case))
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):
-        return closed.causal_block_work(case.model.seq_length, case.parallel.cp,
-                                        case.parallel.cp_balance)
+        return closed.causal_block_work(case.model.seq_length, case.layout.cp,
+                                        case.options.context.cp_balance)
 
 
 @register
@@ -68,7 +68,7 @@ class UlyssesScheme(ContextParallelScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p, m = case.parallel, case.model
+        p, m = case.layout, case.model
         if m.num_heads % p.cp:
             raise ConfigError(f"cp={p.cp} does not divide num_heads={m.num_heads} "
                               "(Ulysses shards the heads over the cp ranks)")
@@ -82,13 +82,13 @@ class UlyssesScheme(ContextParallelScheme):
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):
-        s, cp = case.model.seq_length, case.parallel.cp
+        s, cp = case.model.seq_length, case.layout.cp
         return [s * (s + 1) // 2 // cp] * cp  # heads/cp each, the whole causal sequence
 
     @classmethod
     def predict(cls, case: CaseConfig):
         out = super().predict(case)
-        p, m = case.parallel, case.model
+        p, m = case.layout, case.model
         out.figures["issue_4217"] = closed.ulysses_vs_megatron_sp(
             p.micro_batch_size, m.seq_length, m.hidden_size, p.cp)
         return out
@@ -118,19 +118,19 @@ class UlyssesRingGrid:
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        p, m = case.parallel, case.model
-        if m.num_heads % p.cp_ulysses:
-            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide "
+        m = case.model
+        if m.num_heads % case.options.context.cp_ulysses:
+            raise ConfigError(f"cp_ulysses={case.options.context.cp_ulysses} does not divide "
                               f"num_heads={m.num_heads} ({cls.head_sharder} shards the heads)")
         super().check(case)
 
     @classmethod
-    def ring_size(cls, p) -> int:
-        return p.cp // p.cp_ulysses
+    def ring_size(cls, case) -> int:
+        return case.layout.cp // case.options.context.cp_ulysses
 
     @classmethod
-    def cp_ulysses(cls, p) -> int:
-        return p.cp_ulysses
+    def cp_ulysses(cls, case) -> int:
+        return case.options.context.cp_ulysses
 
 
 @register
@@ -146,13 +146,13 @@ class USPScheme(UlyssesRingGrid, ContextParallelScheme):
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        p = case.parallel
-        if p.cp % p.cp_ulysses:
-            raise ConfigError(f"cp_ulysses={p.cp_ulysses} does not divide cp={p.cp}")
+        u = case.options.context.cp_ulysses
+        if case.layout.cp % u:
+            raise ConfigError(f"cp_ulysses={u} does not divide cp={case.layout.cp}")
         super().check(case)  # the heads (UlyssesRingGrid), then the rest
 
     def _grid(self):
-        u = self.ctx.parallel.cp_ulysses
+        u = self.ctx.options.context.cp_ulysses
         return u, self.cp // u, self.cp_rank % u, self.cp_rank // u
 
     def build_core(self):
@@ -163,19 +163,19 @@ class USPScheme(UlyssesRingGrid, ContextParallelScheme):
                             [g[i * u:(i + 1) * u] for g in cp_groups for i in range(r)])
         ring = mesh.subgroup(closed.RING_AXIS, [g[j::u] for g in cp_groups for j in range(u)])
         peers = self.peers_class(ring if r > 1 else None, self.clock,
-                                 self.balance(self.ctx.parallel))
+                                 self.balance(self.ctx.case))
         return self.core_class(uly if u > 1 else None, u, peers)
 
     def token_positions(self):
         u, r, ui, ri = self._grid()
         return usp_positions(self.ctx.model.seq_length, u, r, ui, ri,
-                             self.balance(self.ctx.parallel))
+                             self.balance(self.ctx.case))
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):
-        p = case.parallel
-        u, r = p.cp_ulysses, p.cp // p.cp_ulysses
-        ring = closed.causal_block_work(case.model.seq_length, r, p.cp_balance)
+        p = case.layout
+        u, r = case.options.context.cp_ulysses, p.cp // case.options.context.cp_ulysses
+        ring = closed.causal_block_work(case.model.seq_length, r, case.options.context.cp_balance)
         return [w // u for w in ring for _ in range(u)]  # heads/u of the ring rank's work
 
 
@@ -191,11 +191,10 @@ class AllGatherScheme(ContextParallelScheme):
     description = "all-gather CP (Llama 3): K, V gathered along the sequence"
 
     def build_core(self):
-        p = self.ctx.parallel
-        every = [positions(self.ctx.model.seq_length, self.cp, r, self.balance(p))
+        every = [positions(self.ctx.model.seq_length, self.cp, r, self.balance(self.ctx.case))
                  for r in range(self.cp)]
         return AllGatherCore(self.gather_class(self.ctx.mesh.group("cp"), every, self.clock))
 
     def token_positions(self):
         return positions(self.ctx.model.seq_length, self.cp, self.cp_rank,
-                         self.balance(self.ctx.parallel))
+                         self.balance(self.ctx.case))

@@ -24,7 +24,7 @@ class DataParallelScheme(Scheme):
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp_size).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
-        return microbatches(x, y, self.ctx.parallel.num_microbatches)
+        return microbatches(x, y, self.ctx.layout.num_microbatches)
 
     def forward_backward(self, model, xm: torch.Tensor, ym: torch.Tensor, mb: int) -> float:
         """Forward and backward of micro-batch ``mb`` with its loss scaled by 1/m, so that the
@@ -32,7 +32,7 @@ class DataParallelScheme(Scheme):
         returns the scaled loss."""
         tl = self.ctx.timeline
         with tl.span("F", mb=mb):
-            loss = model(xm, ym) / self.ctx.parallel.num_microbatches
+            loss = model(xm, ym) / self.ctx.layout.num_microbatches
         with tl.span("B", mb=mb):
             loss.backward()
         return float(loss.detach())

@@ -34,7 +34,7 @@ class NativeDDP(ReplicaScheme):
         super().__init__(ctx)
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        cap = max(1, int(ctx.parallel.bucket_mb * 2**20 / self.params[0].element_size()))
+        cap = max(1, int(ctx.options.data.bucket_mb * 2**20 / self.params[0].element_size()))
         self.buckets = [Bucket([self.params[i] for i in idx], self.params[0].dtype, ctx.device)
                         for idx in bucket_assignment([p.numel() for p in self.params], cap)]
         self._bucket_of = {}
@@ -58,7 +58,7 @@ class NativeDDP(ReplicaScheme):
             b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         for b in self.buckets:
             b.reset()
@@ -83,7 +83,7 @@ class NativeDDP(ReplicaScheme):
 def ddp_prediction(case: CaseConfig) -> Prediction:
     """The bucket rule's all-reduces and a full replica's states
     (``parbench.analytic.data_parallel.ddp``)."""
-    par = case.parallel
-    pred = data_parallel.ddp(shape_from(case.model), par.dp, par.bucket_mb, 4,
+    par = case.layout
+    pred = data_parallel.ddp(shape_from(case.model), par.dp, case.options.data.bucket_mb, 4,
                              case.run.optimizer)
     return Prediction.uniform(par.dp, pred.wire_bytes, pred.states, pred.calls, **pred.figures)

@@ -93,7 +93,7 @@ class LocalSGD(DataParallelScheme):
         tl = self.ctx.timeline
         with tl.span("BW", mb=-1):
             total = local_step(self.model, self.opt, self.grads, mbs)
-        if is_sync_step(step, self.ctx.parallel.local_sgd_period):
+        if is_sync_step(step, self.ctx.options.data.local_sgd_period):
             with tl.span("average"):
                 dist.all_reduce(self.flat, group=self.group)
                 self.flat.div_(self.dp_size)
@@ -107,8 +107,8 @@ class LocalSGD(DataParallelScheme):
 
     @classmethod
     def reference(cls, case: CaseConfig, steps: int) -> GoldenRun:
-        key = (repr(case.model), case.parallel.dp, case.parallel.num_microbatches,
-               case.parallel.micro_batch_size, case.parallel.local_sgd_period,
+        key = (repr(case.model), case.layout.dp, case.layout.num_microbatches,
+               case.layout.micro_batch_size, case.options.data.local_sgd_period,
                repr(case.run.seed), case.run.optimizer, case.run.lr, case.run.weight_decay,
                case.run.beta1, case.run.beta2, case.run.eps, steps)
         if key not in _CACHE:
@@ -121,8 +121,8 @@ class LocalSGD(DataParallelScheme):
     def predict(cls, case: CaseConfig) -> Prediction:
         """All fp32 parameters all-reduced on sync steps only
         (``parbench.analytic.data_parallel.local_sgd``)."""
-        shape, d = shape_from(case.model), case.parallel.dp
-        period = case.parallel.local_sgd_period
+        shape, d = shape_from(case.model), case.layout.dp
+        period = case.options.data.local_sgd_period
         pred = data_parallel.local_sgd(shape, d, case.run.optimizer)
         per_step = [data_parallel.local_sgd_wire(shape, d, period, s)
                     for s in range(case.run.steps)]
@@ -138,7 +138,7 @@ _CACHE: dict = {}
 
 def simulate_workers(case: CaseConfig, steps: int) -> GoldenRun:
     """Single-device simulation of the d local-SGD workers (the golden run)."""
-    d, m = case.parallel.dp, case.parallel.num_microbatches
+    d, m = case.layout.dp, case.layout.num_microbatches
     workers = []
     for _ in range(d):
         model = build_model(case.model, case.run.seed)
@@ -153,7 +153,7 @@ def simulate_workers(case: CaseConfig, steps: int) -> GoldenRun:
             mbs = microbatches(dp_slice(x, r, d), dp_slice(y, r, d), m)
             losses.append(local_step(model, opt, grads, mbs))
             grads_s.update({f"w{r}/{n}": p.grad.detach().clone() for n, p in zip(names, params)})
-        if is_sync_step(step, case.parallel.local_sgd_period):
+        if is_sync_step(step, case.options.data.local_sgd_period):
             mean = torch.stack([w[2] for w in workers]).sum(0) / d
             for w in workers:
                 w[2].copy_(mean)

@@ -191,7 +191,7 @@ def routed_prediction(case: CaseConfig, closed_form, **extra) -> Prediction:
     and the reference run's per-step expert loads, as a by-step ``Prediction``; ``extra``
     goes to ``closed_form`` as it is."""
     from parbench.moe_trace import reference_loads
-    p = case.parallel
+    p = case.layout
     pred = closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch=p.micro_batch_size,
                        microbatches=p.num_microbatches,
                        loads=reference_loads(case, case.run.steps),

@@ -68,7 +68,7 @@ class ExpertAllToAll(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         if not m.num_experts:
             raise ConfigError(f"num_experts=0: {cls.name} needs an MoE model "
                               "(set num_experts > 0)")
@@ -124,7 +124,7 @@ class ExpertAllToAll(Scheme):
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp).to(dev)
-        return microbatches(x, y, self.ctx.parallel.num_microbatches)
+        return microbatches(x, y, self.ctx.layout.num_microbatches)
 
     def train_step(self, inputs, targets, step):
         mbs = self.local_microbatches(inputs, targets)
@@ -185,7 +185,7 @@ class ExpertAllToAll(Scheme):
     # ---- closed forms and measurements ----------------------------------------------------------
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        p = case.parallel
+        p = case.layout
         pred = closed.expert_prediction(case.model, ep=p.ep, dp=p.dp,
                                         micro_batch=p.micro_batch_size,
                                         microbatches=p.num_microbatches,

@@ -164,7 +164,7 @@ class ExpertFasterMoE(ExpertDropless):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        s, e = case.parallel.moe_shadow, case.model.num_experts
+        s, e = case.options.expert.moe_shadow, case.model.num_experts
         if s > e:
             raise ConfigError(f"moe_shadow={s}: cannot shadow more experts than there are "
                               f"(num_experts={e}); set moe_shadow <= {e}")
@@ -173,7 +173,7 @@ class ExpertFasterMoE(ExpertDropless):
 
     def make_dispatch(self) -> ShadowDispatch:
         return self.dispatch_class(self.ctx.model, self.ctx.mesh.group("ep"), self.ep,
-                                   self.ctx.parallel.moe_shadow)
+                                   self.ctx.options.expert.moe_shadow)
 
     def reduce_expert_gradients(self) -> None:
         """The shadows' gradients onto their owners, then ``expert.alltoall``'s edp sum / dp."""
@@ -183,4 +183,4 @@ class ExpertFasterMoE(ExpertDropless):
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
         from parbench.analytic.expert_shadow import shadow_prediction
-        return routed_prediction(case, shadow_prediction, shadows=case.parallel.moe_shadow)
+        return routed_prediction(case, shadow_prediction, shadows=case.options.expert.moe_shadow)

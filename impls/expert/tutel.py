@@ -58,8 +58,8 @@ class ExpertTutel(ExpertAllToAll):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p = case.parallel
-        if p.moe_a2a == "2d" and p.ep % RANKS_PER_NODE:
+        p = case.layout
+        if case.options.expert.moe_a2a == "2d" and p.ep % RANKS_PER_NODE:
             raise ConfigError(f"ep={p.ep} with moe_a2a=2d: the 2-D all-to-all needs ep to be "
                               f"a multiple of the {RANKS_PER_NODE} ranks per node")
 
@@ -68,12 +68,11 @@ class ExpertTutel(ExpertAllToAll):
         self.step_stats = TutelStepStats()
 
     def make_dispatch(self) -> TutelDispatch:
-        p = self.ctx.parallel
         plan = None
-        if p.moe_a2a == "2d":
+        if self.ctx.options.expert.moe_a2a == "2d":
             plan = self.two_dim_plan()
         return self.dispatch_class(self.ctx.model, self.ctx.mesh.group("ep"), self.ep,
-                                   mode=p.moe_mode, plan=plan)
+                                   mode=self.ctx.options.expert.moe_mode, plan=plan)
 
     def two_dim_plan(self):
         return build_plan(self.ctx.mesh, self.ep, RANKS_PER_NODE)

@@ -5,7 +5,7 @@ parallelism) on the rank's context-parallel tokens, with two hooks filled in:
 
 - **attention** (cp > 1): the rank holds the tokens ``positions`` of every sample (its cp
   rank's, from ``impls.context.layout``) and its a/t heads; the attention core is the
-  context-parallel one named by ``cp_kind`` (all-gather, ring attention or Ulysses from
+  context-parallel one named by ``cp_algorithm`` (all-gather, ring attention or Ulysses from
   ``impls.context``) on those heads;
 - **MoE layers**: the experts are whole (expert-tp 1) and sharded over ep, the router is
   replicated. The tokens entering the layer are split over the tp ranks -- rank r routes the
@@ -38,7 +38,7 @@ from impls.tensor.collectives import CopyToRegion, ReduceFromRegion
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import Placement
 
-#: the context-parallel attention of the hybrid (``ParallelConfig.cp_kind``)
+#: the context-parallel attention of the hybrid (``ContextOptions.cp_algorithm``)
 CP_KINDS = ("allgather", "ring-attention", "ulysses")
 
 

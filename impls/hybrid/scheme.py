@@ -82,7 +82,7 @@ class HybridScheme(Scheme):
     stage_class = HybridStage
     group_class = GradientGroup
     gradient_axes = ("dp_cp", "edp")
-    options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_kind", "etp",
+    options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_algorithm", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef")
 
@@ -90,26 +90,26 @@ class HybridScheme(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p, m, r = case.parallel, case.model, case.run
+        p, m, r, o = case.layout, case.model, case.run, case.options
         if r.optimizer != "adamw":
             raise ConfigError(f"optimizer={r.optimizer!r}: hybrid steps AdamW (its closed "
                               "form counts AdamW's states)")
-        if p.cp_kind not in CP_KINDS:
-            raise ConfigError(f"cp_kind={p.cp_kind!r} must be one of {', '.join(CP_KINDS)}")
+        kind = o.context.cp_algorithm
+        if kind not in CP_KINDS:
+            raise ConfigError(f"cp_algorithm={kind!r}: hybrid runs one of {', '.join(CP_KINDS)}")
         if p.ep > 1 and p.tp > 1 and p.expert_tp != 1:
             raise ConfigError(f"etp={p.etp} (= tp when 0): hybrid keeps experts whole and "
                               "splits their tokens over tp; set etp=1")
         if p.pp > 1 and m.tie_embeddings:
             raise ConfigError("tie_embeddings=true with pp > 1 is not supported by hybrid")
         s_l = m.seq_length // p.cp
-        if p.tp > 1 and (p.sp or m.num_experts) and s_l % p.tp:
+        if p.tp > 1 and (o.tensor.sp or m.num_experts) and s_l % p.tp:
             raise ConfigError(f"tp={p.tp} must divide seq_length/cp={s_l} (sequence "
                               "parallelism and the MoE token split cut the rank's tokens)")
-        if p.cp > 1 and p.cp_kind != "ulysses" and p.cp_balance == "zigzag" and \
-                m.seq_length % (2 * p.cp):
+        if p.cp > 1 and cls.balance(case) == "zigzag" and m.seq_length % (2 * p.cp):
             raise ConfigError(f"cp_balance='zigzag' needs 2*cp={2 * p.cp} to divide "
                               f"seq_length={m.seq_length}")
-        if p.cp_kind == "ulysses" and (m.num_heads // p.tp) % p.cp:
+        if kind == "ulysses" and (m.num_heads // p.tp) % p.cp:
             raise ConfigError(f"cp={p.cp} must divide num_heads/tp={m.num_heads // p.tp} "
                               "(Ulysses shards the rank's heads)")
         if get_spec(p.schedule).asynchronous:
@@ -119,18 +119,19 @@ class HybridScheme(Scheme):
         schedule_for(case, p.schedule)
 
     @classmethod
-    def balance(cls, p) -> str:
-        return "none" if p.cp_kind == "ulysses" else p.cp_balance
+    def balance(cls, case) -> str:
+        ctx_opts = case.options.context
+        return "none" if ctx_opts.cp_algorithm == "ulysses" else ctx_opts.cp_balance
 
     @classmethod
     def cp_positions(cls, case: CaseConfig, cp_rank: int) -> torch.Tensor:
-        p = case.parallel
-        return positions(case.model.seq_length, p.cp, cp_rank, cls.balance(p))
+        p = case.layout
+        return positions(case.model.seq_length, p.cp, cp_rank, cls.balance(case))
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:
         """A group per micro-batch of a rank: its cp rank's positions, cut into t blocks."""
-        p, s = case.parallel, case.model.seq_length
+        p, s = case.layout, case.model.seq_length
         chunks = [0] * s
         for c in range(p.cp):
             pos = cls.cp_positions(case, c).tolist()
@@ -142,7 +143,7 @@ class HybridScheme(Scheme):
     # ---- construction -------------------------------------------------------------------------
     def __init__(self, ctx):
         super().__init__(ctx)
-        mesh, cfg, par = ctx.mesh, ctx.model, ctx.parallel
+        mesh, cfg, par = ctx.mesh, ctx.model, ctx.layout
         self.tp, self.cp, self.dp = mesh.size("tp"), mesh.size("cp"), mesh.size("dp")
         self.cp_rank, self.dp_rank = mesh.index("cp"), mesh.index("dp")
         self.m = par.num_microbatches
@@ -152,8 +153,8 @@ class HybridScheme(Scheme):
         core = None
         if self.cp > 1:
             every = [self.cp_positions(ctx.case, c) for c in range(self.cp)]
-            core = build_core(par.cp_kind, mesh.group("cp"), self.cp, every, self.clock,
-                              self.balance(par))
+            core = build_core(ctx.options.context.cp_algorithm, mesh.group("cp"), self.cp,
+                              every, self.clock, self.balance(ctx.case))
         self.schedule = schedule_for(ctx.case, par.schedule)
         S = self.schedule.num_stages  # noqa: N806
         pp_rank = mesh.index("pp")
@@ -162,7 +163,8 @@ class HybridScheme(Scheme):
             lo, hi = stage_layers(cfg.num_layers, S, key[1])
             stage = self.stage_class(
                 cfg, ctx.run.seed, tp_group=mesh.group("tp"), tp=self.tp,
-                tp_rank=mesh.index("tp"), sp=par.sp, recompute=par.recompute,
+                tp_rank=mesh.index("tp"), sp=ctx.options.tensor.sp,
+                recompute=ctx.options.recompute,
                 stage=(lo, hi, key[1] == 0, key[1] == S - 1),
                 positions=torch.tensor(self.pos), core=core,
                 ep_group=mesh.group("ep") if par.ep > 1 else None, ep=par.ep,
@@ -177,8 +179,8 @@ class HybridScheme(Scheme):
         dense_axis, expert_axis = self.gradient_axes
         self.groups = [
             self.group_class(params, mesh.group(axis) if mesh.size(axis) > 1 else None,
-                             mesh.size(axis), mesh.index(axis), divisor, par.zero_stage,
-                             self.dtype)
+                             mesh.size(axis), mesh.index(axis), divisor,
+                             ctx.options.data.zero_stage, self.dtype)
             for params, axis, divisor in ((self.dense, dense_axis, self.dp * self.cp),
                                           (self.experts, expert_axis, self.expert_divisor()))]
         self.opt = make_optimizer([t for g in self.groups for t in g.masters], ctx.run)
@@ -277,9 +279,9 @@ class HybridScheme(Scheme):
         if r0 is None or not r0.ledger:
             return []
         tr, _ = closed.rank_step(shape_from(case.model), cls.hybrid_config(case), 0)
-        p = case.parallel
-        config = (f"hybrid tp={p.tp} (recompute={p.recompute}, sp={p.sp}) cp={p.cp} "
-                  f"({p.cp_kind}) ep={p.ep} (top-{case.model.moe_top_k} of "
+        p, o = case.layout, case.options
+        config = (f"hybrid tp={p.tp} (recompute={o.recompute}, sp={o.tensor.sp}) cp={p.cp} "
+                  f"({o.context.cp_algorithm}) ep={p.ep} (top-{case.model.moe_top_k} of "
                   f"{case.model.num_experts}) pp={p.pp} (m={p.num_microbatches}) dp={p.dp}, "
                   f"{case.run.dtype}, model {case.model.name}")
         path = out_dir / "ubmesh-table1.md"
@@ -288,19 +290,16 @@ class HybridScheme(Scheme):
 
     # ---- closed form --------------------------------------------------------------------------
     @classmethod
-    def hybrid_config(cls, case: CaseConfig) -> closed.HybridConfig:
-        p = case.parallel
-        return closed.HybridConfig(
-            tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, ep=p.ep,
-            vpp=get_spec(p.schedule).chunks_for(p.vpp), sp=p.sp and p.tp > 1,
-            placement=str(get_spec(p.schedule).placement), cp_kind=p.cp_kind,
-            micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
-            recompute=p.recompute, zero_stage=p.zero_stage,
-            e=2 if case.run.dtype == "bf16" else 4)
+    def hybrid_config(cls, case: CaseConfig) -> closed.HybridStep:
+        spec = get_spec(case.layout.schedule)
+        return closed.HybridStep(layout=case.layout, options=case.options,
+                                 placement=str(spec.placement),
+                                 chunks=spec.chunks_for(case.layout.vpp),
+                                 e=2 if case.run.dtype == "bf16" else 4)
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        p, c, shape = case.parallel, cls.hybrid_config(case), shape_from(case.model)
+        p, c, shape = case.layout, cls.hybrid_config(case), shape_from(case.model)
         wire, calls, states = [], [], []
         for r in range(p.world_size):
             tr, st = closed.rank_step(shape, c, r)

@@ -43,7 +43,13 @@ step with one set of model states).
 from __future__ import annotations
 
 from parbench.config import CaseConfig, ConfigError
-from parbench.schedules import continuous_schedule, relabel, steady_step, step_bounds
+from parbench.schedules import (
+    continuous_schedule,
+    get_spec,
+    relabel,
+    steady_step,
+    step_bounds,
+)
 
 from .async_weights import PipeDreamWeights, TwoBWWeights
 from .prediction import async_prediction
@@ -55,8 +61,6 @@ class ContinuousScheme(PipelineScheme):
     """A pipeline run without flushes: one 1F1B schedule over the whole run."""
 
     checks_update = False
-    #: the weight rule's name in ``parbench.analytic.pipeline.weight_versions``
-    rule = ""
 
     def executed_schedule(self):
         run = self.ctx.run
@@ -67,7 +71,7 @@ class ContinuousScheme(PipelineScheme):
     @classmethod
     def step_schedule(cls, case):
         """One steady step (a window of the run: ``parbench.schedules.steady_step``)."""
-        return steady_step(cls.schedule_name, case.parallel.pp, case.parallel.num_microbatches)
+        return steady_step(cls.schedule_name, case.layout.pp, case.layout.num_microbatches)
 
     def measured_schedule(self):
         return self.step_schedule(self.ctx.case)
@@ -84,7 +88,7 @@ class ContinuousScheme(PipelineScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        par = case.parallel
+        par = case.layout
         if par.num_microbatches < par.pp:
             raise ConfigError(f"num_microbatches={par.num_microbatches}: {cls.name} runs "
                               f"continuously and needs m >= pp={par.pp} (every stage "
@@ -92,13 +96,11 @@ class ContinuousScheme(PipelineScheme):
 
     @classmethod
     def predict(cls, case: CaseConfig):
-        return async_prediction(case, cls.schedule_name, cls.rule)
+        return async_prediction(case, cls.schedule_name, get_spec(cls.schedule_name).weight_rule)
 
 
 class PipeDreamScheme(ContinuousScheme):
     """PipeDream: asynchronous 1F1B with weight stashing (see module docstring)."""
-
-    rule = "pipedream"
 
     def make_weights(self):
         return PipeDreamWeights(list(self.slots.values()), self.ctx.run, p=self.schedule.p,
@@ -111,8 +113,6 @@ class PipeDreamScheme(ContinuousScheme):
 
 class TwoBWScheme(ContinuousScheme):
     """PipeDream-2BW: 1F1B order, double-buffered weights (see module docstring)."""
-
-    rule = "2bw"
 
     def make_weights(self):
         return TwoBWWeights(list(self.slots.values()), self.ctx.run, p=self.schedule.p,

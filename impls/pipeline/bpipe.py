@@ -163,7 +163,7 @@ class BPipeScheme(PipelineScheme):
         self.message_bytes = self._exchange_saved_bytes()
         self._peaks: list[tuple[int, int]] = []  # (1F1B bytes, BPipe micro-batches) per step
         cfg = ctx.model
-        act_shape = (ctx.parallel.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+        act_shape = (ctx.layout.micro_batch_size, cfg.seq_length, cfg.hidden_size)
         peer = self.group_ranks[partner(self.schedule.p, self.pp_rank)]
         return self.executor_class(
             plan=self.plan, evict_group=evict_group, load_group=load_group, peer=peer,
@@ -176,7 +176,7 @@ class BPipeScheme(PipelineScheme):
         """Bytes autograd saves for one micro-batch on this rank's stage: one forward on
         zeros, counted by the same hooks (nothing is kept and no gradient is made)."""
         (slot,) = self.slots.values()
-        cfg, b = self.ctx.model, self.ctx.parallel.micro_batch_size
+        cfg, b = self.ctx.model, self.ctx.layout.micro_batch_size
         tokens = torch.zeros(b, cfg.seq_length, dtype=torch.long, device=self.ctx.device)
         inp = tokens if slot.module.first else torch.zeros(
             b, cfg.seq_length, cfg.hidden_size, device=self.ctx.device, requires_grad=True)

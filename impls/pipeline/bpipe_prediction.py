@@ -13,7 +13,7 @@ from .prediction import pipeline_prediction
 
 def bpipe_prediction(case: CaseConfig) -> Prediction:
     pred = pipeline_prediction(case, "bpipe")
-    par, shape = case.parallel, shape_from(case.model)
+    par, shape = case.layout, shape_from(case.model)
     p, m, b = par.pp, par.num_microbatches, par.micro_batch_size
     for r in range(p):
         for axis, (nbytes, calls) in closed.pair_traffic(shape, p, m, r, b).items():

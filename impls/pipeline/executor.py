@@ -1,24 +1,21 @@
 """The one pipeline executor: runs any `parbench.schedules.Schedule` on real ranks.
 
-Each rank walks its own action list in order (the same model the simulator and the
-validator use, so a validated schedule cannot deadlock here):
+Each rank walks its own *lowered* list in order (``parbench.schedules.lower``: the compute
+actions with the sends and receives their cross-rank dependencies imply, inserted where the
+lowering's rules say) and dispatches every entry; it does not decide where a transfer goes:
 
-* before an action, the receives it needs are posted and waited for; the send produced by
-  the previous action is posted in the same ``batch_isend_irecv`` (Megatron's
-  ``send_forward_recv_backward`` pattern, which keeps NCCL from deadlocking when two
-  neighbours exchange at once); on gloo the receives of the next action are posted too, so
-  the transfer overlaps this action's compute;
-* sends are asynchronous and only waited for at the end of the step -- of the run, for a
-  continuous pipeline (PipeDream, 2BW: ``parbench.schedules.continuous``), whose rows span
-  the whole run and are executed one step's slice at a time: the micro-batches in flight,
-  the receives posted and the sends not yet matched carry over to the next step (the
-  harness's barrier between steps is on another group, so a pending send on the pp group
-  does not block it), and the last step drains;
-* messages between two ranks are matched in the order the *sender* produces them
-  (gloo and NCCL match point-to-point messages between a pair in posting order). A
-  receiver that needs a later message first posts receives for the earlier ones, so a
-  schedule may consume a neighbour's messages in any order;
-* a transfer between two stages on the same rank is a local hand-off (no traffic).
+* a run of consecutive p2p entries is posted as one ``batch_isend_irecv``; a compute action
+  waits for the receive of its input (if any) when it starts; sends are waited for at the
+  end of the step -- of the run, for a continuous pipeline (PipeDream, 2BW:
+  ``parbench.schedules.continuous``), whose rows span the whole run and are executed one
+  step's slice at a time (the lowering never posts a receive ahead across a step's cut):
+  the micro-batches in flight, the receives posted and the sends not yet matched carry
+  over to the next step (the harness's barrier between steps is on another group, so a
+  pending send on the pp group does not block it), and the last step drains;
+* on CPU the lowering posts the receives of the next action one action early (gloo moves
+  a message once its receive is posted, so the transfer overlaps compute); on CUDA just in
+  time (``lower``'s ``lookahead``);
+* a transfer between two stages on the same rank is a local hand-off (no entry, no traffic).
 
 Compute actions: ``F`` (forward of one micro-batch through one stage), ``BW`` (fused
 backward), ``B`` and ``W`` (split backward, see ``split_backward``; on the first stage, whose
@@ -44,8 +41,11 @@ from parbench.schedules.actions import (
     BACKWARD_FULL,
     BACKWARD_INPUT,
     FORWARD,
-    INPUT_GRAD_KINDS,
+    P2P_KINDS,
+    SEND_B,
+    SEND_F,
 )
+from parbench.schedules.lower import lower_rank, needed, peer_of, produced, transfer_key
 
 from .activations import HeldActivations
 from .split_backward import SplitBackward, fused_backward_into_grad, fused_grads
@@ -74,29 +74,12 @@ def stage_forward(module, inp, targets, param_dict=None):
     return (None if module.first else inp), out
 
 
-def _produced(schedule: Schedule, rank: int):
-    """(transfer key, destination rank) produced by each action of ``rank``, in order."""
-    last_stage = schedule.num_stages - 1
-    out = []
-    for a in schedule.actions[rank]:
-        key = dst = None
-        if a.kind == FORWARD and a.stage < last_stage:
-            dst = schedule.placement[(a.pipe, a.stage + 1)]
-            key = ("act", a.mb, a.stage, a.pipe)
-        elif a.kind in INPUT_GRAD_KINDS and a.stage > 0:
-            dst = schedule.placement[(a.pipe, a.stage - 1)]
-            key = ("grad", a.mb, a.stage, a.pipe)
-        out.append((key, dst if dst != rank else None))
-    return out
-
-
-def needed_key(schedule: Schedule, a) -> tuple | None:
-    """The transfer key an action consumes (activation or output gradient), if any."""
-    if a.kind == FORWARD and a.stage > 0:
-        return ("act", a.mb, a.stage - 1, a.pipe)
-    if a.kind in INPUT_GRAD_KINDS and a.stage < schedule.num_stages - 1:
-        return ("grad", a.mb, a.stage + 1, a.pipe)
-    return None
+def _keys(schedule: Schedule, a) -> tuple[tuple | None, tuple | None]:
+    """(the message ``a`` consumes, the message it produces): ``transfer_key`` form, None
+    where it has none."""
+    need, out = needed(schedule, a), produced(schedule, a)
+    return (None if need is None else transfer_key(need[0]),
+            None if out is None else transfer_key(out[0]))
 
 
 class Executor:
@@ -124,24 +107,12 @@ class Executor:
         self.bounds = bounds
         self.sync_cuda = device.type == "cuda"
         # gloo moves a message only once its receive is posted, so on CPU the receives of
-        # the next action are posted one action early and the transfer overlaps compute.
-        # NCCL waits do not block the host, and an early receive would sit in front of
-        # later sends on the communicator's stream, so there each receive is posted just
-        # in time (batched with the pending send).
+        # the next action are posted one action early; on NCCL an early receive would sit
+        # in front of later sends on the communicator's stream (``lower``'s lookahead)
         self.lookahead = 1 if device.type == "cpu" else 0
-        self.row = schedule.actions[pp_rank]
-        self.sends = _produced(schedule, pp_rank)
-        # receive queues: per source rank, keys addressed to me in the source's order
-        self.recv_order: dict[int, list[tuple]] = {}
-        self.recv_src: dict[tuple, int] = {}
-        for src in range(schedule.p):
-            if src == pp_rank:
-                continue
-            keys = [k for k, d in _produced(schedule, src) if d == pp_rank]
-            if keys:
-                self.recv_order[src] = keys
-                for k in keys:
-                    self.recv_src[k] = src
+        cuts = [b[pp_rank][0] for b in bounds] if bounds is not None else ()
+        self.row, self.starts = lower_rank(schedule, pp_rank, self.lookahead, cuts)
+        self.keys = [_keys(schedule, a) for a in schedule.actions[pp_rank]]
         self.activations = HeldActivations()
         self.track = True
         self._loss_sum = 0.0
@@ -149,20 +120,31 @@ class Executor:
 
     def _reset(self) -> None:
         """Nothing in flight (the start of a run, or of every step of a flushing schedule)."""
-        self._local: dict = {}
+        self._ready: dict = {}  # produced, not yet sent or handed over locally
         self._recv_buf: dict = {}
         self._recv_work: dict = {}
         self._send_works: list = []
         self._coalesced: list = []
-        self._next_recv = {src: 0 for src in self.recv_order}
         # per (mb, stage, pipe): what the forward saved for the backward (and B for W)
         self.saved: dict[tuple, dict] = {}
 
     # ---- point-to-point ----------------------------------------------------------------
-    def _post(self, ops: list) -> None:
-        """Post a batch; remember the work that completes each received key."""
-        if not ops:
+    def _op(self, entry) -> tuple:
+        """The ``P2POp`` of one lowered p2p entry, and the key it receives (None: a send)."""
+        key = transfer_key(entry)
+        peer = self.global_ranks[peer_of(self.schedule, entry)]
+        if entry.kind == SEND_F or entry.kind == SEND_B:
+            tensor = self._ready.pop(key).contiguous()
+            return dist.P2POp(dist.isend, tensor, peer, self.group), None
+        buf = torch.empty(self.recv_shape(key), dtype=self.dtype, device=self.device)
+        self._recv_buf[key] = buf
+        return dist.P2POp(dist.irecv, buf, peer, self.group), key
+
+    def _post(self, batch: list) -> None:
+        """Post a batch of lowered p2p entries; remember the work completing each receive."""
+        if not batch:
             return
+        ops = [self._op(entry) for entry in batch]
         works = dist.batch_isend_irecv([op for op, _ in ops])
         per_op = len(works) == len(ops)
         for i, (op, key) in enumerate(ops):
@@ -174,23 +156,6 @@ class Executor:
             self._send_works.append((None, None))
             self._coalesced.extend(works)
 
-    def _recv_ops(self, key) -> list:
-        """Receive ops for ``key`` and every earlier message from the same sender."""
-        if key is None or key not in self.recv_src or key in self._recv_buf:
-            return []  # nothing to receive, a local hand-off, or already posted
-        src = self.recv_src[key]
-        queue = self.recv_order[src]
-        ops = []
-        while self._next_recv[src] < len(queue):
-            k = queue[self._next_recv[src]]
-            self._next_recv[src] += 1
-            buf = torch.empty(self.recv_shape(k), dtype=self.dtype, device=self.device)
-            self._recv_buf[k] = buf
-            ops.append((dist.P2POp(dist.irecv, buf, self.global_ranks[src], self.group), k))
-            if k == key:
-                break
-        return ops
-
     def recv_shape(self, key) -> tuple:
         """The shape of the message ``key`` (token-slice pipelines: the slice's length)."""
         return self.act_shape
@@ -198,8 +163,8 @@ class Executor:
     def _take(self, key) -> torch.Tensor | None:
         if key is None:
             return None
-        if key in self._local:
-            return self._local.pop(key)
+        if key in self._ready:  # a local hand-off
+            return self._ready.pop(key)
         for w in self._recv_work.pop(key):
             w.wait()
         return self._recv_buf.pop(key)
@@ -299,58 +264,55 @@ class Executor:
             if step == 0:
                 self._reset()
         else:
-            lo, hi, first_mb, drain = 0, len(self.row), 0, True
+            lo, hi, first_mb, drain = 0, len(self.keys), 0, True
             self._reset()
         self.track = track
         self.activations.reset_peaks()
         self._loss_sum = 0.0
-        schedule, timeline = self.schedule, self.timeline
-        pending: list = []
-        for k in range(lo, hi):
-            a, (out_key, dst) = self.row[k], self.sends[k]
-            need = needed_key(schedule, a)
-            ops = pending + self._recv_ops(need)
-            for nxt in self.row[k + 1:min(k + 1 + self.lookahead, hi)]:
-                ops += self._recv_ops(needed_key(schedule, nxt))
-            pending = []
-            self._post(ops)
-            self._before_action(k, a)
-            received = self._take(need)
-            slot = self.slots[(a.pipe, a.stage)]
-            with timeline.span(a.kind, mb=a.mb, stage=a.stage, pipe=a.pipe):
-                if a.kind == FORWARD:
-                    i = a.mb - first_mb
-                    produced = self._forward(slot, a, received, xs[i], ys[i])
-                elif a.kind == BACKWARD_FULL:
-                    produced = self._backward_full(slot, a, received)
-                elif a.kind == BACKWARD_INPUT:
-                    produced = self._backward_input(slot, a, received)
-                else:  # BACKWARD_WEIGHT
-                    self._backward_weight(slot, a)
-                    produced = None
-                if self.sync_cuda:
-                    torch.cuda.synchronize(self.device)
-            received = None
-            if out_key is not None:
-                tensor = produced.detach()
-                if dst is None:
-                    self._local[out_key] = tensor
-                else:
-                    tensor = tensor.contiguous()
-                    pending.append((dist.P2POp(dist.isend, tensor, self.global_ranks[dst],
-                                               self.group), None))
-            produced = None
-            self._after_action(k, a)
-        self._post(pending)
+        batch: list = []
+        k = lo
+        for entry in self.row[self.starts[lo]:self.starts[hi]]:
+            if entry.kind in P2P_KINDS:
+                batch.append(entry)
+                continue
+            self._post(batch)
+            batch = []
+            self._compute(k, entry, xs, ys, first_mb)
+            k += 1
+        self._post(batch)
         self._after_row(hi)
         self._finish_sends(drain)
-        if drain:
-            leftover = list(self._recv_buf)
-            if self.saved or leftover or self._local:
-                raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step "
-                                   f"with unfinished work: {sorted(self.saved)[:4]} "
-                                   f"{leftover[:4]} {sorted(self._local)[:4]}")
+        if drain and (self.saved or self._recv_buf or self._ready):
+            raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step with "
+                               f"unfinished work: {sorted(self.saved)[:4]} "
+                               f"{list(self._recv_buf)[:4]} {sorted(self._ready)[:4]}")
         return StepOutcome(loss=self._loss_sum / self.m)
+
+    def _compute(self, k: int, a, xs, ys, first_mb: int) -> None:
+        """The compute action at position ``k`` of the rank's row: its input (received or
+        handed over), the action, its output kept for its send or its local consumer."""
+        in_key, out_key = self.keys[k]
+        self._before_action(k, a)
+        received = self._take(in_key)
+        slot = self.slots[(a.pipe, a.stage)]
+        with self.timeline.span(str(a.kind), mb=a.mb, stage=a.stage, pipe=a.pipe):
+            if a.kind == FORWARD:
+                i = a.mb - first_mb
+                out = self._forward(slot, a, received, xs[i], ys[i])
+            elif a.kind == BACKWARD_FULL:
+                out = self._backward_full(slot, a, received)
+            elif a.kind == BACKWARD_INPUT:
+                out = self._backward_input(slot, a, received)
+            else:  # BACKWARD_WEIGHT
+                self._backward_weight(slot, a)
+                out = None
+            if self.sync_cuda:
+                torch.cuda.synchronize(self.device)
+        received = None
+        if out_key is not None:
+            self._ready[out_key] = out.detach()
+        out = None
+        self._after_action(k, a)
 
     @property
     def peak_held(self) -> int:

@@ -148,14 +148,6 @@ def _from_measurements(schedule, steps: list[list[dict]], one_host: bool) -> tup
     return flat, detail
 
 
-#: what the zero-bubble paper's memory figures count (Qi et al. 2024, Sec. 3 and Table 2)
-ZB_MEMORY_NOTE = (
-    "Qi et al. 2024 state peak activation memory in units of M_B, one micro-batch's "
-    "activations needed by B: ZB-H1 p M_B (as 1F1B), ZB-H2 (2p-1) M_B. After B only the "
-    "smaller M_W that W needs stays; parbench's split backward keeps the whole graph until "
-    "W, so its held graphs are the forward-to-W count, not the paper's forward-to-B count")
-
-
 def _paper_bound(schedule: Schedule) -> list | None:
     spec = get_spec(schedule.name)
     if spec.max_inflight is None:
@@ -208,8 +200,9 @@ def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, *, held: 
         "inflight_simulated": unit.peak_inflight, "inflight_paper_bound": bound,
         "activation_peak_bytes": [g["bytes"] for g in gathered],
         "activation_bytes_per_microbatch_analytic": [g["per_mb"] for g in gathered]})
-    if schedule.name in ("zb-h1", "zb-h2", "zbv"):
-        detail["paper_memory_note"] = ZB_MEMORY_NOTE
+    memory_note = get_spec(schedule.name).memory_note
+    if memory_note:  # the paper's statement, beside the measured held graphs and bytes
+        detail["paper_memory_note"] = memory_note
     paper = f"; paper F-B bound {_fmt(bound)}" if bound is not None else ""
     return {"schedule": f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}"
                         + (" (steady step)" if schedule.done_before else ""),

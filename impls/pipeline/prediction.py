@@ -16,13 +16,13 @@ from parbench.scheme import Prediction
 
 def _layout(case: CaseConfig, name: str):
     spec = get_spec(name)
-    par = case.parallel
+    par = case.layout
     return (str(spec.placement), par.pp, par.num_microbatches, spec.chunks_for(par.vpp),
             shape_from(case.model))
 
 
 def _figures(case, name, placement, p, m, v, shape) -> dict:
-    act = closed.boundary_bytes(case.parallel.micro_batch_size, shape.s, shape.h)
+    act = closed.boundary_bytes(case.layout.micro_batch_size, shape.s, shape.h)
     stages = closed.num_stages(placement, p, v)
     return {"p2p_bytes_per_transfer": act,
             "schedule": {"name": name, "p": p, "m": m, "v": v, "num_stages": stages,
@@ -34,7 +34,7 @@ def _figures(case, name, placement, p, m, v, shape) -> dict:
 def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
     """Per-rank p2p wire bytes, send calls and model states of one synchronous step."""
     placement, p, m, v, shape = _layout(case, name)
-    b = case.parallel.micro_batch_size
+    b = case.layout.micro_batch_size
     wire, calls, states = [], [], []
     for r in range(p):
         nbytes, ncalls = closed.step_traffic(shape, placement, p, m, r, v, b=b)
@@ -47,14 +47,15 @@ def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
 
 
 def async_prediction(case: CaseConfig, name: str, rule: str) -> Prediction:
-    """The continuous pipeline (``rule``: ``pipedream`` or ``2bw``): per checked step, the
+    """The continuous pipeline (``rule``: the spec's ``WeightRule``, ``pipedream`` or
+    ``2bw`` in ``parbench.analytic.pipeline.weight_versions``): per checked step, the
     activations of that step's m micro-batches and the gradients of the backwards it
     completes; model states with the rule's weight versions and the activations carried
     into the next step (``other``), after the last checked step."""
     placement, p, m, v, shape = _layout(case, name)
     run = case.run
     total = run.steps + run.timed_steps
-    act = closed.boundary_bytes(case.parallel.micro_batch_size, shape.s, shape.h)
+    act = closed.boundary_bytes(case.layout.micro_batch_size, shape.s, shape.h)
     wire_by_step, calls_by_step = [], []
     for t in range(run.steps):
         sends = [sum(closed.async_step_sends(p, m, r, t, total)) for r in range(p)]

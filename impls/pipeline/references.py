@@ -29,7 +29,7 @@ def _completed(p: int, m: int, stage: int, step: int, total: int) -> int:
 
 
 def _layout(case):
-    cfg, run, par = case.model, case.run, case.parallel
+    cfg, run, par = case.model, case.run, case.layout
     total = run.steps + run.timed_steps
     return cfg, run, par.pp, par.num_microbatches, total
 

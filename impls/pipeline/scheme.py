@@ -58,7 +58,7 @@ def schedule_for(case: CaseConfig, name: str) -> Schedule:
 
     The schedule's spec says how vpp maps to the generator's v (``ScheduleSpec.v_for``).
     """
-    par = case.parallel
+    par = case.layout
     try:
         v = get_spec(name).v_for(par.vpp)
     except ScheduleError as e:
@@ -81,7 +81,7 @@ class PipelineScheme(Scheme):
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg, run = ctx.model, ctx.run
-        self.m = ctx.parallel.num_microbatches
+        self.m = ctx.layout.num_microbatches
         self.schedule = self.case_schedule(ctx.case)
         self.group = ctx.mesh.group("pp")
         self.group_ranks = ctx.mesh.ranks("pp")
@@ -115,7 +115,7 @@ class PipelineScheme(Scheme):
     def make_executor(self) -> Executor:
         cfg = self.ctx.model
         rows, bounds = self.executed_schedule()
-        act_shape = (self.ctx.parallel.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+        act_shape = (self.ctx.layout.micro_batch_size, cfg.seq_length, cfg.hidden_size)
         return self.executor_class(schedule=rows, pp_rank=self.pp_rank, group=self.group,
                                    group_ranks=self.group_ranks, slots=self.slots,
                                    act_shape=act_shape, dtype=torch.float32,
@@ -205,7 +205,7 @@ class PipelineScheme(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        par, model = case.parallel, case.model
+        par, model = case.layout, case.model
         if par.dp != 1:
             raise ConfigError(f"dp={par.dp}: pipeline schemes run one pipeline (set dp=1)")
         if case.run.dtype != "fp32":

@@ -140,26 +140,27 @@ class SegmentScheme(PipelineScheme):
     @classmethod
     def token_slices(cls, case: CaseConfig) -> list[int]:
         """The k slice lengths of every micro-batch (uniform; TeraPipe may use its DP)."""
-        par = case.parallel
-        return slices_for(case.model.seq_length, par.seq_segments, "uniform",
+        par = case.layout
+        return slices_for(case.model.seq_length, case.options.pipeline.seq_segments, "uniform",
                           hidden=case.model.hidden_size, stages=par.pp,
                           m=par.num_microbatches)
 
     @classmethod
     def case_schedule(cls, case: CaseConfig):
-        par = case.parallel
-        if not 1 <= par.seq_segments <= case.model.seq_length:
-            raise ConfigError(f"seq_segments={par.seq_segments} must be in [1, seq_length="
+        par = case.layout
+        if not 1 <= case.options.pipeline.seq_segments <= case.model.seq_length:
+            raise ConfigError(f"seq_segments={case.options.pipeline.seq_segments} must be in "
+                              f"[1, seq_length="
                               f"{case.model.seq_length}] (token slices per sequence)")
         try:
             if par.vpp != 1:
                 raise ScheduleError(f"vpp={par.vpp}: {cls.schedule_name} holds one stage per "
                                     "rank per replica (set vpp=1)")
             return validate(make_schedule(cls.schedule_name, par.pp, par.num_microbatches,
-                                          segments=par.seq_segments))
+                                          segments=case.options.pipeline.seq_segments))
         except ScheduleError as e:
             raise ConfigError(f"pp={par.pp}, num_microbatches={par.num_microbatches}, "
-                              f"seq_segments={par.seq_segments}: {e}") from None
+                              f"seq_segments={case.options.pipeline.seq_segments}: {e}") from None
 
     @classmethod
     def step_schedule(cls, case: CaseConfig):
@@ -171,7 +172,7 @@ class SegmentScheme(PipelineScheme):
         try:
             cls.token_slices(case)
         except ValueError as e:
-            raise ConfigError(f"seq_segments={case.parallel.seq_segments}, seq_length="
+            raise ConfigError(f"seq_segments={case.options.pipeline.seq_segments}, seq_length="
                               f"{case.model.seq_length}: {e}") from None
 
     def make_executor(self):
@@ -184,8 +185,8 @@ class SegmentScheme(PipelineScheme):
     def predict(cls, case: CaseConfig) -> Prediction:
         """Per-rank p2p bytes and calls (``segment_p2p``); model states as 1F1B's (the
         linear placement's closed form, ``prediction.pipeline_prediction``)."""
-        par, cfg = case.parallel, case.model
-        p, m, k = par.pp, par.num_microbatches, par.seq_segments
+        par, cfg = case.layout, case.model
+        p, m, k = par.pp, par.num_microbatches, case.options.pipeline.seq_segments
         pred = pipeline_prediction(case, cls.schedule_name)
         wire, calls = [], []
         for r in range(p):
@@ -234,8 +235,9 @@ class TeraPipeScheme(SegmentScheme):
 
     @classmethod
     def token_slices(cls, case: CaseConfig) -> list[int]:
-        par = case.parallel
-        return slices_for(case.model.seq_length, par.seq_segments, par.terapipe_slicing,
+        par = case.layout
+        opts = case.options.pipeline
+        return slices_for(case.model.seq_length, opts.seq_segments, opts.terapipe_slicing,
                           hidden=case.model.hidden_size, stages=par.pp,
                           m=par.num_microbatches)
 

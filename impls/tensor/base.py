@@ -59,7 +59,7 @@ class TensorParallelScheme(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        p = case.parallel
+        p = case.layout
         if p.dp != 1:
             raise ConfigError(f"dp={p.dp} is not used by scheme {cls.name} (tensor parallelism "
                               "alone); set dp=1")
@@ -94,7 +94,7 @@ class TensorParallelScheme(Scheme):
 
     def train_step(self, inputs, targets, step):
         dev, tl = self.ctx.device, self.ctx.timeline
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         for p in self.params:
             p.grad = None
         total = 0.0

@@ -155,21 +155,22 @@ class Cube3D(TensorParallelScheme):
 
     def build_model(self):
         ctx = self.ctx
-        q = grid_model.cube_grid(ctx.parallel.tp)
+        q = grid_model.cube_grid(ctx.layout.tp)
         self.grid = CubeGrid(ctx.mesh, q)
         return self.model_cls(ctx.model, ctx.run.seed, self.grid, self.tp_rank).to(ctx.device)
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         try:
             grid_model.check_cube(shape_from(m), p.micro_batch_size,
                                     grid_model.cube_grid(p.tp))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if p.recompute != "none":
-            raise ConfigError(f"recompute={p.recompute} is not used by {cls.name} (none only)")
+        if case.options.recompute != "none":
+            raise ConfigError(f"recompute={case.options.recompute} is not used by {cls.name} "
+                              "(none only)")
 
     def after_backward(self) -> None:
         weights = {id(w) for w in self.model.weights()}
@@ -184,14 +185,14 @@ class Cube3D(TensorParallelScheme):
         return self.reduce_loss(total, self.group) / self.grid.q
 
     def activation_formula(self) -> dict:
-        m, p = self.ctx.model, self.ctx.parallel
+        m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.cube_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
             m.ffn)}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         q = grid_model.cube_grid(p.tp)
         shape = shape_from(m)
         transfers = grid_model.cube_step_traffic(shape, p.micro_batch_size, q,

@@ -39,10 +39,7 @@ def make_subgroup(mesh, name: str, members_of) -> tuple[object, list[int]]:
     """This rank's group of the partition of every tp group into ``members_of(tp_ranks)``
     (lists of global ranks), created once per mesh as axis ``name`` (the ledger's axis).
     Returns (group, its ranks in group order)."""
-    from parbench.mesh import MeshLayout
-    lay = mesh.layout
-    layout = MeshLayout(tp=lay.tp, cp=lay.cp, dp=lay.dp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
-    partition = [m for tp_ranks in layout.groups("tp") for m in members_of(tp_ranks)]
+    partition = [m for tp_ranks in mesh.layout.groups("tp") for m in members_of(tp_ranks)]
     pg = mesh.subgroup(name, partition)
     mine = next(sorted(m) for m in partition if mesh.rank in m)
     return pg, mine

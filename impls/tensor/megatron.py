@@ -21,11 +21,11 @@ from .megatron_model import MegatronGPT
 
 
 def megatron_prediction(case: CaseConfig, sp: bool) -> Prediction:
-    m, p = case.model, case.parallel
+    m, p = case.model, case.layout
     shape = shape_from(m)
     tp = p.tp
     transfers = tensor_model.megatron_step_traffic(
-        shape, p.micro_batch_size, tp, p.num_microbatches, p.recompute, sp)
+        shape, p.micro_batch_size, tp, p.num_microbatches, case.options.recompute, sp)
     wire, calls = tensor_model.per_rank(transfers, tp)
     states = tensor_model.model_states(tensor_model.megatron_params(shape, tp),
                                        case.run.optimizer)
@@ -34,21 +34,22 @@ def megatron_prediction(case: CaseConfig, sp: bool) -> Prediction:
         figures={"padded_vocab": tensor_model.padded_vocab(m.vocab_size, tp),
                  "transfers": [t.as_dict() for t in transfers],
                  "paper": tensor_model.megatron_paper_traffic(
-                     shape, p.micro_batch_size, tp, p.num_microbatches, p.recompute, sp)})
+                     shape, p.micro_batch_size, tp, p.num_microbatches, case.options.recompute,
+                     sp)})
 
 
 def activation_figures(case: CaseConfig, sp: bool) -> dict:
     """Korthikanti et al.'s per-layer activation bytes adapted to the reference model
     (``reference_layer_activation_bytes``), for this case's tp / sp / recompute."""
-    m, p = case.model, case.parallel
+    m, p = case.model, case.layout
     sp = sp and p.tp > 1
     return {"act_layer_formula": reference_layer_activation_bytes(
         m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,
-        p.recompute, m.ffn, bytes_per_element=4, proj_input_copy=False),
+        case.options.recompute, m.ffn, bytes_per_element=4, proj_input_copy=False),
         # Table 2 verbatim: 16-bit activations, 1-byte dropout masks, f = 4h, eager softmax
         "act_layer_korthikanti": korthikanti_layer_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,
-            p.recompute)}
+            case.options.recompute)}
 
 
 class MegatronFigures(TensorParallelScheme):
@@ -77,12 +78,12 @@ class Megatron1D(MegatronFigures):
     def build_model(self):
         ctx = self.ctx
         return self.model_cls(ctx.model, ctx.run.seed, self.group, self.tp, self.tp_rank,
-                           sp=self.sp, recompute=ctx.parallel.recompute).to(ctx.device)
+                           sp=self.sp, recompute=ctx.options.recompute).to(ctx.device)
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        if case.parallel.sp and not cls.sp:
+        if case.options.tensor.sp and not cls.sp:
             raise ConfigError(f"sp=true is scheme tensor.megatron-sp, not {cls.name}")
 
     def metrics(self) -> dict:
@@ -114,7 +115,7 @@ class MegatronSP(Megatron1D):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        s, t = case.model.seq_length, case.parallel.tp
+        s, t = case.model.seq_length, case.layout.tp
         if s % t:
             raise ConfigError(f"tp={t} does not divide seq_length={s} (sequence parallelism "
                               "shards the sequence)")

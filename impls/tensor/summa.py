@@ -159,7 +159,7 @@ class Tesseract(TensorParallelScheme):
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
-        return grid_model.summa_grid(case.parallel.tp, case.parallel.tp_depth)
+        return grid_model.summa_grid(case.layout.tp, case.options.tensor.tp_depth)
 
     def build_model(self):
         ctx = self.ctx
@@ -170,14 +170,15 @@ class Tesseract(TensorParallelScheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         try:
             q, d = cls.grid_shape(case)
             grid_model.check_summa(shape_from(m), p.micro_batch_size, q, d)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if p.recompute != "none":
-            raise ConfigError(f"recompute={p.recompute} is not used by {cls.name} (none only)")
+        if case.options.recompute != "none":
+            raise ConfigError(f"recompute={case.options.recompute} is not used by {cls.name} "
+                              "(none only)")
 
     def after_backward(self) -> None:
         weights = {id(w) for w in self.model.weights()}
@@ -189,14 +190,14 @@ class Tesseract(TensorParallelScheme):
         return self.reduce_loss(total, self.group) / self.grid.q
 
     def activation_formula(self) -> dict:
-        m, p = self.ctx.model, self.ctx.parallel
+        m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.summa_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
             self.grid.d, m.ffn)}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        m, p = case.model, case.parallel
+        m, p = case.model, case.layout
         q, d = cls.grid_shape(case)
         shape = shape_from(m)
         transfers = grid_model.summa_step_traffic(shape, p.micro_batch_size, q, d,
@@ -221,4 +222,4 @@ class Optimus(Tesseract):
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
-        return grid_model.summa_grid(case.parallel.tp, 1)
+        return grid_model.summa_grid(case.layout.tp, 1)

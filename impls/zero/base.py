@@ -50,7 +50,7 @@ class ZeroScheme(DataParallelScheme):
         self.mixed = self.dtype != torch.float32
         self.model = build_model(ctx.model, ctx.run.seed).to(ctx.device)
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.layout = build_layout(self.model, self.dp_size, ctx.parallel.bucket_mb, elem)
+        self.layout = build_layout(self.model, self.dp_size, ctx.options.data.bucket_mb, elem)
         self.units = self.layout.units
         self.gbuf: torch.Tensor | None = None
         self.gshard: list[torch.Tensor] = []

@@ -137,7 +137,7 @@ def case_layout(case: CaseConfig) -> Layout:
     """The layout a case's ZeRO scheme uses (pure: builds the model on this process)."""
     model = build_model(case.model, case.run.seed)
     e = torch.empty(0, dtype=compute_dtype(case.run)).element_size()
-    return build_layout(model, case.parallel.dp, case.parallel.bucket_mb, e)
+    return build_layout(model, case.layout.dp, case.options.data.bucket_mb, e)
 
 
 def unit_views(flat: torch.Tensor, unit: Unit) -> list[torch.Tensor]:

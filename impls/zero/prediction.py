@@ -46,8 +46,8 @@ def zero_prediction(case: CaseConfig, stage: int) -> Prediction:
     """``predict()`` of the native ZeRO schemes: the unit rule's exact bytes and states."""
     e = _elem_bytes(case)
     mixed = case.run.dtype == "bf16"
-    par = case.parallel
-    pred = data_parallel.zero(shape_from(case.model), par.dp, stage, par.bucket_mb,
+    par = case.layout
+    pred = data_parallel.zero(shape_from(case.model), par.dp, stage, case.options.data.bucket_mb,
                               par.num_microbatches, e, case.run.optimizer, mixed)
     wire = summarize(pred.transfers).get("dp", {"message_bytes": 0, "count": 0})
     return Prediction.uniform(
@@ -63,7 +63,7 @@ def paper_prediction(case: CaseConfig, stage: int) -> Prediction:
     psi = data_parallel.ddp(shape_from(case.model), 1, 1.0).figures["params"]
     e = _elem_bytes(case)
     mixed = case.run.dtype == "bf16"
-    d, m = case.parallel.dp, case.parallel.num_microbatches
+    d, m = case.layout.dp, case.layout.num_microbatches
     per = {1: 2, 2: m + 1, 3: 3 * m}[stage]
     ms = zero_model_states(psi, d, stage, MIXED_ADAM if mixed else FP32_ADAMW)
     return Prediction.uniform(

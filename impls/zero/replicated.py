@@ -102,7 +102,7 @@ class ReplicatedParamsZero(ZeroScheme):
 
     # ---- the step -------------------------------------------------------------------------
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         self.gbuf.zero_()
         tl = self.ctx.timeline
         total = 0.0

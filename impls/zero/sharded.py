@@ -182,7 +182,7 @@ class Zero3(ZeroScheme):
         return h
 
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         mbs = self.local_microbatches(inputs, targets)
         self.gbuf.zero_()
         tl = self.ctx.timeline

@@ -94,7 +94,7 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
              micro_batch: int = 1, global_batch: int | None = None,
              num_microbatches: int | None = None, tp: int = 1, pp: int = 1, dp: int = 1,
              cp: int = 1, ep: int = 1, vpp: int = 1, zero_stage: int = 0, sp: bool = False,
-             recompute: str = "none", bytes_per_element: int = 2, cp_algorithm: str = "ring",
+             recompute: str = "none", bytes_per_element: int = 2, cp_algorithm: str = "ring-attention",
              accounting: str | None = None, etp: int | None = None,
              capacity_factor: float | None = None, attention: str = "eager",
              causal_flops: str = "full", logits_bytes: int = 4,
@@ -257,7 +257,7 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
     if cp > 1:
         # K and V are kv_hidden wide (h without GQA): ring attention passes, and all-gather
         # CP gathers, this rank's kv_hidden / tp columns of them
-        if cp_algorithm == "ring":
+        if cp_algorithm == "ring-attention":
             tr += comm.ring_attention_traffic(micro_batch, shp.s, shp.kv_hidden // tp, cp,
                                               layers, m, e, recompute=full)
         elif cp_algorithm == "ulysses":
@@ -268,7 +268,7 @@ def estimate(shape: Shape | Any | None = None, *, params: float | None = None,
             tr += comm.cp_allgather_traffic(micro_batch, s_local, shp.kv_hidden, cp, tp, layers,
                                             m, e, gathers)
         else:
-            raise ValueError(f"cp_algorithm={cp_algorithm!r} must be ring, ulysses or "
+            raise ValueError(f"cp_algorithm={cp_algorithm!r} must be ring-attention, ulysses or "
                              "allgather")
     expert_info = None
     if shp.moe:

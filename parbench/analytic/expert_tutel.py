@@ -123,8 +123,8 @@ def tutel_prediction(case, counts: list | None = None):
     from ..moe_trace import reference_loads
     from ..scheme import Prediction
 
-    shape, p, m = shape_from(case.model), case.parallel, case.parallel.num_microbatches
-    ep, dp, mode, a2a = p.ep, p.dp, p.moe_mode, p.moe_a2a
+    shape, p, m = shape_from(case.model), case.layout, case.layout.num_microbatches
+    ep, dp, mode, a2a = p.ep, p.dp, case.options.expert.moe_mode, case.options.expert.moe_a2a
     counts = reference_loads(case, case.run.steps) if counts is None else counts
     tokens = p.micro_batch_size * shape.s
     cf = shape.moe_capacity_factor

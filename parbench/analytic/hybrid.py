@@ -36,8 +36,10 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..layout import Layout
+from ..options import Options
 from .comm import Transfer
 from .context import attention_traffic
 from .pipeline import num_stages, stages_on_rank
@@ -46,23 +48,21 @@ from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
 
 
 @dataclass(frozen=True)
-class HybridConfig:
-    """What the closed form reads (the case's fields)."""
+class HybridStep:
+    """What the closed form reads: the case's layout and options, the schedule's placement
+    and stages per rank per replica (its spec's facts), and bytes per element (4 fp32, 2
+    bf16)."""
 
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    ep: int = 1
-    vpp: int = 1
-    sp: bool = False
+    layout: Layout
+    options: Options = field(default_factory=Options)
     placement: str = "linear"
-    cp_kind: str = "allgather"
-    micro_batch: int = 1
-    microbatches: int = 1
-    recompute: str = "none"
-    zero_stage: int = 0
-    e: int = 4  # bytes per element: 4 fp32, 2 bf16
+    chunks: int = 1
+    e: int = 4
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it needs tp > 1)."""
+        return self.options.tensor.sp and self.layout.tp > 1
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,11 @@ class StageParams:
     tp_partial: int  # dense elements whose gradient is partial over tp
 
 
-def stage_params(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
+def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
                  last: bool) -> StageParams:
     """Elements a rank holds of stage [lo, hi): tp shards of the dense part (Megatron's
     placements, vocabulary padded to a multiple of t), E/ep whole experts per MoE layer."""
-    h, f, t = shape.h, shape.f, c.tp
+    h, f, t = shape.h, shape.f, c.layout.tp
     dense = tensors = partial = 0
     replicated = 0
 
@@ -104,7 +104,7 @@ def stage_params(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
         if shape.is_moe_layer(i):
             add(shape.num_experts * h)
             partial += shape.num_experts * h
-            per = shape.num_experts // c.ep
+            per = shape.num_experts // c.layout.ep
             expert += per * (2 * h * f + f + h)
             expert_tensors += 4 * per
         else:
@@ -123,38 +123,41 @@ def stage_params(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
     return StageParams(dense, tensors, expert, expert_tensors, partial)
 
 
-def _stages(shape: Shape, c: HybridConfig, pp_rank: int):
-    S = num_stages(c.placement, c.pp, c.vpp)  # noqa: N806
+def _stages(shape: Shape, c: HybridStep, pp_rank: int):
+    lay = c.layout
+    S = num_stages(c.placement, lay.pp, c.chunks)  # noqa: N806
     per = shape.l // S
-    for pipe, st in stages_on_rank(c.placement, c.pp, pp_rank, c.vpp):
+    for pipe, st in stages_on_rank(c.placement, lay.pp, pp_rank, c.chunks):
         yield pipe, st, st * per, (st + 1) * per, st == 0, st == S - 1, S
 
 
-def microbatches_per_pipe(c: HybridConfig) -> int:
+def microbatches_per_pipe(c: HybridStep) -> int:
     """A bidirectional schedule sends half the m micro-batches down each pipe (Chimera,
     Li and Hoefler 2021 Sec. 3.1; DualPipe)."""
-    return c.microbatches // 2 if c.placement == "bidirectional" else c.microbatches
+    lay = c.layout
+    return lay.num_microbatches // 2 if c.placement == "bidirectional" else lay.num_microbatches
 
 
-def stage_transfers(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool,
+def stage_transfers(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
                     last: bool) -> list[Transfer]:
     """The tp, cp and ep transfers of one stage (copy) in one step (the micro-batches of its
     pipe)."""
-    t, m, b, e = c.tp, microbatches_per_pipe(c), c.micro_batch, c.e
-    s_l = shape.s // c.cp
+    lay, rc = c.layout, c.options.recompute
+    t, m, b, e = lay.tp, microbatches_per_pipe(c), lay.micro_batch_size, c.e
+    s_l = shape.s // lay.cp
     S = b * s_l * shape.h * e  # noqa: N806
     moe = sum(shape.is_moe_layer(i) for i in range(lo, hi))
     dense = hi - lo - moe
     out: list[Transfer] = []
     if t > 1:
-        out += megatron_layer_traffic(b, s_l, shape.h, t, c.recompute, c.sp, e, dense * m)
+        out += megatron_layer_traffic(b, s_l, shape.h, t, rc, c.sp, e, dense * m)
         if c.sp:
-            k = 2 if c.recompute == "full" else 1
+            k = 2 if rc == "full" else 1
             out += [Transfer("tp", "all_gather", t, S, (k + 2) * moe * m, "MoE layers: QKV"),
                     Transfer("tp", "reduce_scatter", t, S, (k + 1) * moe * m,
                              "MoE layers: attention projection")]
         else:
-            out += megatron_layer_traffic(b, s_l, shape.h, t, c.recompute, False, e, moe * m)
+            out += megatron_layer_traffic(b, s_l, shape.h, t, rc, False, e, moe * m)
         if first:
             out += ([Transfer("tp", "reduce_scatter", t, S, m, "embedding (fwd)"),
                      Transfer("tp", "all_gather", t, S, m, "embedding grad (bwd)")] if c.sp
@@ -165,32 +168,33 @@ def stage_transfers(shape: Shape, c: HybridConfig, lo: int, hi: int, first: bool
                     if c.sp else [Transfer("tp", "all_reduce", t, S, m, "LM head input grad")])
             out.append(Transfer("tp", "all_reduce", t, b * s_l * 4, 3 * m,
                                 "vocab-parallel cross-entropy"))
-    if c.cp > 1:
-        out += attention_traffic(c.cp_kind, b, shape.s, shape.h // t, c.cp, 1, hi - lo, m, e,
-                                 c.recompute != "none")
-    if c.ep > 1 and moe:
+    if lay.cp > 1:
+        out += attention_traffic(c.options.context.cp_algorithm, b, shape.s, shape.h // t,
+                                 lay.cp, 1, hi - lo, m, e, rc != "none")
+    if lay.ep > 1 and moe:
         tokens = b * s_l // t
         cap = expert_capacity(tokens, shape.num_experts, shape.moe_top_k,
                               shape.moe_capacity_factor) or tokens
-        n = (6 if c.recompute == "full" else 4) * moe * m
-        out.append(Transfer("ep", "all_to_all", c.ep, shape.num_experts * cap * shape.h * e,
+        n = (6 if rc == "full" else 4) * moe * m
+        out.append(Transfer("ep", "all_to_all", lay.ep, shape.num_experts * cap * shape.h * e,
                             n, "MoE dispatch and combine"))
     return out
 
 
-def _grad_sync(axis: str, n: int, numel: int, c: HybridConfig, what: str) -> list[Transfer]:
+def _grad_sync(axis: str, n: int, numel: int, c: HybridStep, what: str) -> list[Transfer]:
     if n < 2 or not numel:
         return []
-    if c.zero_stage == 0:
+    if c.options.data.zero_stage == 0:
         return [Transfer(axis, "all_reduce", n, numel * c.e, 1, what)]
     padded = -(-numel // n) * n
     return [Transfer(axis, "reduce_scatter", n, padded * c.e, 1, what),
             Transfer(axis, "all_gather", n, padded * c.e, 1, what + ": updated parameters")]
 
 
-def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer], dict]:
+def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], dict]:
     """(transfers, model states) of global rank ``rank`` in one step."""
-    t, cp, dp = c.tp, c.cp, c.dp
+    lay = c.layout
+    t, cp, dp = lay.tp, lay.cp, lay.dp
     pp_rank = rank // (t * cp * dp)
     out: list[Transfer] = []
     dense = dense_tensors = expert = expert_tensors = partial = 0
@@ -204,7 +208,7 @@ def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer],
         expert += p.expert
         expert_tensors += p.expert_tensors
         partial += p.tp_partial
-        act = c.micro_batch * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
+        act = lay.micro_batch_size * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
         # a boundary between two stages of this rank (the V placement's turn) stays local
         if st < S - 1 and (pipe, st + 1) not in mine:
             out.append(Transfer("pp", "send", 2, act, m, "activations"))
@@ -217,13 +221,13 @@ def rank_step(shape: Shape, c: HybridConfig, rank: int) -> tuple[list[Transfer],
         out.append(Transfer("tp", "all_reduce", t, partial * c.e, 1,
                             "gradients partial over tp (routers; SP: replicated params)"))
     out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
-    out += _grad_sync("edp", t * cp * dp // c.ep, expert, c, "expert gradients")
+    out += _grad_sync("edp", t * cp * dp // lay.ep, expert, c, "expert gradients")
     states = _states(c, dense, dense_tensors, dp * cp)
-    ex = _states(c, expert, expert_tensors, t * cp * dp // c.ep)
+    ex = _states(c, expert, expert_tensors, t * cp * dp // lay.ep)
     return out, {k: states[k] + ex[k] for k in states}
 
 
-def _states(c: HybridConfig, numel: int, tensors: int, n: int) -> dict[str, int]:
+def _states(c: HybridStep, numel: int, tensors: int, n: int) -> dict[str, int]:
     """Model states of one gradient group (``impls.hybrid.optimizer``'s layout): e bytes per
     parameter and per gradient; AdamW's two fp32 moments and a 4-byte step per stepped
     tensor; with bf16 (e = 2) the fp32 masters too (Rajbhandari et al. 2020 Sec. 3.1, K = 12).
@@ -235,12 +239,12 @@ def _states(c: HybridConfig, numel: int, tensors: int, n: int) -> dict[str, int]
     if not numel:
         return {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
     mixed = c.e != 4
-    if c.zero_stage == 0:
+    if c.options.data.zero_stage == 0:
         opt = (8 + (4 if mixed else 0)) * numel + 4 * tensors
         return {"params": c.e * numel, "grads": c.e * numel, "optimizer": opt, "other": 0}
     shard = -(-numel // n)
     full = shard * n
     opt = (8 + (4 if mixed else 0)) * shard + 4
-    return {"params": c.e * (full if c.zero_stage < 3 else shard),
-            "grads": c.e * (full if c.zero_stage == 1 else shard),
+    return {"params": c.e * (full if c.options.data.zero_stage < 3 else shard),
+            "grads": c.e * (full if c.options.data.zero_stage == 1 else shard),
             "optimizer": opt, "other": 0}

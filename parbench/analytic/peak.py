@@ -18,7 +18,7 @@ from .shape import shape_from
 
 def activation_bytes(case, layers: int, microbatches: int = 1,
                      embedding: bool = True, head: bool = True) -> float:
-    m, p = case.model, case.parallel
+    m, p = case.model, case.layout
     e = 2 if case.run.dtype == "bf16" else 4
     b, s, h = p.micro_batch_size, m.seq_length, m.hidden_size
     per_layer = reference_layer_activation_bytes(s, b, h, m.num_heads,

@@ -73,8 +73,8 @@ _MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hi
 #: MoE fields read into the analytic shape directly while ``ModelConfig`` lacks them:
 #: name -> (integer, minimum)
 _SHAPE_ONLY = {"moe_every": (True, 1), "moe_capacity_factor": (False, 0)}
-_CHOICES = {"recompute": ("none", "selective", "full"), "cp_algorithm": ("ring", "ulysses",
-                                                                         "allgather"),
+_CHOICES = {"recompute": ("none", "selective", "full"),
+            "cp_algorithm": ("ring-attention", "ulysses", "allgather"),
             "attention": ("eager", "flash"), "causal_flops": ("full", "half")}
 #: logits_dtype= -> bytes per logit (the last stage's cross-entropy input)
 _LOGITS_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}

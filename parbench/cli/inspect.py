@@ -59,22 +59,19 @@ MAX_MESH = 4096
 
 
 def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
-    from ..mesh import DEGREES, MeshLayout, check_expert_layout
+    from ..layout import DEGREES, Layout
 
+    names = [a.value for a in DEGREES] + ["etp"]
     deg = {}
     for k, v in parse_overrides(args).items():
-        if k not in DEGREES + ("etp",):
-            raise ConfigError(f"unknown key {k!r} for mesh (use {', '.join(DEGREES)}, etp)")
+        if k not in names:
+            raise ConfigError(f"unknown key {k!r} for mesh (use {', '.join(names)})")
         deg[k] = number(k, v, integer=True, minimum=1)
-    check_expert_layout(tp=deg.get("tp", 1), cp=deg.get("cp", 1), dp=deg.get("dp", 1),
-                        ep=deg.get("ep", 1), etp=deg.get("etp"), error=ConfigError)
-    world = 1
-    for axis in ("tp", "cp", "dp", "pp"):
-        world *= deg.get(axis, 1)
-    if world > MAX_MESH:
-        raise ConfigError(f"tp*cp*dp*pp={world} exceeds {MAX_MESH}, the largest mesh this verb "
-                          "lists rank by rank")
-    data = MeshLayout(**deg).describe()
+    layout = Layout(**deg)
+    if layout.world_size > MAX_MESH:
+        raise ConfigError(f"tp*cp*dp*pp={layout.world_size} exceeds {MAX_MESH}, the largest "
+                          "mesh this verb lists rank by rank")
+    data = layout.describe()
 
     def render(d):
         g = d["degrees"]

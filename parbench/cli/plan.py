@@ -1,5 +1,7 @@
-"""``parbench plan model=PRESET world=N device=PROFILE [global_batch_size=] [seq_length=]``:
-every parallel layout ranked by predicted step time (``parbench.plan``)."""
+"""``parbench plan model=PRESET world=N device=PROFILE [global_batch_size=] [seq_length=]
+[schedules=a,b,...]``: every parallel layout ranked by predicted step time
+(``parbench.plan``); the schedules the time model cannot price are named with the reason
+their spec gives."""
 from __future__ import annotations
 
 import json
@@ -25,7 +27,8 @@ def _shape(ov: dict):
 
 
 def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from ..plan import Space, as_dict, plan, why
+    from ..plan import Space, as_dict, plan, unpriced, why
+    from ..schedules import SCHEDULES
     from ..timemodel import load_profile
 
     ov = parse_overrides(args)
@@ -41,20 +44,25 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     batch = coerce(ov.pop("global_batch_size", str(max(world, 1))), int, "global_batch_size")
     top = coerce(ov.pop("top", "10"), int, "top")
     verbose = coerce(ov.pop("verbose", "false"), bool, "verbose")
-    space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov})
+    space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov},
+                  **_schedules(ov))
     if ov:
         raise ConfigError(f"{', '.join(sorted(ov))}: not an option of plan (model, world, "
-                          "device, global_batch_size, seq_length, top, verbose, max_tp, max_cp)")
+                          "device, global_batch_size, seq_length, top, verbose, max_tp, max_cp, "
+                          "schedules)")
     res = plan(shape, world, profile, batch, space, keep=top)
+    skipped = unpriced(Space(schedules=tuple(SCHEDULES)))
     if as_json:
         print(json.dumps({"model": name, "world": world, "device": device,
                           "global_batch_size": batch, "evaluated": res.evaluated,
                           "over_memory": res.over_memory, "seconds": res.seconds,
-                          "ranked": [as_dict(lay, st) for lay, st in res.ranked]},
-                         indent=2, default=str))
+                          "ranked": [as_dict(trn, st) for trn, st in res.ranked],
+                          "unpriced_schedules": skipped}, indent=2, default=str))
         return 0 if res.ranked else 1
     out = console()
     _print(out, name, world, device, batch, res, why)
+    for sched, reason in skipped.items():
+        out.print(f"  not searched: {sched} -- {reason}", soft_wrap=True)
     if verbose:
         _print_breakdowns(out, res)
     else:
@@ -62,15 +70,28 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     return 0 if res.ranked else 1
 
 
+def _schedules(ov: dict) -> dict:
+    """``schedules=1f1b,zbv,...``: the schedules to search (default: the space's)."""
+    from ..schedules import SCHEDULES
+    if "schedules" not in ov:
+        return {}
+    names = tuple(n.strip() for n in str(ov.pop("schedules")).split(",") if n.strip())
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise ConfigError(f"schedules={','.join(names)!r}: {', '.join(unknown) or 'none'} "
+                          f"not known (choose from {', '.join(SCHEDULES)})")
+    return {"schedules": names}
+
+
 def _print_breakdowns(out, res) -> None:
     """``--verbose``: each ranked layout's step, term by term, in seconds and shares."""
-    for i, (lay, st) in enumerate(res.ranked, 1):
+    for i, (trn, st) in enumerate(res.ranked, 1):
         terms = [("compute", st.compute_s), ("recompute", st.recompute_s),
                  ("bubble", st.bubble_s)]
         terms += [(f"exposed {axis}", s) for axis, s in sorted(st.exposed_comm_s.items())]
         parts = ", ".join(f"{k} {v:.3g} s ({100 * v / st.step_s:.1f}%)"
                           for k, v in terms if v) if st.step_s else "no step time"
-        out.print(f"  {i:>2}. {_degrees(lay)}: step {st.step_s:.3g} s = {parts}",
+        out.print(f"  {i:>2}. {_degrees(trn)}: step {st.step_s:.3g} s = {parts}",
                   soft_wrap=True)
         for note in st.notes:
             out.print(f"      {note}", soft_wrap=True)
@@ -83,18 +104,19 @@ def _print(out, name, world, device, batch, res, why) -> None:
               f"{res.over_memory} over the device's memory")
     if not res.ranked:
         out.print("[red]no layout fits[/]; the fastest over memory:")
-        for lay, st in res.best_over_memory:
-            out.print(f"  {_degrees(lay)}: {why(st)}")
+        for trn, st in res.best_over_memory:
+            out.print(f"  {_degrees(trn)}: {why(st)}")
         return
     t = Table(show_edge=False)
     for col in ("#", "tp", "cp", "ep", "dp", "pp", "schedule", "zero", "recompute", "b×m",
                 "step s", "tokens/s", "MFU", "memory"):
         t.add_column(col, justify="right" if col not in ("schedule", "recompute")
                      else "left")
-    for i, (lay, st) in enumerate(res.ranked, 1):
+    for i, (trn, st) in enumerate(res.ranked, 1):
+        lay, opt = trn.layout, trn.options
         sched = lay.schedule + (f" v{lay.vpp}" if lay.vpp > 1 else "") if lay.pp > 1 else "—"
         t.add_row(str(i), str(lay.tp), str(lay.cp), str(lay.ep), str(lay.dp), str(lay.pp),
-                  sched, str(lay.zero_stage), lay.recompute,
+                  sched, str(opt.data.zero_stage), opt.recompute,
                   f"{lay.micro_batch_size}×{lay.num_microbatches}", f"{st.step_s:.3g}",
                   f"{st.tokens_per_s:.3g}", f"{100 * st.mfu:.1f}%",
                   f"{st.memory_per_rank_bytes / 2**30:.1f} GiB")
@@ -105,6 +127,7 @@ def _print(out, name, world, device, batch, res, why) -> None:
         out.print(f"  {i:>2}. {why(st)}", soft_wrap=True)
 
 
-def _degrees(lay) -> str:
+def _degrees(trn) -> str:
+    lay, opt = trn.layout, trn.options
     return (f"tp{lay.tp} cp{lay.cp} ep{lay.ep} dp{lay.dp} pp{lay.pp} {lay.schedule} "
-            f"zero{lay.zero_stage} {lay.recompute} b{lay.micro_batch_size}")
+            f"zero{opt.data.zero_stage} {opt.recompute} b{lay.micro_batch_size}")

@@ -35,15 +35,17 @@ def one_case_suite(ov: dict):
 
 def check_options_used(suite, overrides: dict) -> None:
     """An option field given on the command line must be read by some case's scheme."""
-    from ..config import OPTION_FIELDS
+    from ..config import OPTIONAL_FIELDS
+    from ..options import option_names
     from ..overrides import resolve_key
     from ..scheme import get_scheme
 
+    optional = set(option_names()) | set(OPTIONAL_FIELDS)
     for key, value in overrides.items():
         if key == "model":
             continue
-        sec, name = resolve_key(key)
-        if f"{sec}.{name}" not in OPTION_FIELDS:
+        name = resolve_key(key).name
+        if name not in optional:
             continue
         schemes = {c.run.scheme for c in suite.cases}
         if not any(name in get_scheme(s).options for s in schemes):
@@ -83,7 +85,7 @@ def load_checked_suite(args: list[str]):
     world = opts["world_size"]
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        suite.cases = [c for c in suite.cases if c.parallel.world_size == world] or suite.cases
+        suite.cases = [c for c in suite.cases if c.layout.world_size == world] or suite.cases
     check_suite(suite, world)
     return suite, opts
 
@@ -109,7 +111,7 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     def progress(event, i, n, case, row):
         if event == "start":
             out.print(f"  [{i + 1}/{n}] {case.run.scheme} "
-                      f"(world {case.parallel.world_size}) ...", end="")
+                      f"(world {case.layout.world_size}) ...", end="")
         else:
             st = row.step_time_s
             out.print(f" {verdict(row)}  {st * 1e3:.2f} ms/step" if st else f" {verdict(row)}")

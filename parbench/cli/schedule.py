@@ -1,5 +1,6 @@
-"""``parbench schedule``: a pipeline schedule as a per-rank grid, simulated, with its closed
-form."""
+"""``parbench schedule``: a pipeline schedule simulated (the fast simulator: p=64, m=1024 in
+seconds), with its closed form, and drawn as a per-rank grid when it is small enough to
+read."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,12 @@ from ..config import ConfigError
 from ..overrides import coerce, number, parse_overrides
 
 
-#: p * m * v above which the grid is unreadable and the simulation slow (seconds)
+#: p * m * v * segments above which the grid is not drawn (unreadable); the figures are
+#: still simulated and printed
 MAX_SLOTS = 16384
+#: p * m * v * segments above which the verb refuses (four times p=64, m=1024: seconds to
+#: simulate; beyond, minutes and gigabytes)
+MAX_SIMULATED = 262144
 
 
 def cmd_schedule(args: list[str], as_json: bool = False, wide: bool = False) -> int:
@@ -28,9 +33,9 @@ def cmd_schedule(args: list[str], as_json: bool = False, wide: bool = False) -> 
     if "overlap" in rest:  # DualPipe: run each F&B pair as one unit (DeepSeek-V3 Table 2)
         costs["overlap"] = coerce(rest.pop("overlap"), bool, "overlap")
     size = ints.get("p", 4) * ints.get("m", 8) * ints.get("v", 1) * ints.get("segments", 1)
-    if size > MAX_SLOTS:
-        raise ConfigError(f"p*m*v*segments={size} exceeds {MAX_SLOTS}, the largest schedule this "
-                          "verb simulates and draws")
+    if size > MAX_SIMULATED:
+        raise ConfigError(f"p*m*v*segments={size} exceeds {MAX_SIMULATED}, the largest schedule "
+                          f"this verb simulates (it draws the grid up to {MAX_SLOTS})")
     if rest:
         raise ConfigError(f"unknown key {next(iter(rest))!r} for schedule (p, m, v, tf, tb, tw, "
                           "p2p, overlap, segments)")
@@ -46,7 +51,11 @@ def cmd_schedule(args: list[str], as_json: bool = False, wide: bool = False) -> 
     if as_json:
         print(json.dumps(data, indent=2, default=str))
     else:
-        print(grid_text(schedule, sim))
+        if size <= MAX_SLOTS:
+            print(grid_text(schedule, sim))
+        else:
+            print(f"(grid not drawn: p*m*v*segments={size} is above {MAX_SLOTS}; the figures "
+                  "below are simulated in full)")
         for k, v in data.items():
             if not isinstance(v, (list, dict)):
                 print(f"{k}: {v}")

@@ -14,7 +14,8 @@ def _same_case(a: Row, b: Row) -> bool:
     ca, cb = dict(a.case), dict(b.case)
     ra, rb = dict(ca["run"]), dict(cb["run"])
     ra.pop("scheme"), rb.pop("scheme")
-    return ca["model"] == cb["model"] and ca["parallel"] == cb["parallel"] and ra == rb
+    same = ("model", "layout", "options")
+    return all(ca.get(k) == cb.get(k) for k in same) and ra == rb
 
 
 def baseline_ratios(rows: list[Row]) -> dict[str, list[tuple[str, float]]]:

@@ -10,10 +10,14 @@ Each schedule is one generator registered with its metadata (`ScheduleSpec`, see
 """
 from .actions import (
     KINDS,
+    P2P_KINDS,
     Action,
+    ActionKind,
     P2PTransfer,
     Schedule,
     ScheduleError,
+    parse_row,
+    row_text,
 )
 from .closed_forms import ClosedForm, ratio_from_fraction, ratio_from_size
 from .continuous import (
@@ -41,12 +45,35 @@ from .render import (
     summary,
 )
 from .simulate import SimResult, make_cost, simulate
-from .spec import UNIT_COSTS, ChunkRule, Costs, Placement, ScheduleSpec, schedule_spec
+from .lower import Lowered, lower, p2p_problems
+from .spec import (
+    UNIT_COSTS,
+    ChunkRule,
+    Costs,
+    ExecutorKind,
+    MinMicrobatches,
+    Placement,
+    Rows,
+    ScheduleSpec,
+    WeightRule,
+    schedule_spec,
+)
 from .validate import fifo_violations, validate
 
 __all__ = [
     "KINDS",
+    "P2P_KINDS",
     "Action",
+    "ActionKind",
+    "parse_row",
+    "row_text",
+    "Lowered",
+    "lower",
+    "p2p_problems",
+    "ExecutorKind",
+    "WeightRule",
+    "MinMicrobatches",
+    "Rows",
     "Schedule",
     "ScheduleError",
     "P2PTransfer",

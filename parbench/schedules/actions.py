@@ -19,19 +19,64 @@ Dependency rules (shared by the validator, the simulator and the executor):
 Stages are global model stages ``0..S-1`` of one model replica; bidirectional
 schedules (Chimera, DualPipe) hold two replicas, told apart by ``pipe``, and each
 micro-batch travels through exactly one of them (``Schedule.mb_pipe``).
+
+Action kinds are :class:`ActionKind` members: the four compute kinds, and the four
+point-to-point kinds that ``lower.lower`` inserts between them (a generator never emits those).
+An action round-trips through text -- ``str(Action.from_str("BW3s5p1")) == "BW3s5p1"`` -- so
+a test or a suite can state a schedule as text (``parse_row``, ``Schedule.text``).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Iterator
+from enum import StrEnum
+from typing import Iterable, Iterator
 
-FORWARD = "F"
-BACKWARD_INPUT = "B"
-BACKWARD_WEIGHT = "W"
-BACKWARD_FULL = "BW"
+
+class ActionKind(StrEnum):
+    """What an action does. Members compare and hash as their text (``"F" == FORWARD``).
+
+    Compute: ``F`` forward, ``B`` backward for inputs, ``W`` backward for weights, ``BW``
+    fused backward. Point-to-point (``lower``): ``SF`` sends the output activation of F(mb, s)
+    to the rank of stage s+1, ``RF`` receives the input activation of F(mb, s) from the rank
+    of stage s-1; ``SB`` sends the input gradient of the backward of (mb, s) to the rank of
+    stage s-1, ``RB`` receives the output gradient of the backward of (mb, s) from the rank
+    of stage s+1. So SF(mb, s) matches RF(mb, s+1) and SB(mb, s) matches RB(mb, s-1).
+    """
+
+    FORWARD = "F"
+    BACKWARD_INPUT = "B"
+    BACKWARD_WEIGHT = "W"
+    BACKWARD_FULL = "BW"
+    SEND_F = "SF"
+    RECV_F = "RF"
+    SEND_B = "SB"
+    RECV_B = "RB"
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in _P2P
+
+    @property
+    def is_send(self) -> bool:
+        return self is ActionKind.SEND_F or self is ActionKind.SEND_B
+
+
+FORWARD = ActionKind.FORWARD
+BACKWARD_INPUT = ActionKind.BACKWARD_INPUT
+BACKWARD_WEIGHT = ActionKind.BACKWARD_WEIGHT
+BACKWARD_FULL = ActionKind.BACKWARD_FULL
+SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
+SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+#: the compute kinds (what a generator emits and the validator accepts)
 KINDS = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD_FULL)
+#: the point-to-point kinds (what ``lower`` inserts)
+P2P_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
+_P2P = frozenset(P2P_KINDS)
 #: kinds that carry the gradient to the previous stage (backward-for-inputs)
 INPUT_GRAD_KINDS = (BACKWARD_INPUT, BACKWARD_FULL)
+#: an action's text: kind, micro-batch, 's' stage, optional 'p' pipe ('F3s0', 'RB2s1p1')
+_TEXT = re.compile(r"(BW|SF|RF|SB|RB|F|B|W)(\d+)s(\d+)(?:p(\d+))?")
 
 
 class ScheduleError(ValueError):
@@ -45,8 +90,9 @@ _set_field = object.__setattr__
 class Action:
     """One compute action on one rank.
 
-    kind: ``'F'`` forward, ``'B'`` backward for inputs, ``'W'`` backward for
-    weights, ``'BW'`` fused full backward (B and W together).
+    kind: an :class:`ActionKind` -- ``'F'`` forward, ``'B'`` backward for inputs, ``'W'``
+    backward for weights, ``'BW'`` fused full backward (B and W together), or one of the
+    point-to-point kinds ``lower`` inserts (``'SF'``, ``'RF'``, ``'SB'``, ``'RB'``).
     mb: global micro-batch index ``0..m-1``.
     stage: global model stage ``0..S-1`` (stage 0 holds the embedding, ``S-1`` the loss).
     pipe: model replica (0, or 1 for the second replica of a bidirectional schedule).
@@ -70,6 +116,27 @@ class Action:
         # gives the shorter paper-style label ('F3', 'F3c1') for a known schedule.
         text = f"{self.kind}{self.mb}s{self.stage}"
         return text + (f"p{self.pipe}" if self.pipe else "")
+
+    @classmethod
+    def from_str(cls, text: str) -> "Action":
+        """The action ``str(action)`` wrote ('F3s0', 'BW3s5', 'B2s1p1', 'SF0s1');
+        ScheduleError naming the text and the form otherwise."""
+        found = _TEXT.fullmatch(text.strip())
+        if found is None:
+            raise ScheduleError(f"action={text!r} is not KIND MB s STAGE [p PIPE] (e.g. 'F3s0', "
+                                f"'BW3s5p1'; kinds {', '.join(ActionKind)})")
+        kind, mb, stage, pipe = found.groups()
+        return cls(ActionKind(kind), int(mb), int(stage), int(pipe or 0))
+
+
+def parse_row(text: str) -> list[Action]:
+    """One rank's actions from text, separated by spaces or commas ('F0s0 F1s0 BW0s0')."""
+    return [Action.from_str(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+
+
+def row_text(row: Iterable[Action]) -> str:
+    """One rank's actions as the text ``parse_row`` reads."""
+    return " ".join(map(str, row))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +242,19 @@ class Schedule:
 
     def num_actions(self) -> int:
         return sum(len(row) for row in self.actions)
+
+    def text(self) -> list[str]:
+        """Every rank's actions as one line of text (``parse_row`` reads a line back)."""
+        return [row_text(row) for row in self.actions]
+
+    def with_text(self, lines: Iterable[str]) -> "Schedule":
+        """A copy of this schedule (same p, m, placement, ...) whose rank r runs the actions
+        of ``lines[r]`` -- a test or a suite states a variant of a schedule as text."""
+        from dataclasses import replace
+        rows = [parse_row(line) for line in lines]
+        if len(rows) != self.p:
+            raise ScheduleError(f"{self.name}: {len(rows)} lines of actions, expected p={self.p}")
+        return replace(self, actions=rows, overlapped=[], done_before=frozenset())
 
     def backward_kinds(self) -> dict[tuple[int, int, int], str]:
         """``(mb, stage, pipe) -> 'B' | 'BW'``: which action carries the input gradient."""

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ._arguments import need_positive, no_extra, resolve_v
-from .actions import BACKWARD_FULL, FORWARD, Action, Schedule, linear_placement, split_fused
+from .actions import BACKWARD_FULL, FORWARD, Action
 from .closed_forms import (
     ClosedForm,
+    all_microbatches_memory,
     gpipe_max_inflight,
     one_f_one_b_max_inflight,
     pipeline_flush_size,
     ptdp_bubble_fraction,
 )
-from .spec import ChunkRule, Placement, schedule_spec
+from .spec import ChunkRule, ExecutorKind, Placement, Rows, WeightRule, schedule_spec
 
 
 def flush_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
@@ -59,40 +59,16 @@ def async_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
                         "step idles (p-1)T_F per rank (continuous.steady_closed_form)")
 
 
-def _finish(name: str, p: int, m: int, rows, split_backward: bool, *,
-            asynchronous: bool = False, notes: str = "") -> Schedule:
-    if split_backward:
-        rows = [split_fused(row) for row in rows]
-    return Schedule(
-        name=name,
-        p=p,
-        m=m,
-        v=1,
-        num_stages=p,
-        placement=linear_placement(p),
-        mb_pipe=[0] * m,
-        actions=rows,
-        split_backward=bool(split_backward),
-        asynchronous=asynchronous,
-        notes=notes,
-    )
-
-
 @schedule_spec(
     "gpipe", description="GPipe (Huang et al. 2019): all forwards, then all backwards",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=flush_closed_form,
-    max_inflight=gpipe_max_inflight)
-def gpipe(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    closed_form=flush_closed_form, max_inflight=gpipe_max_inflight,
+    memory=all_microbatches_memory,
+    memory_note="activations of all m micro-batches on every rank (Huang et al. 2019)")
+def gpipe(p: int, m: int, v: int) -> list[list[Action]]:
     """GPipe: every rank runs F0..F(m-1), then BW0..BW(m-1)."""
-    need_positive("gpipe", p=p, m=m)
-    resolve_v("gpipe", v, 1, allowed=(1,))
-    no_extra("gpipe", kw)
-    rows = []
-    for r in range(p):
-        row = [Action(FORWARD, i, r) for i in range(m)]
-        row += [Action(BACKWARD_FULL, i, r) for i in range(m)]
-        rows.append(row)
-    return _finish("gpipe", p, m, rows, split_backward)
+    return [[Action(FORWARD, i, r) for i in range(m)] +
+            [Action(BACKWARD_FULL, i, r) for i in range(m)] for r in range(p)]
 
 
 def one_f_one_b_rows(p: int, m: int) -> list[list[Action]]:
@@ -112,41 +88,38 @@ def one_f_one_b_rows(p: int, m: int) -> list[list[Action]]:
 @schedule_spec(
     "1f1b",
     description="1F1B / PipeDream-Flush (Narayanan et al. 2021), DAPPLE (Fan et al. 2021)",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=flush_closed_form,
-    max_inflight=one_f_one_b_max_inflight)
-def one_f_one_b(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    closed_form=flush_closed_form, max_inflight=one_f_one_b_max_inflight,
+    memory_note="activations of p - r micro-batches on rank r, p on the first "
+                "(Narayanan et al. 2021, Sec. 2.2.1)")
+def one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
     """1F1B (PipeDream-Flush / DAPPLE), synchronous with a flush at the end."""
-    need_positive("1f1b", p=p, m=m)
-    resolve_v("1f1b", v, 1, allowed=(1,))
-    no_extra("1f1b", kw)
-    return _finish("1f1b", p, m, one_f_one_b_rows(p, m), split_backward)
+    return one_f_one_b_rows(p, m)
 
 
 @schedule_spec(
     "pipedream",
     description="PipeDream (Narayanan et al. 2019): async 1F1B, weight stashing",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, asynchronous=True,
-    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight)
-def pipedream(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    weight_rule=WeightRule.PIPEDREAM, executor=ExecutorKind.ASYNCHRONOUS,
+    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight,
+    memory_note="activations of p - r micro-batches and p - r stashed weight versions on "
+                "rank r (Narayanan et al. 2019, Sec. 3.3)")
+def pipedream(p: int, m: int, v: int) -> Rows:
     """PipeDream: 1F1B order, no flush, weight stashing (``asynchronous=True``)."""
-    need_positive("pipedream", p=p, m=m)
-    resolve_v("pipedream", v, 1, allowed=(1,))
-    no_extra("pipedream", kw)
-    notes = "asynchronous: weight stashing, no flush between iterations"
-    return _finish("pipedream", p, m, one_f_one_b_rows(p, m), split_backward,
-                   asynchronous=True, notes=notes)
+    return Rows(one_f_one_b_rows(p, m),
+                notes="asynchronous: weight stashing, no flush between iterations")
 
 
 @schedule_spec(
     "2bw",
     description="PipeDream-2BW (Narayanan et al. 2021): double-buffered weights, 1-step delay",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, asynchronous=True,
-    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight)
-def pipedream_2bw(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    weight_rule=WeightRule.TWO_BW, executor=ExecutorKind.ASYNCHRONOUS,
+    closed_form=async_closed_form, max_inflight=one_f_one_b_max_inflight,
+    memory_note="activations of p - r micro-batches on rank r, two weight versions "
+                "(Narayanan et al. 2021, Sec. 3.1)")
+def pipedream_2bw(p: int, m: int, v: int) -> Rows:
     """PipeDream-2BW: 1F1B order, two weight versions, one-step-delayed update."""
-    need_positive("2bw", p=p, m=m)
-    resolve_v("2bw", v, 1, allowed=(1,))
-    no_extra("2bw", kw)
-    notes = "asynchronous: W(t+1) = W(t) - lr * grad f(W(t-1)) (double-buffered weights)"
-    return _finish("2bw", p, m, one_f_one_b_rows(p, m), split_backward,
-                   asynchronous=True, notes=notes)
+    return Rows(one_f_one_b_rows(p, m), notes="asynchronous: W(t+1) = W(t) - lr * "
+                                              "grad f(W(t-1)) (double-buffered weights)")

@@ -31,7 +31,7 @@
 """
 from __future__ import annotations
 
-from ._arguments import need_even_p, need_positive, no_extra, resolve_v
+from ._arguments import need_even_p
 from .actions import (
     BACKWARD_FULL,
     BACKWARD_INPUT,
@@ -42,13 +42,26 @@ from .actions import (
     ScheduleError,
     bidirectional_placement,
     linear_placement,
-    v_placement,
 )
 from .basic import one_f_one_b_rows
-from .closed_forms import ClosedForm, dualpipe_table2
+from .closed_forms import ClosedForm, dualpipe_memory, dualpipe_table2, v_shape_memory
 from .listsched import list_schedule
 from .simulate import make_cost, run_times
-from .spec import ChunkRule, Costs, Placement, schedule_spec
+from .spec import ChunkRule, Costs, MinMicrobatches, Placement, Rows, schedule_spec
+
+_PAIRS_NOTE = "overlapped F&B pairs are adjacent F, BW (see `overlapped`)"
+
+
+def _chimera_check(p: int, m: int, v: int) -> None:
+    need_even_p("chimera", p)
+    if m % p:
+        raise ScheduleError(f"chimera needs m to be a multiple of p (got m={m}, p={p})")
+
+
+def _dualpipe_check(p: int, m: int, v: int) -> None:
+    need_even_p("dualpipe", p)
+    if m % 2:
+        raise ScheduleError(f"dualpipe needs an even m (got m={m})")
 
 
 def chimera_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
@@ -86,16 +99,14 @@ def dualpipe_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float
 @schedule_spec(
     "chimera",
     description="Chimera (Li & Hoefler 2021): two bidirectional replicas, grads synced",
-    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, closed_form=chimera_closed_form,
-    paper_costs=Costs(tf=1.0, tb=1.0, tw=0.0))
-def chimera(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, min_m=MinMicrobatches(1, 0),
+    check=_chimera_check,
+    closed_form=chimera_closed_form, paper_costs=Costs(tf=1.0, tb=1.0, tw=0.0),
+    memory=v_shape_memory,
+    memory_note="between D/2 + 1 and D micro-batches of activations per worker, two weight "
+                "replicas (Li & Hoefler 2021, Sec. 3 and Table 2)")
+def chimera(p: int, m: int, v: int) -> Rows:
     """Chimera: down and up 1F1B pipelines merged slot by slot, units concatenated."""
-    need_positive("chimera", p=p, m=m)
-    resolve_v("chimera", v, 1, allowed=(1,))
-    no_extra("chimera", kw)
-    need_even_p("chimera", p)
-    if m % p:
-        raise ScheduleError(f"chimera needs m to be a multiple of p (got m={m}, p={p})")
     half, units = p // 2, m // p
     # Slot of every action of one direction's 1F1B over D/2 micro-batches, unit costs.
     one_dir = Schedule(name="1f1b", p=p, m=half, v=1, num_stages=p,
@@ -113,9 +124,8 @@ def chimera(p: int, m: int, v: int | None = None, **kw) -> Schedule:
                         placement=bidirectional_placement(p),
                         mb_pipe=[0] * (m // 2) + [1] * (m // 2), actions=[],
                         split_backward=False)
-    template.actions = list_schedule(template, tasks, key.__getitem__, lambda a: 1.0)
-    template.notes = f"{units} basic unit(s) of {p} micro-batches"
-    return template
+    rows = list_schedule(template, tasks, key.__getitem__, lambda a: 1.0)
+    return Rows(rows, notes=f"{units} basic unit(s) of {p} micro-batches")
 
 
 class _Program:
@@ -198,18 +208,13 @@ def _eight_phases(prog: _Program, half_ranks: int, depth: int, per_pipe: int) ->
 
 @schedule_spec(
     "dualpipe", description="DualPipe (DeepSeek-V3 report): two replicas fed from both ends",
-    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, closed_form=dualpipe_closed_form,
-    paper_costs=Costs(overlap=True))
-def dualpipe(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.BIDIRECTIONAL, splits_backward=True,
+    min_m=MinMicrobatches(2, 0), check=_dualpipe_check, closed_form=dualpipe_closed_form,
+    paper_costs=Costs(overlap=True), memory=dualpipe_memory,
+    memory_note="PP + 1 micro-batches of activations, two parameter copies (DeepSeek-V3 "
+                "report, Table 2)")
+def dualpipe(p: int, m: int, v: int) -> Rows:
     """DualPipe (DeepSeek-V3): two replicas fed from both ends, eight-phase program."""
-    need_positive("dualpipe", p=p, m=m)
-    resolve_v("dualpipe", v, 1, allowed=(1,))
-    no_extra("dualpipe", kw)
-    need_even_p("dualpipe", p)
-    if m % 2:
-        raise ScheduleError(f"dualpipe needs an even m (got m={m})")
-    if m < 2 * p:
-        raise ScheduleError(f"dualpipe needs m >= 2p = {2 * p} (got m={m}, p={p})")
     half = p // 2
     first_mb = {0: 0, 1: m // 2}
     rows, pairs = [], []
@@ -222,29 +227,22 @@ def dualpipe(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         _eight_phases(prog, half, depth, m // 2)
         rows.append(prog.row)
         pairs += prog.pairs
-    return Schedule(name="dualpipe", p=p, m=m, v=1, num_stages=p,
-                    placement=bidirectional_placement(p),
-                    mb_pipe=[0] * (m // 2) + [1] * (m // 2), actions=rows,
-                    split_backward=True, overlapped=pairs, notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")
+    return Rows(rows, overlapped=pairs, notes=_PAIRS_NOTE)
 
 
 @schedule_spec(
     "dualpipev", description="DualPipeV: DualPipe cut in half, V placement",
-    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=dualpipe_closed_form,
-    paper_costs=Costs(overlap=True))
-def dualpipev(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.TWO, placement=Placement.V, splits_backward=True,
+    min_m=MinMicrobatches(2, 0), closed_form=dualpipe_closed_form,
+    paper_costs=Costs(overlap=True), memory=dualpipe_memory,
+    memory_note="PP + 1 micro-batches of activations, one parameter copy (DeepSeek's "
+                "DualPipe repository)")
+def dualpipev(p: int, m: int, v: int) -> Rows:
     """DualPipeV: DualPipe cut in half, one replica of 2p stages in a V."""
-    need_positive("dualpipev", p=p, m=m)
-    resolve_v("dualpipev", v, 2, allowed=(2,))
-    no_extra("dualpipev", kw)
-    if m < 2 * p:
-        raise ScheduleError(f"dualpipev needs m >= 2p = {2 * p} (got m={m}, p={p})")
     rows, pairs = [], []
     for r in range(p):
         prog = _Program((0, r), (0, 2 * p - 1 - r), {0: 0})
         _eight_phases(prog, p, r, m)
         rows.append(prog.row)
         pairs += prog.pairs
-    return Schedule(name="dualpipev", p=p, m=m, v=2, num_stages=2 * p,
-                    placement=v_placement(p), mb_pipe=[0] * m, actions=rows,
-                    split_backward=True, overlapped=pairs, notes="overlapped F&B pairs are adjacent F, BW (see `overlapped`)")
+    return Rows(rows, overlapped=pairs, notes=_PAIRS_NOTE)

@@ -39,11 +39,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ._arguments import need_positive, no_extra, resolve_v
 from .actions import BACKWARD_FULL, FORWARD, Action, Schedule, ScheduleError
-from .basic import _finish, flush_closed_form, one_f_one_b_rows
+from .basic import flush_closed_form, one_f_one_b_rows
 from .closed_forms import one_f_one_b_max_inflight
-from .spec import ChunkRule, Placement, schedule_spec
+from .spec import ChunkRule, ExecutorKind, Placement, Rows, schedule_spec
 
 #: pair operations: the evictor's (evict: post the send after F; free: wait for it and drop
 #: the storages; load: receive before BW) and the acceptor's (accept: post the receive;
@@ -71,19 +70,18 @@ def partner(p: int, rank: int) -> int:
     "bpipe",
     description="BPipe (Kim et al. 2023): 1F1B with activations evicted from stage x to "
                 "stage p-1-x and loaded back before the backward",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=flush_closed_form,
-    max_inflight=one_f_one_b_max_inflight)
-def bpipe(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
-    """BPipe's compute order is 1F1B's; the evictions are ``eviction_plan(schedule)``."""
-    need_positive("bpipe", p=p, m=m)
-    resolve_v("bpipe", v, 1, allowed=(1,))
-    no_extra("bpipe", kw)
-    if split_backward:
-        raise ScheduleError("bpipe: split_backward=True is not supported (BPipe loads the "
-                            "activations before a fused backward)")
-    return _finish("bpipe", p, m, one_f_one_b_rows(p, m), False,
-                   notes=f"activations evicted to the paired stage above "
-                         f"ceil((p+2)/2)={threshold(p)} resident micro-batches")
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, executor=ExecutorKind.BPIPE,
+    closed_form=flush_closed_form, max_inflight=one_f_one_b_max_inflight,
+    memory=lambda p, m, v, rank: min(m, p, threshold(p)),
+    memory_note="at most ceil((p+2)/2) micro-batches of activations resident on any stage, "
+                "against 1F1B's p on the first (Kim et al. 2023, Sec. 3); priced with the "
+                "evictions overlapped with compute, as the paper runs them")
+def bpipe(p: int, m: int, v: int) -> Rows:
+    """BPipe's compute order is 1F1B's (fused backwards: BPipe loads the activations before
+    the backward); the evictions are ``eviction_plan(schedule)``."""
+    return Rows(one_f_one_b_rows(p, m),
+                notes=f"activations evicted to the paired stage above "
+                      f"ceil((p+2)/2)={threshold(p)} resident micro-batches")
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,45 @@ def zb_h2_max_inflight(p: int, m: int, rank: int) -> int:
     return min(2 * (p - 1 - rank) + 1, m)
 
 
+# -- activation memory: micro-batches' worth of a rank's layers held at the peak ----------
+# ``memory(p, m, v, rank)``, the papers' rules in one unit: the activations of one
+# micro-batch through all the layers a rank holds (l/p of them per replica). What the time
+# model multiplies one micro-batch's activations by (``ScheduleSpec.memory``).
+def flush_memory(p: int, m: int, v: int, rank: int) -> float:
+    """1F1B and the schedules that keep its bound: min(p - rank, m) (Narayanan et al. 2021,
+    Sec. 2.2.1; ZB-H1: Qi et al. 2024 Table 2, p M_B)."""
+    return min(p - rank, m)
+
+
+def all_microbatches_memory(p: int, m: int, v: int, rank: int) -> float:
+    """GPipe, looped BFS, TeraPipe: every forward before any backward, m micro-batches."""
+    return m
+
+
+def interleaved_memory(p: int, m: int, v: int, rank: int) -> float:
+    """Interleaved 1F1B: p micro-batches on the first rank, times 1 + (p-1)/(p v) for the
+    warm-up's extra chunks (Korthikanti et al. 2022, Sec. 4.2.3); min(m, p) elsewhere."""
+    held = min(m, p)
+    return held * (1 + (p - 1) / (p * v)) if rank == 0 else held
+
+
+def zb_h2_memory(p: int, m: int, v: int, rank: int) -> float:
+    """ZB-H2: (2p-1) M_B on the first rank (Qi et al. 2024 Table 2)."""
+    return zb_h2_max_inflight(p, m, rank)
+
+
+def v_shape_memory(p: int, m: int, v: int, rank: int) -> float:
+    """ZB-V: 1F1B's p M_B, as 2p chunk activations of half a rank's layers (Qi et al. 2024,
+    Sec. 6); Hanayo's cap of v p chunk activations (Liu et al. 2023, Sec. 3) likewise."""
+    return min(m, p)
+
+
+def dualpipe_memory(p: int, m: int, v: int, rank: int) -> float:
+    """DualPipe and DualPipeV: PP + 1 micro-batches of activations (DeepSeek-V3 report,
+    Table 2; DeepSeek's DualPipe repository for the V variant)."""
+    return min(m, p + 1)
+
+
 # -- the record a schedule's closed form returns --------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ClosedForm:

@@ -29,10 +29,14 @@ from __future__ import annotations
 from .actions import FORWARD, Action, Schedule, ScheduleError, linear_placement
 from .basic import one_f_one_b_rows
 from .closed_forms import ClosedForm
+from .registry import SCHEDULES
+from .spec import ExecutorKind
 from .validate import validate
 
-#: the schedules that run continuously (their generators are 1F1B-ordered)
-CONTINUOUS = ("pipedream", "2bw")
+#: the schedules that run continuously (their specs' executor; their generators are
+#: 1F1B-ordered)
+CONTINUOUS = tuple(name for name, spec in SCHEDULES.items()
+                   if spec.executor is ExecutorKind.ASYNCHRONOUS)
 
 
 def _check(name: str, p: int, m: int, steps: int) -> None:

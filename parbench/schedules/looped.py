@@ -16,18 +16,15 @@
 """
 from __future__ import annotations
 
-from ._arguments import need_positive, no_extra, resolve_v
-from .actions import (
-    BACKWARD_FULL,
-    FORWARD,
-    Action,
-    Schedule,
-    ScheduleError,
-    looped_placement,
-    split_fused,
+from .actions import BACKWARD_FULL, FORWARD, Action, ScheduleError
+from .closed_forms import (
+    ClosedForm,
+    all_microbatches_memory,
+    interleaved_memory,
+    pipeline_flush_size,
+    ptdp_bubble_fraction,
 )
-from .closed_forms import ClosedForm, pipeline_flush_size, ptdp_bubble_fraction
-from .spec import ChunkRule, Placement, schedule_spec
+from .spec import ChunkRule, Placement, Rows, schedule_spec
 
 
 def looped_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
@@ -54,12 +51,13 @@ def interleaved_group(p: int, m: int) -> int:
 @schedule_spec(
     "interleaved",
     description="interleaved 1F1B, v chunks per rank (Narayanan et al. 2021, PTD-P)",
-    chunks=ChunkRule.ANY, placement=Placement.LOOPED, closed_form=looped_closed_form)
-def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ANY, placement=Placement.LOOPED, can_split=True,
+    check=lambda p, m, v: interleaved_group(p, m), closed_form=looped_closed_form,
+    memory=interleaved_memory,
+    memory_note="activations of p micro-batches on the first rank, times 1 + (p-1)/(p v) "
+                "(Korthikanti et al. 2022, Sec. 4.2.3)")
+def interleaved(p: int, m: int, v: int) -> Rows:
     """Megatron interleaved 1F1B with v chunks per rank (stage s on rank s % p)."""
-    need_positive("interleaved", p=p, m=m)
-    v = resolve_v("interleaved", v, 2, minimum=2)
-    no_extra("interleaved", kw)
     g = interleaved_group(p, m)
     total = m * v
 
@@ -80,44 +78,21 @@ def interleaved(p: int, m: int, v: int | None = None, split_backward: bool = Fal
         bwd = [Action(BACKWARD_FULL, mb, chunk * p + r) for mb, chunk in backward_slots]
         steady = [None] * (2 * (total - warm))  # F(warm + k), BW(k) for k < total - warm
         steady[0::2], steady[1::2] = fwd[warm:], bwd[:total - warm]
-        row = fwd[:warm] + steady + bwd[total - warm:]
-        rows.append(split_fused(row) if split_backward else row)
-    return Schedule(
-        name="interleaved",
-        p=p,
-        m=m,
-        v=v,
-        num_stages=p * v,
-        placement=looped_placement(p, v),
-        mb_pipe=[0] * m,
-        actions=rows,
-        split_backward=bool(split_backward),
-        notes=f"micro-batch group g={g}",
-    )
+        rows.append(fwd[:warm] + steady + bwd[total - warm:])
+    return Rows(rows, notes=f"micro-batch group g={g}")
 
 
 @schedule_spec(
     "bfs", description="looped breadth-first (Lamy-Poirier 2023)",
-    chunks=ChunkRule.ANY, placement=Placement.LOOPED, closed_form=looped_closed_form)
-def looped_bfs(p: int, m: int, v: int | None = None, split_backward: bool = False, **kw) -> Schedule:
+    chunks=ChunkRule.ANY, min_chunks=1, placement=Placement.LOOPED, can_split=True,
+    closed_form=looped_closed_form, memory=all_microbatches_memory,
+    memory_note="activations of all m micro-batches for every chunk (Lamy-Poirier 2023)")
+def looped_bfs(p: int, m: int, v: int) -> list[list[Action]]:
     """Looped breadth-first: all forwards chunk by chunk, then all backwards in reverse."""
-    need_positive("bfs", p=p, m=m)
-    v = resolve_v("bfs", v, 2)
-    no_extra("bfs", kw)
     rows = []
     for r in range(p):
         stages = [c * p + r for c in range(v)]
         row = [Action(FORWARD, i, s) for s in stages for i in range(m)]
         row += [Action(BACKWARD_FULL, i, s) for s in reversed(stages) for i in range(m)]
-        rows.append(split_fused(row) if split_backward else row)
-    return Schedule(
-        name="bfs",
-        p=p,
-        m=m,
-        v=v,
-        num_stages=p * v,
-        placement=looped_placement(p, v),
-        mb_pipe=[0] * m,
-        actions=rows,
-        split_backward=bool(split_backward),
-    )
+        rows.append(row)
+    return rows

@@ -28,11 +28,19 @@ costs, checked against the simulator in ``tests/unit/test_schedules_segments.py`
 """
 from __future__ import annotations
 
-from ._arguments import need_positive, no_extra, resolve_v
-from .actions import (BACKWARD_FULL, FORWARD, Action, Schedule, ScheduleError,
-                      linear_placement, split_fused)
-from .closed_forms import ClosedForm, pipeline_flush_size, ptdp_bubble_fraction
-from .spec import ChunkRule, Placement, schedule_spec
+from .actions import BACKWARD_FULL, FORWARD, Action, ScheduleError
+from .closed_forms import (
+    ClosedForm,
+    all_microbatches_memory,
+    pipeline_flush_size,
+    ptdp_bubble_fraction,
+)
+from .spec import ChunkRule, ExecutorKind, Placement, Rows, schedule_spec
+
+#: why the time model does not price the token-slice schedules
+_UNPRICED = ("the time model's layout has no token-slice count (seq_segments): with one "
+             "slice per micro-batch it would price {}, and per-slice costs (attention grows "
+             "with the context) are not modelled")
 
 
 def _segments(name: str, segments) -> int:
@@ -89,31 +97,23 @@ terapipe_closed_form = _units_closed_form(
     "Li et al. 2021 (TeraPipe) Sec. 3.3 latency at equal slice times; GPipe's over the units")
 
 
-def _finish(name: str, p: int, m: int, k: int, rows, split_backward: bool) -> Schedule:
-    if split_backward:
-        rows = [split_fused(row) for row in rows]
-    return Schedule(name=name, p=p, m=m * k, v=1, num_stages=p, placement=linear_placement(p),
-                    mb_pipe=[0] * (m * k), actions=rows, split_backward=bool(split_backward),
-                    segments=k, notes=f"{k} token slices per micro-batch; unit u = slice "
-                                      f"u % {k} of micro-batch u // {k}")
-
-
-def _check(name: str, p, m, v, segments, kw) -> int:
-    need_positive(name, p=p, m=m)
-    resolve_v(name, v, 1, allowed=(1,))
-    no_extra(name, kw)
-    return _segments(name, segments)
+def _rows(k: int, rows: list[list[Action]]) -> Rows:
+    return Rows(rows, segments=k, notes=f"{k} token slices per micro-batch; unit u = slice "
+                                        f"u % {k} of micro-batch u // {k}")
 
 
 @schedule_spec(
     "seq1f1b",
     description="Seq1F1B (Sun et al. 2024): 1F1B over (micro-batch, token slice) units, "
                 "backwards last slice first",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=seq1f1b_closed_form)
-def seq1f1b(p: int, m: int, v: int | None = None, split_backward: bool = False,
-            segments: int = 1, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    options=("segments",), executor=ExecutorKind.SEGMENTS, closed_form=seq1f1b_closed_form,
+    unpriced=_UNPRICED.format("1F1B"),
+    memory_note="(p-r+k-1)/(k (p-r)) of 1F1B's activations on rank r: p-r+k-1 units of 1/k "
+                "micro-batch in flight (Sun et al. 2024, Sec. 3)")
+def seq1f1b(p: int, m: int, v: int, segments: int = 1) -> Rows:
     """Seq1F1B over m micro-batches of ``segments`` slices (segments=1: 1F1B)."""
-    k = _check("seq1f1b", p, m, v, segments, kw)
+    k = _segments("seq1f1b", segments)
     order = backward_order(m, k)
     rows = []
     for r in range(p):
@@ -124,22 +124,25 @@ def seq1f1b(p: int, m: int, v: int | None = None, split_backward: bool = False,
             row.append(Action(BACKWARD_FULL, order[i], r))
         row += [Action(BACKWARD_FULL, u, r) for u in order[m * k - warm:]]
         rows.append(row)
-    return _finish("seq1f1b", p, m, k, rows, split_backward)
+    return _rows(k, rows)
 
 
 @schedule_spec(
     "terapipe",
     description="TeraPipe (Li et al. 2021): GPipe over (micro-batch, token slice) units, "
                 "slice lengths from a dynamic programme",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=terapipe_closed_form)
-def terapipe(p: int, m: int, v: int | None = None, split_backward: bool = False,
-             segments: int = 1, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, can_split=True,
+    options=("segments",), executor=ExecutorKind.SEGMENTS, closed_form=terapipe_closed_form,
+    memory=all_microbatches_memory, unpriced=_UNPRICED.format("GPipe"),
+    memory_note="activations of all m micro-batches, as GPipe over the token-slice units "
+                "(Li et al. 2021, Sec. 3)")
+def terapipe(p: int, m: int, v: int, segments: int = 1) -> Rows:
     """TeraPipe over m micro-batches of ``segments`` slices (segments=1: GPipe)."""
-    k = _check("terapipe", p, m, v, segments, kw)
+    k = _segments("terapipe", segments)
     order = backward_order(m, k)
     rows = [[Action(FORWARD, u, r) for u in range(m * k)] +
             [Action(BACKWARD_FULL, u, r) for u in order] for r in range(p)]
-    return _finish("terapipe", p, m, k, rows, split_backward)
+    return _rows(k, rows)
 
 
 def segment_p2p(p: int, m: int, k: int, rank: int, *, b: int, s: int, h: int,

@@ -36,20 +36,17 @@ from __future__ import annotations
 import heapq
 from math import ceil
 
-from ._arguments import need_positive, no_extra, resolve_v
 from .actions import (
     BACKWARD_FULL,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
     Action,
-    Schedule,
     ScheduleError,
-    v_placement,
     wave_placement,
 )
-from .closed_forms import ClosedForm
-from .spec import ChunkRule, Costs, Placement, schedule_spec
+from .closed_forms import ClosedForm, v_shape_memory
+from .spec import ChunkRule, Costs, Placement, Rows, schedule_spec
 
 #: the repetition interval of the V-Min / V-Half building blocks, in unit slots
 V_PERIOD = 6
@@ -121,17 +118,14 @@ def hanayo_order(p: int, m: int, v: int, placement: dict, cap: int) -> list[list
 @schedule_spec(
     "hanayo", description="Hanayo (Liu et al. 2023): wave placement, v/2 waves, one replica",
     chunks=ChunkRule.ANY, placement=Placement.WAVE, closed_form=hanayo_closed_form,
-    paper_costs=Costs(tf=1.0, tb=1.0, tw=0.0))
-def hanayo(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    paper_costs=Costs(tf=1.0, tb=1.0, tw=0.0), memory=v_shape_memory,
+    memory_note="at most v p chunk activations, p micro-batches of a rank's layers as 1F1B, "
+                "one model replica (Liu et al. 2023, Sec. 3)")
+def hanayo(p: int, m: int, v: int) -> Rows:
     """Hanayo with v chunks per rank (v/2 waves; v=2 is one V; an odd v ends half way
     through its last wave, on rank p-1), fused backwards."""
-    need_positive("hanayo", p=p, m=m)
-    v = resolve_v("hanayo", v, 2, minimum=2)
-    no_extra("hanayo", kw)
-    placement = wave_placement(p, v)
-    return Schedule(name="hanayo", p=p, m=m, v=v, num_stages=p * v, placement=placement,
-                    mb_pipe=[0] * m, actions=hanayo_order(p, m, v, placement, cap=v * p),
-                    split_backward=False, notes=f"{v / 2:g} wave(s)")
+    rows = hanayo_order(p, m, v, wave_placement(p, v), cap=v * p)
+    return Rows(rows, notes=f"{v / 2:g} wave(s)")
 
 
 # ---- V-Half and V-Min (building blocks) ------------------------------------------------------
@@ -207,28 +201,33 @@ def v_block_order(kind: str, p: int, m: int, rank: int) -> list[Action]:
     return row
 
 
-def _v_schedule(kind: str, p: int, m: int, v, kw) -> Schedule:
-    need_positive(kind, p=p, m=m)
-    resolve_v(kind, v, 2, allowed=(2,))
-    no_extra(kind, kw)
-    return Schedule(name=kind, p=p, m=m, v=2, num_stages=2 * p, placement=v_placement(p),
-                    mb_pipe=[0] * m, actions=[v_block_order(kind, p, m, r) for r in range(p)],
-                    split_backward=True)
+def v_block_memory(kind: str):
+    """``memory(p, m, v, rank)`` of a building block: its chunk activations in flight
+    (``v_block_inflight``), each half a rank's layers (Qi et al. 2024b, Sec. 3.1)."""
+    def memory(p: int, m: int, v: int, rank: int) -> float:
+        return v_block_inflight(kind, p, m, rank) / 2
+    return memory
 
 
 @schedule_spec(
     "vhalf", description="V-Half (Qi et al. 2024b): V placement, ~1/2 of 1F1B's activations",
-    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=_v_closed_form("vhalf"),
-    max_inflight=lambda p, m, rank: v_block_inflight("vhalf", p, m, rank))
-def vhalf(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.TWO, placement=Placement.V, splits_backward=True,
+    closed_form=_v_closed_form("vhalf"), memory=v_block_memory("vhalf"),
+    max_inflight=lambda p, m, rank: v_block_inflight("vhalf", p, m, rank),
+    memory_note="about half of 1F1B's activations: p + 2 chunk activations of half a "
+                "rank's layers on the first rank (Qi et al. 2024b, Sec. 4.1)")
+def vhalf(p: int, m: int, v: int) -> list[list[Action]]:
     """V-Half: the building block with F of chunk 0 every 2 slots down the ranks."""
-    return _v_schedule("vhalf", p, m, v, kw)
+    return [v_block_order("vhalf", p, m, r) for r in range(p)]
 
 
 @schedule_spec(
     "vmin", description="V-Min (Qi et al. 2024b): V placement, ~1/3 of 1F1B's activations",
-    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=_v_closed_form("vmin"),
-    max_inflight=lambda p, m, rank: v_block_inflight("vmin", p, m, rank))
-def vmin(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.TWO, placement=Placement.V, splits_backward=True,
+    closed_form=_v_closed_form("vmin"), memory=v_block_memory("vmin"),
+    max_inflight=lambda p, m, rank: v_block_inflight("vmin", p, m, rank),
+    memory_note="about a third of 1F1B's activations: 2p/3 + 2 chunk activations of half a "
+                "rank's layers on the first rank (Qi et al. 2024b, Sec. 4.1)")
+def vmin(p: int, m: int, v: int) -> list[list[Action]]:
     """V-Min: the tightest V building block (lifespan about 4p slots)."""
-    return _v_schedule("vmin", p, m, v, kw)
+    return [v_block_order("vmin", p, m, r) for r in range(p)]

@@ -29,26 +29,23 @@ input, on the critical path) and W (gradient for the weights, free to move).
 """
 from __future__ import annotations
 
-from ._arguments import need_positive, no_extra, resolve_v
-from .actions import (
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    Action,
-    Schedule,
-    ScheduleError,
-    linear_placement,
-    v_placement,
-)
+from .actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from .closed_forms import (
     ClosedForm,
     one_f_one_b_max_inflight,
+    v_shape_memory,
     zb_h2_max_inflight,
+    zb_h2_memory,
     zb_h2_size_from_start,
     zbv_span_bubble,
     zero_bubble_table2,
 )
-from .spec import ChunkRule, Placement, schedule_spec
+from .spec import ChunkRule, MinMicrobatches, Placement, schedule_spec
+
+#: what Qi et al. 2024 state about memory, and how parbench's split backward differs
+_ZB_NOTE = ("in units of M_B, one micro-batch's activations B needs; after B only the smaller "
+            "M_W that W needs stays -- parbench's split backward keeps the whole graph until "
+            "W, so its held graphs count forward to W, not the paper's forward to B")
 
 
 def zb_h1_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
@@ -86,20 +83,13 @@ def zbv_closed_form(p: int, m: int, v: int, tf: float, tb: float, tw: float,
         conditions="T_F = T_B = T_W, m >= 2p-1")
 
 
-def _linear(name: str, p: int, m: int, rows) -> Schedule:
-    return Schedule(name=name, p=p, m=m, v=1, num_stages=p, placement=linear_placement(p),
-                    mb_pipe=[0] * m, actions=rows, split_backward=True)
-
-
 @schedule_spec(
     "zb-h1", description="ZB-H1 (Qi et al. 2024): split B/W, W passes delayed",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=zb_h1_closed_form,
-    max_inflight=one_f_one_b_max_inflight)
-def zb_h1(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, splits_backward=True,
+    closed_form=zb_h1_closed_form, max_inflight=one_f_one_b_max_inflight,
+    memory_note="p M_B on the first rank, as 1F1B (Qi et al. 2024, Table 2); " + _ZB_NOTE)
+def zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     """ZB-H1: 1F1B with the W passes of rank i delayed by i steps."""
-    need_positive("zb-h1", p=p, m=m)
-    resolve_v("zb-h1", v, 1, allowed=(1,))
-    no_extra("zb-h1", kw)
     rows = []
     for i in range(p):
         warm = min(p - 1 - i, m)
@@ -114,20 +104,17 @@ def zb_h1(p: int, m: int, v: int | None = None, **kw) -> Schedule:
                 done_w += 1
         row += [Action(BACKWARD_WEIGHT, j, i) for j in range(done_w, m)]
         rows.append(row)
-    return _linear("zb-h1", p, m, rows)
+    return rows
 
 
 @schedule_spec(
     "zb-h2", description="ZB-H2 (Qi et al. 2024): extra warm-up forwards, parallelogram",
-    chunks=ChunkRule.ONE, placement=Placement.LINEAR, closed_form=zb_h2_closed_form,
-    max_inflight=zb_h2_max_inflight)
-def zb_h2(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.ONE, placement=Placement.LINEAR, splits_backward=True,
+    min_m=MinMicrobatches(2, -1), closed_form=zb_h2_closed_form,
+    max_inflight=zb_h2_max_inflight, memory=zb_h2_memory,
+    memory_note="(2p-1) M_B on the first rank (Qi et al. 2024, Table 2); " + _ZB_NOTE)
+def zb_h2(p: int, m: int, v: int) -> list[list[Action]]:
     """ZB-H2: extra warm-up forwards and a W-reordered tail (parallelogram)."""
-    need_positive("zb-h2", p=p, m=m)
-    resolve_v("zb-h2", v, 1, allowed=(1,))
-    no_extra("zb-h2", kw)
-    if m < 2 * p - 1:
-        raise ScheduleError(f"zb-h2 needs m >= 2p-1 = {2 * p - 1} (got m={m}, p={p})")
     steady = m - 2 * p + 1  # B-W-F steps; the last 2p-2 steps carry one filler each
     rows = []
     for i in range(p):
@@ -150,7 +137,7 @@ def zb_h2(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         while nxt["W"] < m:  # 2i+1 trailing W's
             emit(BACKWARD_WEIGHT)
         rows.append(row)
-    return _linear("zb-h2", p, m, rows)
+    return rows
 
 
 class _Counters:
@@ -175,12 +162,12 @@ class _Counters:
 
 @schedule_spec(
     "zbv", description="ZB-V (Qi et al. 2024): V placement, two stages per rank, split B/W",
-    chunks=ChunkRule.TWO, placement=Placement.V, closed_form=zbv_closed_form)
-def zbv(p: int, m: int, v: int | None = None, **kw) -> Schedule:
+    chunks=ChunkRule.TWO, placement=Placement.V, splits_backward=True,
+    closed_form=zbv_closed_form, memory=v_shape_memory,
+    memory_note="p M_B on the first rank, as 1F1B, in 2p chunks of half a rank's layers "
+                "(Qi et al. 2024, Sec. 6); " + _ZB_NOTE)
+def zbv(p: int, m: int, v: int) -> list[list[Action]]:
     """ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r)."""
-    need_positive("zbv", p=p, m=m)
-    resolve_v("zbv", v, 2, allowed=(2,))
-    no_extra("zbv", kw)
     n = max(m, 2 * p - 1)  # build for at least 2p-1 micro-batches, drop the extra ones
     F, B, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
     rows = []
@@ -216,5 +203,4 @@ def zbv(p: int, m: int, v: int | None = None, **kw) -> Schedule:
         while ctr.count(W, c0) < ctr.count(B, c0):
             ctr.emit(W, c0)
         rows.append([a for a in row if a.mb < m])
-    return Schedule(name="zbv", p=p, m=m, v=2, num_stages=2 * p, placement=v_placement(p),
-                    mb_pipe=[0] * m, actions=rows, split_backward=True)
+    return rows

@@ -185,7 +185,7 @@ class UlyssesWrongHeadSplit(UlyssesScheme):
 class USPCpLayout(USPScheme):
     def token_positions(self):
         return layout.positions(self.ctx.model.seq_length, self.cp, self.cp_rank,
-                                self.balance(self.ctx.parallel))
+                                self.balance(self.ctx.case))
 
 
 class _UnsummedPeers(RingPeers):

@@ -71,7 +71,7 @@ class DDPNoBiasCorrection(NativeDDP):
         bug="each micro-batch's loss is not scaled by 1/m")
 class DDPUnscaledMicrobatch(NativeDDP):
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         for b in self.buckets:
             b.reset()
         total = 0.0
@@ -102,7 +102,7 @@ class Zero1ShardOffset(Zero1):
         bug="the updated shards are not all-gathered back after the step")
 class Zero1NoAllGather(Zero1):
     def train_step(self, inputs, targets, step):
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         self.gbuf.zero_()
         total = 0.0
         for i, (xm, ym) in enumerate(self.local_microbatches(inputs, targets)):
@@ -185,7 +185,7 @@ class LocalSGDSum(LocalSGD):
     def train_step(self, inputs, targets, step):
         total = local_step(self.model, self.opt, self.grads,
                            self.local_microbatches(inputs, targets))
-        if is_sync_step(step, self.ctx.parallel.local_sgd_period):
+        if is_sync_step(step, self.ctx.options.data.local_sgd_period):
             dist.all_reduce(self.flat, group=self.group)  # the bug: no division by dp
         return self.reduce_loss(total / self.dp_size, self.group)
 

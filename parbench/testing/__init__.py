@@ -205,7 +205,7 @@ def _pool_for(case: CaseConfig, pool):
     """The pool to run ``case`` on: ``pool`` (a WorkerPool, or a getter such as the
     ``parbench_pool`` fixture), else the process-wide shared pool of its world size."""
     from ..launch import WorkerPool, shared_pool
-    world = case.parallel.world_size
+    world = case.layout.world_size
     if pool is None:
         return shared_pool(world, device=case.run.device)
     if not isinstance(pool, WorkerPool) and callable(pool):

@@ -21,12 +21,16 @@ def _mark(ok) -> str:
 def _describe(case: CaseConfig) -> str:
     """The case in ``key=value`` form: the model preset, the steps and every field off its
     default (the preset's, for the model)."""
-    from ..config import PRESETS, ModelConfig, ParallelConfig, RunConfig, model_preset
+    from ..config import PRESETS, Layout, ModelConfig, RunConfig, model_preset
+    from ..options import FAMILY_OPTIONS
     name = case.model.name
     parts = [f"model={name}", f"steps={case.run.steps}"]
     model_default = model_preset(name) if name in PRESETS else ModelConfig()
-    for obj, default in ((case.model, model_default), (case.parallel, ParallelConfig()),
-                         (case.run, RunConfig())):
+    pairs = [(case.model, model_default), (case.layout, Layout())]
+    pairs += [(getattr(case.options, fam), kind()) for fam, kind in FAMILY_OPTIONS.items()]
+    if case.options.recompute != "none":
+        parts.append(f"recompute={case.options.recompute}")
+    for obj, default in pairs + [(case.run, RunConfig())]:
         for f in dataclasses.fields(obj):
             if f.name in ("name", "scheme", "steps"):
                 continue

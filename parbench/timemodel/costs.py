@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .layout import Layout
+from .layout import Training
 from .profile import Profile
 
 
@@ -98,17 +98,18 @@ def _comm_time(profile: Profile, transfers, link: str) -> float:
 # one layer
 # ---------------------------------------------------------------------------------------
 
-def layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool = False) -> _Costs:
+def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False) -> _Costs:
     """One transformer layer, one micro-batch, one rank: compute (f, b, w, recompute) and
     the exposed tp / cp / ep communication (module doc)."""
-    key = ("layer", shape, lay.tp, lay.cp, lay.ep, lay.etp, lay.sp, lay.recompute,
-           lay.micro_batch_size, lay.dtype, lay.cp_algorithm, lay.cp_ulysses, moe_layer,
-           lay.ranks_per_node)
+    lay, opt = trn.layout, trn.options
+    key = ("layer", shape, lay.tp, lay.cp, lay.ep, lay.etp, opt.tensor.sp, opt.recompute,
+           lay.micro_batch_size, trn.dtype, opt.context.cp_algorithm,
+           opt.context.cp_ulysses, moe_layer, trn.ranks_per_node)
     cache = _cache(profile)
     hit = cache.get(key)
     if hit is not None:
         return hit
-    c = _layer_costs(shape, lay, profile, moe_layer)
+    c = _layer_costs(shape, trn, profile, moe_layer)
     cache[key] = c
     return c
 
@@ -193,14 +194,15 @@ def _apply_measured(profile: Profile, kind: str, dt: str, inv: tuple[float, floa
     return mf, mb * (1 - share), mb * share
 
 
-def _layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool) -> _Costs:
+def _layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool) -> _Costs:
+    lay, opt = trn.layout, trn.options
     from ..analytic import comm as acomm
-    tp, cp, b, dt = lay.tp, lay.cp, lay.micro_batch_size, lay.dtype
+    tp, cp, b, dt = lay.tp, lay.cp, lay.micro_batch_size, trn.dtype
     e = _e(dt)
     h, f, a = shape.h, shape.f, shape.a
     s_l = shape.s // cp
     T = b * s_l  # noqa: N806
-    T_ln = T // tp if (lay.sp and tp > 1) else T  # noqa: N806
+    T_ln = T // tp if (opt.tensor.sp and tp > 1) else T  # noqa: N806
     kv_l = max(_kv(shape) // tp, 1)
     d = h // a
     a_l = max(a // tp, 1)
@@ -234,7 +236,7 @@ def _layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool) -> _Cost
                                      dtype=dt, gated=gated)
     c.f, c.b, c.w = _apply_measured(profile, "layer", dt, (f0, b0, w0), measured)
     # ---- attention under context parallelism: replace the local causal kernel
-    kind = lay.cp_algorithm
+    kind = opt.context.cp_algorithm
     hop_block = 0.0
     if cp == 1:
         af, ab = af_self, ab_self
@@ -254,22 +256,23 @@ def _layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool) -> _Cost
         c.f += max(af - af_self, 0.0) * rf
         c.b += max(ab - ab_self, 0.0) * rb
     # ---- recomputation
-    if lay.recompute == "full":
+    if opt.recompute == "full":
         c.rc = c.f
-    elif lay.recompute == "selective":
+    elif opt.recompute == "selective":
         c.rc = af * _part_ratio(profile, "layer", dt)[0]
     # ---- communication on the critical path
-    rpn = lay.ranks_per_node or profile.ranks_per_node
+    rpn = trn.ranks_per_node or profile.ranks_per_node
     prof_link = _LinkFn(profile, rpn)
     if tp > 1:
         from ..analytic import tensor as atensor
-        fwd_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, "none", lay.sp, e)
-        full_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, lay.recompute, lay.sp, e)
+        sp = opt.tensor.sp
+        fwd_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, "none", sp, e)
+        full_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, opt.recompute, sp, e)
         link = prof_link(1, tp)
         # forward: half of the no-recompute count (2 of 4 all-reduces; 2 AG + 2 RS of SP's)
         t_all = _comm_time(profile, fwd_tr, link)
         t_full = _comm_time(profile, full_tr, link)
-        if lay.sp:
+        if opt.tensor.sp:
             t_f = _comm_time(profile, [_scaled(t, 2 / t.count) for t in fwd_tr], link)
         else:
             t_f = t_all / 2
@@ -277,11 +280,11 @@ def _layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool) -> _Cost
         c.comm_b["tp"] = t_full - t_f
     if cp > 1:
         from ..analytic import context as actx
-        kind_name = {"ring": "ring-attention"}.get(kind, kind)
         link = prof_link(tp, cp)
-        tr = actx.attention_traffic(kind_name, b, shape.s, h // tp, cp, lay.cp_ulysses, 1, 1,
-                                    e, lay.recompute != "none")
-        if kind_name in ("ring-attention", "ring-self-attention", "usp"):
+        tr = actx.attention_traffic(kind, b, shape.s, h // tp, cp,
+                                    opt.context.cp_ulysses, 1, 1, e,
+                                    opt.recompute != "none")
+        if kind in ("ring-attention", "ring-self-attention", "usp"):
             # each hop overlaps the block computed meanwhile (Liu et al. 2023, Sec. 3)
             sends = [t for t in tr if t.op == "send"]
             hop_t = max((profile.collective_time("send", 2, t.message_bytes, link)
@@ -298,13 +301,13 @@ def _layer_costs(shape, lay: Layout, profile: Profile, moe_layer: bool) -> _Cost
             # forward: 2 of the gathers), exposed
             t_all = _comm_time(profile, tr, link)
             n_all = sum(t.count for t in tr) or 1
-            n_f = 4 if kind_name == "ulysses" else 2
+            n_f = 4 if kind == "ulysses" else 2
             c.comm_f["cp"] = t_all * n_f / n_all
             c.comm_b["cp"] = t_all - c.comm_f["cp"]
     if moe_layer and lay.ep > 1:
         E, k = shape.num_experts, shape.moe_top_k  # noqa: N806
         cf = shape.moe_capacity_factor or None
-        tr = acomm.expert_traffic(T_ln, h, lay.ep, 1, 1, k, e, lay.recompute == "full",
+        tr = acomm.expert_traffic(T_ln, h, lay.ep, 1, 1, k, e, opt.recompute == "full",
                                   capacity_factor=cf, num_experts=E)
         link = prof_link(lay.etp or tp, lay.ep)
         t_all = _comm_time(profile, tr, link)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .costs import _bias, _cache, _e, _gated, _kv, _LinkFn, _param_shape, _vocab
-from .layout import Layout
+from .layout import Training
 from .profile import Profile
 
 
@@ -27,9 +27,10 @@ def _bucket_count(numel_tensors: list[int], cap: int) -> list[int]:
     return out
 
 
-def _rank_tensors(shape, lay: Layout, stage: int) -> list[int]:
+def _rank_tensors(shape, trn: Training, stage: int) -> list[int]:
     """Parameter tensors (elements) a rank of pipeline stage ``stage`` holds, forward order,
     tp-split (replicated ones whole)."""
+    lay = trn.layout
     h, f, tp = shape.h, shape.f, lay.tp
     kv = _kv(shape)
     bias = _bias(shape)
@@ -53,20 +54,22 @@ def _rank_tensors(shape, lay: Layout, stage: int) -> list[int]:
     return out
 
 
-def dp_costs(shape, lay: Layout, profile: Profile, stage: int, psi_rank: float,
+def dp_costs(shape, trn: Training, profile: Profile, stage: int, psi_rank: float,
              bwd_window_last: float, bwd_window_each: float, fwd_window_each: float,
              n_tensors: int) -> tuple[float, float, dict]:
     """(exposed dp seconds per step, total dp seconds, detail) for one rank of ``stage``:
     gradient reduction (and ZeRO's gathers) over dp x cp, overlapped as the module doc says."""
+    lay, opt = trn.layout, trn.options
     n = lay.dp * lay.cp
     if n <= 1:
         return 0.0, 0.0, {}
-    e = _e(lay.dtype)
+    e = _e(trn.dtype)
     m = lay.num_microbatches
-    link = _LinkFn(profile, lay.ranks_per_node or profile.ranks_per_node)(lay.tp, n)
-    o = profile.overlap if lay.overlap_grad_reduce else 0.0
-    cap_bytes = lay.bucket_mb * 2 ** 20 if math.isfinite(lay.bucket_mb) else math.inf
-    key = ("buckets", shape, lay.tp, lay.pp, lay.vpp, stage, lay.zero_stage, lay.bucket_mb, e)
+    link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(lay.tp, n)
+    o = profile.overlap if opt.data.overlap_grad_reduce else 0.0
+    cap_bytes = opt.data.bucket_mb * 2 ** 20 if math.isfinite(opt.data.bucket_mb) else math.inf
+    key = ("buckets", shape, lay.tp, lay.pp, lay.vpp, stage, opt.data.zero_stage,
+           opt.data.bucket_mb, e)
     cache = _cache(profile)
     buckets = cache.get(key)
     if buckets is None:
@@ -74,31 +77,31 @@ def dp_costs(shape, lay: Layout, profile: Profile, stage: int, psi_rank: float,
             buckets = [psi_rank]
         else:
             cap = max(1, int(cap_bytes // e))
-            tensors = _rank_tensors(shape, lay, stage)
-            if lay.zero_stage == 0:
+            tensors = _rank_tensors(shape, trn, stage)
+            if opt.data.zero_stage == 0:
                 buckets = _bucket_count(tensors, cap)
             else:  # units: whole layers grouped by the same rule
-                buckets = _bucket_count(_layer_units(tensors, shape, lay, stage), cap)
+                buckets = _bucket_count(_layer_units(tensors, shape, trn, stage), cap)
         cache[key] = buckets
     ct = profile.collective_time
     pad = lambda x: -(-x // n) * n  # noqa: E731
     detail: dict[str, float] = {}
-    if lay.zero_stage == 0:
+    if opt.data.zero_stage == 0:
         times = [ct("all_reduce", n, x * e, link) for x in buckets]
         total = sum(times)
-        hidden = o * min(bwd_window_last, total - times[-1] if lay.overlap_grad_reduce
+        hidden = o * min(bwd_window_last, total - times[-1] if opt.data.overlap_grad_reduce
                          else 0.0)
         detail["all_reduce"] = total
         return total - max(hidden, 0.0), total, detail
     rs = [ct("reduce_scatter", n, pad(x) * e, link) for x in buckets]
     ag = [ct("all_gather", n, pad(x) * e, link) for x in buckets]
     t_rs, t_ag = sum(rs), sum(ag)
-    if lay.zero_stage == 1:
+    if opt.data.zero_stage == 1:
         hidden = o * min(bwd_window_last, t_rs - rs[-1])
         exposed = t_rs - hidden + t_ag
         detail.update(reduce_scatter=t_rs, all_gather=t_ag)
         return exposed, t_rs + t_ag, detail
-    if lay.zero_stage == 2:
+    if opt.data.zero_stage == 2:
         hidden = o * min(bwd_window_each, t_rs - rs[-1])
         exposed = m * (t_rs - hidden) + t_ag
         detail.update(reduce_scatter=m * t_rs, all_gather=t_ag)
@@ -111,8 +114,9 @@ def dp_costs(shape, lay: Layout, profile: Profile, stage: int, psi_rank: float,
     return m * per_mb, m * (2 * t_ag + t_rs), detail
 
 
-def _layer_units(tensors: list[int], shape, lay: Layout, stage: int) -> list[int]:
+def _layer_units(tensors: list[int], shape, trn: Training, stage: int) -> list[int]:
     """Group a rank's tensors into layer units: embedding, each block, head."""
+    lay = trn.layout
     layers = shape.l // lay.pp
     first = 2 if (stage == 0 and getattr(shape, "position_embeddings", True)) else \
         (1 if stage == 0 else 0)
@@ -149,9 +153,10 @@ def _call(fn, *args, **kw):
 _STAGES: dict = {}
 
 
-def _stage_params(shape, lay: Layout) -> list[dict]:
+def _stage_params(shape, trn: Training) -> list[dict]:
     """``analytic.params.stage_params`` of the layout, cached (the planner asks again and
     again for the same degrees)."""
+    lay = trn.layout
     key = (shape, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
     hit = _STAGES.get(key)
     if hit is None:
@@ -163,15 +168,16 @@ def _stage_params(shape, lay: Layout) -> list[dict]:
     return hit
 
 
-def memory_per_rank(shape, lay: Layout) -> tuple[float, dict]:
+def memory_per_rank(shape, trn: Training) -> tuple[float, dict]:
     """(bytes, detail) of the most loaded pipeline rank: model states + activations."""
+    lay, opt = trn.layout, trn.options
     from ..analytic import activations, memory
-    e = _e(lay.dtype)
-    acc = lay.accounting or ("fp32_adamw" if e == 4 else "mixed_adam")
-    stages = _stage_params(shape, lay)
+    e = _e(trn.dtype)
+    acc = trn.accounting or ("fp32_adamw" if e == 4 else "mixed_adam")
+    stages = _stage_params(shape, trn)
     s_l = shape.s // lay.cp
     per_layer = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size, shape.h,
-                      shape.a, lay.tp, lay.sp and lay.tp > 1, lay.recompute, shape.f,
+                      shape.a, lay.tp, opt.tensor.sp and lay.tp > 1, opt.recompute, shape.f,
                       bytes_per_element=e, kv_hidden=_kv(shape),
                       mlp=getattr(shape, "mlp", "gelu"))
     p, m, v = lay.pp, lay.num_microbatches, lay.vpp
@@ -182,20 +188,19 @@ def memory_per_rank(shape, lay: Layout) -> tuple[float, dict]:
     for st in stages:
         r = st["stage"]
         if shape.moe:
-            dense = memory.zero_model_states(st["dense"], lay.dp * lay.cp, lay.zero_stage,
+            dense = memory.zero_model_states(st["dense"], lay.dp * lay.cp, opt.data.zero_stage,
                                              acc).total
-            expert = memory.zero_model_states(st["expert"], edp, lay.zero_stage, acc).total
+            expert = memory.zero_model_states(st["expert"], edp, opt.data.zero_stage, acc).total
             states = dense + expert
         else:
-            states = memory.zero_model_states(st["total"], lay.dp * lay.cp, lay.zero_stage,
+            states = memory.zero_model_states(st["total"], lay.dp * lay.cp, opt.data.zero_stage,
                                               acc).total
         inflight = _inflight(lay.schedule, p, m, r, v)
-        factor = 1 + (p - 1) / (p * v) if (v > 1 and r == 0) else 1.0
-        acts = per_layer * layers_here * inflight * factor / (1 if v == 1 else 1)
-        if lay.recompute == "full":
+        acts = per_layer * layers_here * inflight
+        if opt.recompute == "full":
             # the one layer being recomputed holds its full activations meanwhile
             full = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size,
-                         shape.h, shape.a, lay.tp, lay.sp and lay.tp > 1, "none", shape.f,
+                         shape.h, shape.a, lay.tp, opt.tensor.sp and lay.tp > 1, "none", shape.f,
                          bytes_per_element=e, kv_hidden=_kv(shape),
                          mlp=getattr(shape, "mlp", "gelu"))
             acts += full
@@ -211,16 +216,9 @@ def memory_per_rank(shape, lay: Layout) -> tuple[float, dict]:
 
 
 def _inflight(name: str, p: int, m: int, rank: int, v: int) -> float:
-    """Micro-batches whose activations rank ``rank`` holds at its peak."""
+    """Micro-batches' worth of the rank's layers whose activations rank ``rank`` holds at
+    its peak: the schedule's memory rule (``ScheduleSpec.memory``, the paper's)."""
     if p == 1:
         return 1
-    try:
-        from ..schedules import max_inflight
-        k = max_inflight(name, p, m, rank)
-        if k is not None:
-            return k
-    except Exception:  # noqa: BLE001 - unknown schedule names fall back below
-        pass
-    if name == "gpipe":
-        return m
-    return min(m, p - rank) if v == 1 else min(m, p)
+    from ..schedules import get_spec
+    return get_spec(name).memory(p, m, v, rank)

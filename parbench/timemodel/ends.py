@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .costs import (_cache, _comm_time, _Costs, _e, _embed_inventory, _gated,
                     _head_inventory, _kv, _LinkFn, _part_ratio, _vocab)
-from .layout import Layout
+from .layout import Training
 from .profile import Profile
 
 
@@ -17,16 +17,17 @@ from .profile import Profile
 
 
 
-def _ends(shape, lay: Layout, profile: Profile) -> tuple[_Costs, _Costs]:
+def _ends(shape, trn: Training, profile: Profile) -> tuple[_Costs, _Costs]:
     """(embedding, head) of one micro-batch; the head carries the loss and the micro-batch's
     ``backward()`` call. Where ``calibrate`` timed the ends at this local shape, their sum is
     the measured one, split between the two as the operator count splits it."""
-    key = ("ends", shape, lay.tp, lay.cp, lay.sp, lay.micro_batch_size, lay.dtype,
-           lay.ranks_per_node)
+    lay, opt = trn.layout, trn.options
+    key = ("ends", shape, lay.tp, lay.cp, opt.tensor.sp, lay.micro_batch_size, trn.dtype,
+           trn.ranks_per_node)
     cache = _cache(profile)
     if key in cache:
         return cache[key]
-    tp, dt = lay.tp, lay.dtype
+    tp, dt = lay.tp, trn.dtype
     e = _e(dt)
     b, s_l, h = lay.micro_batch_size, shape.s // lay.cp, shape.h
     T = b * s_l  # noqa: N806
@@ -48,10 +49,10 @@ def _ends(shape, lay: Layout, profile: Profile) -> tuple[_Costs, _Costs]:
     emb = _Costs(f=ef * rf, b=eb * rb, w=ew * rb)
     if tp > 1:
         from ..analytic import comm as acomm
-        link = _LinkFn(profile, lay.ranks_per_node or profile.ranks_per_node)(1, tp)
+        link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(1, tp)
         S = T * h * e  # noqa: N806
         ce = acomm.Transfer("tp", "all_reduce", tp, T * 4, 3)
-        if lay.sp:
+        if opt.tensor.sp:
             fwd = [acomm.Transfer("tp", "all_gather", tp, S, 1), ce]
             bwd = [acomm.Transfer("tp", "all_gather", tp, S, 1),
                    acomm.Transfer("tp", "reduce_scatter", tp, S, 1)]

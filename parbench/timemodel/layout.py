@@ -1,73 +1,57 @@
-"""What the time model reads and returns: ``Layout`` (a parallel layout and its options) and
-``StepTime`` (the predicted step and its breakdown)."""
+"""What the time model reads and returns: ``Training`` (a parallel layout, its options,
+precision and optimizer) and ``StepTime`` (the predicted step and its breakdown)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
+from ..layout import Layout
+from ..options import Options
 
-SCHEDULES_SPLIT_BW = ("zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev")
 
-
-@lru_cache(maxsize=None)
-def splits_backward(schedule: str) -> bool:
-    """True when the schedule runs separate B and W passes (read off a small instance of
-    it: the listed zero-bubble shapes, and any registered later, such as V-Half / V-Min)."""
-    if schedule in SCHEDULES_SPLIT_BW:
-        return True
-    from ..schedules import make_schedule
-    try:
-        sched = make_schedule(schedule, 2, 4)
-    except Exception:  # noqa: BLE001 -- unknown here; the simulator names the problem
-        return False
-    return any(a.kind == "W" for acts in sched.actions for a in acts)
-CP_ALGORITHMS = ("ring", "ring-attention", "ring-self-attention", "ulysses", "allgather",
-                 "usp")
+#: the planner's defaults where they differ from a local case's: one sequence per
+#: micro-batch, Megatron-sized gradient buckets (MiB)
+PLAN_DEFAULTS = {"micro_batch_size": 1, "bucket_mb": 25.0}
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One parallel layout of a training step (the planner's unit).
+class Training:
+    """One way to train a model: the parallel :class:`~parbench.layout.Layout`, the families'
+    :class:`~parbench.options.Options`, the precision and the optimizer -- what the time
+    model prices and the planner ranks.
 
-    The first fields are the planner's API; the rest refine what the closed forms assume:
-    ``cp_algorithm`` (ring | ulysses | allgather | ring-self-attention | usp),
-    ``cp_ulysses`` (USP's Ulysses degree), ``bucket_mb`` (DDP / ZeRO bucket size, MiB;
-    ``inf``: one flat buffer), ``overlap_grad_reduce`` (False: the gradient reduction runs
-    after the backward, as the context-parallel schemes do), ``etp`` (expert tp, 0 = tp),
-    ``accounting`` (``analytic.memory`` name; None: by dtype), ``optimizer`` (adamw | sgd),
-    ``ranks_per_node`` (None: the profile's).
+    ``dtype``: bf16 | fp32; ``optimizer``: adamw | sgd; ``accounting``: an
+    ``analytic.memory`` name (None: by dtype); ``ranks_per_node``: None for the profile's.
+    The options the time model reads: ``sp``, ``zero_stage``, ``recompute``,
+    ``cp_algorithm`` and ``cp_ulysses``, ``bucket_mb`` (``inf``: one flat buffer) and
+    ``overlap_grad_reduce`` (False: the reduction runs after the backward, as the
+    context-parallel schemes do).
     """
 
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    sp: bool = False
-    schedule: str = "1f1b"
-    zero_stage: int = 0
-    recompute: str = "none"
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
+    layout: Layout = field(default_factory=lambda: Layout(micro_batch_size=1))
+    options: Options = field(default_factory=lambda: Options().with_values(bucket_mb=25.0))
     dtype: str = "bf16"
-    cp_algorithm: str = "ring"
-    cp_ulysses: int = 1
-    bucket_mb: float = 25.0
-    overlap_grad_reduce: bool = True
-    etp: int = 0
-    accounting: str | None = None
     optimizer: str = "adamw"
+    accounting: str | None = None
     ranks_per_node: int | None = None
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+    @classmethod
+    def of(cls, **fields: Any) -> "Training":
+        """From bare names, as a command line gives them: layout fields, option names and
+        this record's own (``Training.of(tp=8, pp=4, sp=True, zero_stage=1)``); the rest
+        take :data:`PLAN_DEFAULTS` and the defaults."""
+        return cls().with_values(**fields)
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * self.dp
+    def with_values(self, **fields: Any) -> "Training":
+        """A copy with bare-named fields changed (layout, options or this record's)."""
+        lay_names = {f.name for f in dataclasses.fields(Layout)}
+        own = {f.name for f in dataclasses.fields(self)} - {"layout", "options"}
+        lay = {k: v for k, v in fields.items() if k in lay_names}
+        mine = {k: v for k, v in fields.items() if k in own}
+        opts = {k: v for k, v in fields.items() if k not in lay_names | own}
+        return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **lay),
+                                   options=self.options.with_values(**opts), **mine)
 
 
 @dataclass

@@ -64,7 +64,8 @@ import math
 from .costs import _cache, _Costs, _e, layer_costs, _LinkFn
 from .dp_memory import dp_costs, memory_per_rank, _rank_tensors, _stage_params
 from .ends import _ends
-from .layout import CP_ALGORITHMS, Layout, StepTime, splits_backward
+from ..schedules import WeightRule, get_spec
+from .layout import StepTime, Training
 from .pipeline_time import busy_bound, pipeline_time
 from .profile import Profile
 
@@ -72,34 +73,15 @@ from .profile import Profile
 # the step
 # ---------------------------------------------------------------------------------------
 
-def _validate(shape, lay: Layout) -> None:
-    for name in ("tp", "cp", "ep", "dp", "pp", "vpp", "micro_batch_size", "num_microbatches"):
-        v = getattr(lay, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
-    if shape.a % lay.tp:
-        raise ValueError(f"tp={lay.tp} does not divide num_heads={shape.a}")
-    if shape.f % lay.tp:
-        raise ValueError(f"tp={lay.tp} does not divide ffn_hidden_size={shape.f}")
-    if shape.s % lay.cp:
-        raise ValueError(f"cp={lay.cp} does not divide seq_length={shape.s}")
-    if shape.l % (lay.pp * lay.vpp):
-        raise ValueError(f"pp*vpp={lay.pp * lay.vpp} does not divide "
-                         f"num_layers={shape.l}")
-    if lay.ep > 1 and (not shape.moe or shape.num_experts % lay.ep):
-        raise ValueError(f"ep={lay.ep} does not divide num_experts={shape.num_experts}")
-    if lay.recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={lay.recompute!r} must be none, selective or full")
-    if lay.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={lay.zero_stage} must be 0, 1, 2 or 3")
-    if lay.cp_algorithm not in CP_ALGORITHMS:
-        raise ValueError(f"cp_algorithm={lay.cp_algorithm!r} must be one of "
-                         f"{', '.join(CP_ALGORITHMS)}")
-    _e(lay.dtype)
+def _validate(shape, trn: Training) -> None:
+    """The layout's rules (``Layout.check_model``, stated once) and the dtype."""
+    lay, opt = trn.layout, trn.options
+    lay.check_model(shape, sp=opt.tensor.sp)
+    _e(trn.dtype)
 
 
-def predict_step(shape, layout: Layout, profile: Profile, bound: bool = False) -> StepTime:
-    """The predicted step time of ``layout`` for model ``shape`` on ``profile``'s devices
+def predict_step(shape, training: Training, profile: Profile, bound: bool = False) -> StepTime:
+    """The predicted step time of ``training`` for model ``shape`` on ``profile``'s devices
     (module doc for every rule). ``shape``: a :class:`parbench.analytic.shape.Shape` (or any
     object ``shape_from`` reads).
 
@@ -109,14 +91,14 @@ def predict_step(shape, layout: Layout, profile: Profile, bound: bool = False) -
     from ..analytic.shape import Shape, shape_from
     if not isinstance(shape, Shape):
         shape = shape_from(shape)
-    lay = layout
-    _validate(shape, lay)
-    key = ("step", shape, lay, bound)
+    trn = training
+    _validate(shape, trn)
+    key = ("step", shape, trn, bound)
     cache = _cache(profile)
     hit = cache.get(key)
     if hit is not None:
         return hit
-    st = _predict(shape, lay, profile, bound)
+    st = _predict(shape, trn, profile, bound)
     if len(cache) > 200000:
         cache.clear()
     cache[key] = st
@@ -129,18 +111,19 @@ def _moe_layers(shape) -> frozenset:
         else frozenset()
 
 
-def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepTime:
+def _predict(shape, trn: Training, profile: Profile, bound: bool = False) -> StepTime:
+    lay, opt = trn.layout, trn.options
     from ..analytic import flops as aflops
     notes: list[str] = []
     p, v, m = lay.pp, lay.vpp, lay.num_microbatches
-    e = _e(lay.dtype)
+    e = _e(trn.dtype)
     nstages = p * v
     per_chunk = shape.l // nstages
     # ---- per virtual stage costs of one micro-batch
     moe_idx = _moe_layers(shape)
-    dense_c = layer_costs(shape, lay, profile, False)
-    moe_c = layer_costs(shape, lay, profile, True) if moe_idx else None
-    emb, head = _ends(shape, lay, profile)
+    dense_c = layer_costs(shape, trn, profile, False)
+    moe_c = layer_costs(shape, trn, profile, True) if moe_idx else None
+    emb, head = _ends(shape, trn, profile)
     stage_costs: list[_Costs] = []
     for vs in range(nstages):
         c = _Costs()
@@ -157,6 +140,7 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
     # micro-batch-level fixed costs (loss scaling, backward() call) on the last stage
     # ---- data-parallel exposure inside the pipeline (ZeRO-2/3 per micro-batch)
     # ---- pipeline
+    spec, rule = None, WeightRule.SYNC  # one stage: no schedule runs
     if p == 1:
         c = stage_costs[0]
         busy = m * (c.tf + c.tb + c.w)
@@ -164,10 +148,13 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
         busy_ranks = [busy]
         p2p = 0.0
     else:
+        # the schedule's facts (split backward, weight rule, placement): its spec
+        spec = get_spec(lay.schedule)
+        rule = spec.weight_rule
         s_p2p = lay.micro_batch_size * (shape.s // lay.cp) * shape.h * e
-        if lay.sp and lay.tp > 1:
+        if opt.tensor.sp and lay.tp > 1:
             s_p2p //= lay.tp
-        link = _LinkFn(profile, lay.ranks_per_node or profile.ranks_per_node)(
+        link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(
             lay.tp * lay.cp * lay.dp, 2)
         p2p = profile.collective_time("send", 2, s_p2p, link)
         # the latency of each cross-rank dependency (in the simulator); a blocking send
@@ -181,46 +168,43 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
                     c.comm_f["pp"] = c.comm_f.get("pp", 0.0) + p2p
                 if vs > 0:
                     c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
-        if splits_backward(lay.schedule):
+        if spec.splits_backward:
             # a split backward's W (Qi et al. 2024, Sec. 2) re-enters the autograd graph once
             # per linear layer (4 per transformer layer, the LM head on the last stage): one
             # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
             for vs, c in enumerate(stage_costs):
                 calls = 4 * per_chunk + (1 if vs == nstages - 1 else 0)
                 c.w += calls * profile.backward_call_s
-        if lay.schedule == "pipedream":
+        if rule is WeightRule.PIPEDREAM:
             # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
             # step after every micro-batch's backward and stashes the new weight version
             for vs, c in enumerate(stage_costs):
-                psi_s, n_t, opt_vs = _optimizer_time(shape, lay, profile, vs)
+                psi_s, n_t, opt_vs = _optimizer_time(shape, trn, profile, vs)
                 c.b += opt_vs + _version_copy(profile, psi_s, n_t)
         if bound:
             # no bound for the V and two-pipe placements: 0, still a lower bound
-            busy_ranks = busy_bound(lay, stage_costs) or [0.0] * p
+            busy_ranks = busy_bound(trn, stage_costs) or [0.0] * p
             makespan = makespan0 = max(busy_ranks)
         else:
-            makespan, makespan0, busy_ranks = _simulated(shape, lay, profile, stage_costs,
+            makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs,
                                                          p2p_latency)
-    # ---- per rank totals (rank r holds virtual stages r, r + p, ...)
-    rank_costs = []
-    for r in range(p):
-        c = _Costs()
-        for vs in range(r, nstages, p):
-            c.add(stage_costs[vs], m)
-        rank_costs.append(c)
+    # ---- per rank totals (the stages the schedule's placement gives each rank)
+    rank_costs = [_Costs() for _ in range(p)]
+    for vs, r, share in _held_stages(spec, p, v, nstages):
+        rank_costs[r].add(stage_costs[vs], m * share)
     crit = max(range(p), key=lambda r: busy_ranks[r] if r < len(busy_ranks) else 0.0)
     rc0 = rank_costs[crit]
     # ---- optimizer and data parallelism, on the critical rank's stage
     n_dp = lay.dp * lay.cp
-    psi, tensors, opt_s = _optimizer_time(shape, lay, profile, crit)
-    if lay.schedule == "pipedream":
+    psi, tensors, opt_s = _optimizer_time(shape, trn, profile, crit)
+    if rule is WeightRule.PIPEDREAM:
         opt_s = 0.0  # every micro-batch's update is inside the pipeline (above)
-    elif lay.schedule == "2bw":
+    elif rule is WeightRule.TWO_BW:
         opt_s += _version_copy(profile, psi, tensors)
     bwd_each = rc0.b + rc0.w
     bwd_each /= max(m, 1)
     fwd_each = rc0.f / max(m, 1)
-    dp_exposed, dp_total, dp_detail = dp_costs(shape, lay, profile, crit, psi,
+    dp_exposed, dp_total, dp_detail = dp_costs(shape, trn, profile, crit, psi,
                                                bwd_each, bwd_each, fwd_each, tensors)
     # the step's loss, averaged over the ranks that hold replicas of it (every scheme
     # reports the global mean, as Megatron averages the loss over data parallelism)
@@ -228,7 +212,7 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
     loss_s = 0.0
     if n_loss > 1:
         stride = lay.tp if lay.pp == 1 else lay.tp * lay.cp * lay.dp
-        link = _LinkFn(profile, lay.ranks_per_node or profile.ranks_per_node)(
+        link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(
             lay.tp, n_loss if lay.pp == 1 else stride * lay.pp // max(lay.tp, 1))
         loss_s = profile.collective_time("all_reduce", n_loss, 8, link)
     elif lay.tp > 1:
@@ -255,10 +239,10 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
     tokens = B * shape.s
     model_flops = aflops.shape_training_flops(shape, B, recompute=False)
     world = lay.world_size
-    peak = profile.peak_flops(lay.dtype)
+    peak = profile.peak_flops(trn.dtype)
     mfu = model_flops / (step * world * peak) if step > 0 else 0.0
     # ---- memory
-    mem, mem_detail = memory_per_rank(shape, lay)
+    mem, mem_detail = memory_per_rank(shape, trn)
     dev = profile.memory_bytes or math.inf
     fits = mem <= dev
     if not fits:
@@ -301,27 +285,39 @@ def _predict(shape, lay: Layout, profile: Profile, bound: bool = False) -> StepT
                     heaviest_axis=heaviest, notes=notes, breakdown=breakdown)
 
 
-def _optimizer_time(shape, lay: Layout, profile: Profile, rank: int
+def _held_stages(spec, p: int, v: int, nstages: int) -> list[tuple[int, int, float]]:
+    """``(stage, rank, share of the m micro-batches)`` for every stage the schedule's
+    placement holds (two replicas: each takes half); stage s on rank s % p without a
+    schedule or when the stage count does not fit its placement."""
+    if spec is None or spec.placement.num_stages(p, v) != nstages:
+        return [(vs, vs % p, 1.0) for vs in range(nstages)]
+    pipes = spec.placement.pipes
+    return [(stage, rank, 1.0 / pipes)
+            for (_, stage), rank in spec.placement.ranks(p, v).items()]
+
+
+def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
                     ) -> tuple[float, int, float]:
     """(parameters, parameter tensors, seconds of one optimizer step) of pipeline ``rank``:
     AdamW per tensor and per element of the rank's shard (ZeRO >= 1 steps 1/(dp cp) of it,
     in a few flat buffers)."""
-    psi = float(_stage_params(shape, lay)[rank]["total"])
+    lay, opt = trn.layout, trn.options
+    psi = float(_stage_params(shape, trn)[rank]["total"])
     tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, rank)
     pcache = _cache(profile)
     tensors = pcache.get(tkey)
     if tensors is None:
-        tensors = pcache[tkey] = len(_rank_tensors(shape, lay, rank)) if not shape.moe else \
+        tensors = pcache[tkey] = len(_rank_tensors(shape, trn, rank)) if not shape.moe else \
             int(12 * shape.l / lay.pp + 5)
     n_dp = lay.dp * lay.cp
-    shard = psi / n_dp if (lay.zero_stage >= 1 and n_dp > 1) else psi
-    opt_tensors = tensors if (lay.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
+    shard = psi / n_dp if (opt.data.zero_stage >= 1 and n_dp > 1) else psi
+    opt_tensors = tensors if (opt.data.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
     per_el = profile.optimizer.get("per_element_s")
     if per_el is None:
         per_el = profile.optimizer.get("bytes_per_element", 32.0) / (profile.mem_bandwidth
                                                                       or 1e11)
     opt_s = opt_tensors * profile.optimizer.get("per_tensor_s", 0.0) + shard * per_el
-    if lay.optimizer == "sgd":
+    if trn.optimizer == "sgd":
         opt_s *= 0.4
     return psi, tensors, opt_s
 
@@ -332,10 +328,11 @@ def _version_copy(profile: Profile, psi: float, tensors: int) -> float:
     return profile.mem_time(2 * 4 * psi, tensors)
 
 
-def _simulated(shape, lay: Layout, profile: Profile, stage_costs, p2p_s: float):
+def _simulated(shape, trn: Training, profile: Profile, stage_costs, p2p_s: float):
     """``pipeline_time``, with a schedule the simulator refuses named in the error."""
+    lay = trn.layout
     try:
-        return pipeline_time(shape, lay, profile, stage_costs, p2p_s)
+        return pipeline_time(shape, trn, profile, stage_costs, p2p_s)
     except Exception as exc:  # noqa: BLE001 - a schedule the simulator refuses
         raise ValueError(f"schedule={lay.schedule!r} with pp={lay.pp}, vpp={lay.vpp}, "
                          f"num_microbatches={lay.num_microbatches}: {exc}") from None

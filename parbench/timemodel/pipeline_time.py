@@ -6,7 +6,8 @@ from functools import lru_cache
 import math
 
 from .costs import _Costs
-from .layout import Layout, splits_backward
+from ..schedules import get_spec
+from .layout import Training
 from .profile import Profile
 
 
@@ -32,7 +33,7 @@ def _simulate(name: str, p: int, m: int, v: int, tf: tuple, tb: tuple, tw: tuple
     """(makespan, busy per rank) of schedule ``name`` with per-virtual-stage costs."""
     from ..schedules import simulate
     sched = _schedule(name, p, m, v)
-    split = splits_backward(name)
+    split = get_spec(name).splits_backward
     stages = len(tf)
 
     def per(vals):
@@ -52,16 +53,18 @@ def _stage_map(name: str, p: int, v: int) -> int:
     return p * v
 
 
-def pipeline_time(shape, lay: Layout, profile: Profile, stage_costs: list[_Costs],
+def pipeline_time(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
                   p2p_s: float) -> tuple[float, float, list[float]]:
     """(makespan, makespan without p2p latency, busy per rank) of the schedule, simulated
     with normalised costs (cached), or in closed form for very long schedules."""
+    lay = trn.layout
     p, m, v = lay.pp, lay.num_microbatches, lay.vpp
     name = lay.schedule
+    spec = priced_spec(name)
     tf = [c.tf for c in stage_costs]
     tb = [c.tb for c in stage_costs]
     tw = [c.w for c in stage_costs]
-    if not splits_backward(name):
+    if not spec.splits_backward:
         tb = [x + y for x, y in zip(tb, tw)]
         tw = [0.0] * len(tw)
     unit = max(sum(tf) / len(tf), 1e-12)
@@ -69,7 +72,7 @@ def pipeline_time(shape, lay: Layout, profile: Profile, stage_costs: list[_Costs
         # closed form (GPipe / 1F1B, PTD-P Sec. 2.2): the busiest rank's work plus the fill
         # and drain of p - 1 chunks, and the p2p latency of the fill and the drain
         per = [a + b + w for a, b, w in zip(tf, tb, tw)]
-        busy = [m * sum(per[r::p]) for r in range(p)]
+        busy = _rank_work(spec, p, m, v, per) or [m * sum(per[r::p]) for r in range(p)]
         comp = max(busy) + (p - 1) * sum(per) / len(per)
         return comp + 2 * (p - 1) * p2p_s, comp, busy
     # long schedules: 2 significant figures (a few % per stage cost) keep the number of
@@ -83,28 +86,31 @@ def pipeline_time(shape, lay: Layout, profile: Profile, stage_costs: list[_Costs
     return ms * unit, ms0 * unit, [x * unit for x in busy]
 
 
-#: schedules whose ranks hold virtual stages r, r + p, ... of one pipe, every micro-batch
-#: passing each stage once (what ``busy_bound`` assumes)
-_LOOPED = frozenset(("gpipe", "1f1b", "interleaved", "bfs", "zb-h1", "zb-h2", "pipedream",
-                     "2bw"))
+def priced_spec(name: str):
+    """The spec of schedule ``name``; ValueError naming it and why when the time model
+    cannot price it (``ScheduleSpec.unpriced``)."""
+    spec = get_spec(name)
+    if not spec.priced:
+        raise ValueError(f"schedule={name!r} is not priced by the time model: {spec.unpriced}")
+    return spec
 
 
-#: rank r holds stages r and 2p - 1 - r (the V shapes)
-_V = frozenset(("zbv", "dualpipev"))
-#: two pipes, m / 2 micro-batches each: rank r holds stage r of one and p - 1 - r of the other
-_TWO_PIPES = frozenset(("chimera", "dualpipe"))
+def _rank_work(spec, p: int, m: int, v: int, per: list[float]) -> list[float] | None:
+    """Each rank's work: every stage it holds (the spec's placement) times the micro-batches
+    of that stage's replica (m, or m / 2 for each of two replicas); None when ``per`` does
+    not hold one cost per stage of the placement."""
+    placement = spec.placement
+    if len(per) != placement.num_stages(p, v):
+        return None
+    busy = [0.0] * p
+    for (_, stage), rank in placement.ranks(p, v).items():
+        busy[rank] += m / placement.pipes * per[stage]
+    return busy
 
 
-def busy_bound(lay: Layout, stage_costs: list[_Costs]) -> list[float] | None:
+def busy_bound(trn: Training, stage_costs: list[_Costs]) -> list[float] | None:
     """Each rank's busy time (its actions' costs, no waiting), a lower bound of any
-    schedule's makespan; None for a schedule whose placement is not listed here."""
-    p, m = lay.pp, lay.num_microbatches
+    schedule's makespan; None when the stage costs do not fit the schedule's placement."""
+    lay = trn.layout
     per = [c.tf + c.tb + c.w for c in stage_costs]
-    if lay.schedule in _LOOPED:
-        return [m * sum(per[r::p]) for r in range(p)]
-    if lay.schedule in _V and len(per) == 2 * p:
-        return [m * (per[r] + per[2 * p - 1 - r]) for r in range(p)]
-    if lay.schedule in _TWO_PIPES and len(per) == p:
-        return [m / 2 * (per[r] + per[p - 1 - r]) for r in range(p)]
-    return None
-
+    return _rank_work(priced_spec(lay.schedule), lay.pp, lay.num_microbatches, lay.vpp, per)

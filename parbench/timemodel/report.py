@@ -6,15 +6,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .model import Layout, StepTime
+from .layout import Training
+from .model import StepTime
 from .profile import Profile
 
 GB = 1e9
 
 
-def layout_from_estimate(inputs: dict, extra: dict) -> Layout:
-    """The :class:`Layout` of an ``analytic.estimate`` result's ``inputs`` (plus ``schedule``
-    and the other time-model options given on the command line)."""
+def layout_from_estimate(inputs: dict, extra: dict) -> Training:
+    """The :class:`Training` of an ``analytic.estimate`` result's ``inputs`` (plus
+    ``schedule`` and the other time-model options given on the command line)."""
     e = inputs.get("bytes_per_element", 2)
     kw = dict(tp=inputs.get("tp", 1), cp=inputs.get("cp", 1), ep=inputs.get("ep", 1),
               dp=inputs.get("dp", 1), pp=inputs.get("pp", 1), vpp=inputs.get("vpp", 1),
@@ -28,7 +29,7 @@ def layout_from_estimate(inputs: dict, extra: dict) -> Layout:
     kw.update(extra)
     if kw["vpp"] > 1 and "schedule" not in extra:
         kw["schedule"] = "interleaved"
-    return Layout(**kw)
+    return Training.of(**kw)
 
 
 def _gb(x: float) -> str:
@@ -43,23 +44,23 @@ def _s(x: float) -> str:
     return f"{x * 1e6:,.3g} us"
 
 
-def summary(model: str, shape, lay: Layout, st: StepTime | None, profile: Profile | None,
+def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Profile | None,
             result: dict) -> list[str]:
     """The lines of the at-a-glance summary (rich markup)."""
+    lay, opt = trn.layout, trn.options
     from ..analytic.params import total_params
     try:
         n = total_params(shape)
     except Exception:  # noqa: BLE001 - a shape the param count refuses: leave it out
         n = float("nan")
-    deg = " ".join(f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep", "dp", "pp")
-                   if getattr(lay, k) > 1) or "one device"
+    deg = " ".join(f"{k}={n}" for k, n in lay.degrees().items() if n > 1) or "one device"
     extra = [f"vpp={lay.vpp}"] if lay.vpp > 1 else []
-    if lay.sp:
+    if opt.tensor.sp:
         extra.append("sp")
-    if lay.zero_stage:
-        extra.append(f"ZeRO-{lay.zero_stage}")
-    if lay.recompute != "none":
-        extra.append(f"recompute={lay.recompute}")
+    if opt.data.zero_stage:
+        extra.append(f"ZeRO-{opt.data.zero_stage}")
+    if opt.recompute != "none":
+        extra.append(f"recompute={opt.recompute}")
     if lay.pp > 1:
         extra.append(f"schedule={lay.schedule}")
     B = lay.global_batch_size  # noqa: N806
@@ -68,7 +69,7 @@ def summary(model: str, shape, lay: Layout, st: StepTime | None, profile: Profil
              + f" on {lay.world_size:,} devices; global batch {B:,} x {shape.s:,} tokens "
              f"({lay.num_microbatches} micro-batch{'es' if lay.num_microbatches > 1 else ''} "
              f"of {lay.micro_batch_size} per dp rank), "
-             f"{lay.dtype}"]
+             f"{trn.dtype}"]
     if st is None or profile is None:
         mem = _analytic_memory(result)
         if mem is not None:
@@ -142,11 +143,12 @@ def breakdown_rows(st: StepTime) -> list[tuple[str, str]]:
     for k, v in dp.items():
         rows.append((f"dp {k}", _s(v)))
     pm = b.get("per_microbatch", {})
-    lay = pm.get("layer", {})
+    layer = pm.get("layer", {})
     for k in ("fwd_s", "bwd_input_s", "bwd_weight_s", "recompute_s"):
-        rows.append((f"one layer, one micro-batch: {k[:-2].replace('_', ' ')}", _s(lay.get(k, 0.0))))
+        rows.append((f"one layer, one micro-batch: {k[:-2].replace('_', ' ')}",
+                     _s(layer.get(k, 0.0))))
     for k in ("comm_fwd_s", "comm_bwd_s"):
-        for ax, v in (lay.get(k) or {}).items():
+        for ax, v in (layer.get(k) or {}).items():
             rows.append((f"one layer, one micro-batch: {ax} {k[5:8]}", _s(v)))
     for name in ("embedding", "head"):
         d = pm.get(name, {})
@@ -172,10 +174,10 @@ def breakdown_rows(st: StepTime) -> list[tuple[str, str]]:
     return rows
 
 
-def as_json(st: StepTime, lay: Layout, profile: Profile) -> dict[str, Any]:
+def as_json(st: StepTime, trn: Training, profile: Profile) -> dict[str, Any]:
     from dataclasses import asdict
     d = st.as_dict()
     d["layout"] = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
-                   for k, v in asdict(lay).items()}
+                   for k, v in asdict(trn).items()}
     d["device"] = profile.summary()
     return d

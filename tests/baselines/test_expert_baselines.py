@@ -95,7 +95,7 @@ def test_megatron_moe_top2_with_both_losses_equals_golden_and_native(pools):
         assert abs(a - b) <= LOSS_AGREE * abs(a), (ours.losses, theirs.losses)
     pred = get_scheme("expert.alltoall").predict(case)
     f = pred.figures
-    per = f["moe_layers"] * case.parallel.num_microbatches
+    per = f["moe_layers"] * case.layout.num_microbatches
     probs = f["a2a_message_bytes"] // case.model.hidden_size  # E C fp32 probabilities
     for r in per_rank:
         assert r.calls_by_axis_per_step[-1]["ep"] == pred.calls[r.rank]["ep"] + 2 * per

@@ -29,7 +29,7 @@ USER_DDP = textwrap.dedent('''
         def train_step(self, inputs, targets, step):
             x = dp_slice(inputs, self.index, self.dp)
             y = dp_slice(targets, self.index, self.dp)
-            mbs = microbatches(x, y, self.ctx.parallel.num_microbatches)
+            mbs = microbatches(x, y, self.ctx.layout.num_microbatches)
             total = 0.0
             for xm, ym in mbs:
                 loss = self.model(xm, ym) / len(mbs)

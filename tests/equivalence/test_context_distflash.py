@@ -36,9 +36,10 @@ def check_row(case, merged, per_rank) -> dict:
     assert not merged.uncovered
     assert_exact(case, per_rank)
     m = per_rank[0].metrics
-    p = case.parallel
+    p = case.layout
     assert _per_cp(m["attention_blocks_per_cp_rank"]) == closed.blocks_per_worker(p.cp)
-    fwd = case.model.num_layers * p.num_microbatches * (2 if p.recompute == "selective" else 1)
+    passes = 2 if case.options.recompute == "selective" else 1
+    fwd = case.model.num_layers * p.num_microbatches * passes
     assert m["attention_forwards_per_step"] == fwd == m["attention_forwards_per_step_predicted"]
     return m
 

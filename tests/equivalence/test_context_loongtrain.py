@@ -38,8 +38,8 @@ def test_loongtrain_matches_golden_with_exact_bytes(pools, scheme, ov):
     assert merged.equivalent, (merged.max_loss_abs, merged.max_grad_abs, merged.max_param_abs)
     assert not merged.uncovered
     assert_exact(case, per_rank)
-    w = case.parallel.cp_window
-    c = case.parallel.cp // case.parallel.cp_ulysses
+    w = case.options.context.cp_window
+    c = case.layout.cp // case.options.context.cp_ulysses
     hops = {a for r in per_rank for a, v in r.wire_by_axis_per_step[0].items() if v}
     assert ("cp_inner" in hops) == (w > 1) and ("cp_outer" in hops) == (c // w > 1), hops
 

@@ -26,8 +26,11 @@ def ddp_cases(draw):
 @given(ddp_cases())
 def test_ddp_equals_golden_and_bytes_are_exact(pools, case):
     merged, per_rank = run_on_pool(pools, case)
+    # the loss is held by the verdict's rule inside merged.equivalent: |ours - golden| <=
+    # atol + rtol |golden| every step (RunConfig: 1e-6 + 1e-5 x ~ln(128) ~ 5e-5 on the tiny
+    # model); a hand-picked absolute 1e-5 here was 5x tighter than that rule on a loss
+    # averaged over ranks in another order
     assert merged.equivalent, merged
-    assert merged.max_loss_abs <= 1e-5
     pred = NativeDDP.predict(case)
     for r, res in enumerate(per_rank):
         assert res.model_state_bytes == pred.model_state_bytes[r], r

@@ -40,7 +40,7 @@ def assert_exact(case, per_rank) -> None:
     assert m["capacity"] == m["capacity_predicted"]
     assert m["a2a_per_moe_layer"] == m["a2a_per_moe_layer_predicted"]
     assert m["a2a_wire_bytes_per_moe_layer"] == m["a2a_wire_bytes_per_moe_layer_predicted"]
-    if case.parallel.ep > 1:
+    if case.layout.ep > 1:
         assert m["a2a_message_bytes"] == m["a2a_message_bytes_predicted"]
 
 
@@ -70,6 +70,10 @@ def test_expert_alltoall_matches_golden_with_exact_bytes(pools, case):
 def test_moe_tokens_equals_the_reference_layer(k, cf, groups):
     """One process, every expert local: output, input gradient and every parameter gradient
     of ``moe_tokens`` equal ``parbench.moe.MoE`` on the same tokens and routing groups."""
+    # Tolerance: the verdict's rule with RunConfig's rtol/atol, tensor-wise (see
+    # tests.helpers.assert_close_by_the_verdict), not torch's elementwise assert_close
+    # defaults: the two layers sum the router gradient over tokens in different orders, and
+    # that reduction noise (2.1e-5 on an AMD EPYC at max|grad| ~170) scales with the tensor.
     cfg = ModelConfig(num_experts=4, moe_top_k=k, moe_capacity_factor=cf,
                       moe_z_loss_coef=1e-2)
     stats, ref = moe_layer_against_reference(cfg, b=2 * groups, s=8)

@@ -63,7 +63,8 @@ layouts = st.sampled_from([
 @settings(max_examples=6, deadline=None)
 def test_hybrid_matches_golden_with_exact_bytes(pools, lay, sp, kind, recompute, schedule,
                                                 experts, top_k, cf, every, ep, zero):
-    ov = dict(lay, sp=sp and lay.get("tp", 1) > 1, cp_kind=kind, recompute=recompute,
+    ov = dict(lay, sp=sp and lay.get("tp", 1) > 1, cp_algorithm=kind,
+              recompute=recompute,
               schedule=schedule if lay.get("pp", 1) > 1 else "1f1b", zero_stage=zero)
     if schedule in ("interleaved", "zbv", "dualpipev") and lay.get("pp", 1) > 1:
         ov.update(vpp=2)
@@ -123,7 +124,7 @@ def test_zero_stages_over_dp_cp_and_edp(pools, ov):
 @pytest.mark.parametrize("ov, msg", [
     ({"tp": 2, "ep": 2, "num_experts": 4, "dp": 2}, "set etp=1"),
     ({"pp": 2, "schedule": "pipedream", "num_microbatches": 2}, "asynchronously"),
-    ({"tp": 2, "cp_kind": "ring"}, "cp_kind"),
+    ({"tp": 2, "cp_algorithm": "usp"}, "cp_algorithm"),
     ({"dp": 2, "optimizer": "sgd"}, "AdamW"),
 ])
 def test_bad_hybrid_cases_are_rejected_before_spawning(ov, msg):

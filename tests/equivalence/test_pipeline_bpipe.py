@@ -44,7 +44,7 @@ def check_bpipe(pools, case: CaseConfig) -> dict:
                                  [pred.calls_at(step)[r]]), (r, step)
             assert figures_equal([res.model_states_per_step[step]],
                                  [pred.model_state_bytes[r]]), (r, step)
-    p, m, b = P, case.parallel.num_microbatches, case.parallel.micro_batch_size
+    p, m, b = P, case.layout.num_microbatches, case.layout.micro_batch_size
     shape = shape_from(case.model)
     a0 = closed.saved_bytes_per_microbatch(shape, b, p, 0)
     # every evict message is one micro-batch's activations on stage 0

@@ -13,8 +13,8 @@ from parbench.overrides import apply_overrides
 def test_overrides_bare_and_dotted_keys():
     c = apply_overrides(CaseConfig(), {"model": "tiny-4l", "parallel.pp": "2", "dp": "3",
                                        "lr": "0.01", "sp": "true"})
-    assert c.model.num_layers == 4 and c.parallel.pp == 2 and c.parallel.dp == 3
-    assert c.run.lr == 0.01 and c.parallel.sp is True
+    assert c.model.num_layers == 4 and c.layout.pp == 2 and c.layout.dp == 3
+    assert c.run.lr == 0.01 and c.options.tensor.sp is True
 
 
 @pytest.mark.parametrize("ov, msg", [
@@ -35,14 +35,14 @@ def test_bad_overrides_name_the_field(ov, msg):
     ({"num_heads": "5"}, "num_heads=5 does not divide hidden_size=32"),
     ({"pp": "3"}, "pp*vpp=3 does not divide num_layers=2"),
     ({"dp": "4", "ep": "3"}, "ep=3 does not divide cp*dp=4"),
-    ({"zero_stage": "4"}, "zero_stage=4 must be 0, 1, 2 or 3"),
+    ({"zero_stage": "4"}, "zero_stage=4 must be one of 0, 1, 2, 3"),
     ({"steps": "0"}, "steps=0 must be >= 1"),
     ({"optimizer": "lamb"}, "optimizer='lamb' must be adamw or sgd"),
 ])
 def test_rules(ov, msg):
-    c = apply_overrides(CaseConfig(), ov)
+    """A broken rule fails where the case is built or validated -- before any rank."""
     with pytest.raises(ConfigError) as e:
-        validate_case(c)
+        validate_case(apply_overrides(CaseConfig(), ov))
     assert msg in str(e.value)
 
 
@@ -61,12 +61,12 @@ def test_megatron_arguments():
             "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
             "--ffn-hidden-size", "256"]
     c = from_megatron_args(argv, world_size=8)
-    assert (c.parallel.tp, c.parallel.pp, c.parallel.dp) == (2, 2, 2)
-    assert c.parallel.vpp == 2  # 8 layers / 2 stages / 2 layers per virtual stage
-    assert c.parallel.num_microbatches == 4  # 16 / (2 * 2)
-    assert c.parallel.sp and c.model.ffn_hidden_size == 256 and c.model.num_heads == 8
+    assert (c.layout.tp, c.layout.pp, c.layout.dp) == (2, 2, 2)
+    assert c.layout.vpp == 2  # 8 layers / 2 stages / 2 layers per virtual stage
+    assert c.layout.num_microbatches == 4  # 16 / (2 * 2)
+    assert c.options.tensor.sp and c.model.ffn_hidden_size == 256 and c.model.num_heads == 8
     validate_case(c, 8)
-    with pytest.raises(ConfigError, match="--global-batch-size=15 is not a multiple"):
+    with pytest.raises(ConfigError, match="--global-batch-size=15: .* not a positive multiple"):
         from_megatron_args(["--micro-batch-size", "2", "--global-batch-size", "15"], 1)
     with pytest.raises(ConfigError, match="'--foo' is not supported"):
         from_megatron_args(["--foo", "1"])
@@ -78,8 +78,8 @@ def test_deepspeed_json():
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.99],
                                                     "weight_decay": 0.1}}}
     c = from_deepspeed_json(json.dumps(cfg), world_size=4)
-    assert (c.parallel.micro_batch_size, c.parallel.num_microbatches, c.parallel.dp) == (2, 3, 4)
-    assert c.parallel.zero_stage == 2 and c.run.dtype == "bf16"
+    assert (c.layout.micro_batch_size, c.layout.num_microbatches, c.layout.dp) == (2, 3, 4)
+    assert c.options.data.zero_stage == 2 and c.run.dtype == "bf16"
     assert (c.run.lr, c.run.beta2, c.run.weight_decay) == (3e-4, 0.99, 0.1)
     cfg["train_batch_size"] = 25
     with pytest.raises(ConfigError, match="train_batch_size=25"):

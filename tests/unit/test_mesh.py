@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parbench.mesh import MeshLayout
+from parbench.layout import Layout
 
 megatron_ps = pytest.importorskip(
     "megatron.core.parallel_state",
@@ -25,7 +25,7 @@ def degrees(draw):
 
 @given(degrees())
 def test_layout_matches_megatron_core(deg):
-    layout = MeshLayout(**deg)
+    layout = Layout(**deg)
     dense = megatron_ps.RankGenerator(tp=deg["tp"], ep=1, dp=deg["dp"], pp=deg["pp"],
                                       cp=deg["cp"], order="tp-cp-ep-dp-pp")
     for ours, theirs in DENSE.items():
@@ -38,18 +38,18 @@ def test_layout_matches_megatron_core(deg):
 
 
 def test_every_rank_in_exactly_one_group_of_each_kind():
-    layout = MeshLayout(tp=2, cp=1, dp=2, pp=2, ep=2)
+    layout = Layout(tp=2, cp=1, dp=2, pp=2, ep=2)
     for name in ("tp", "dp", "pp", "ep", "mp"):
         members = sorted(r for g in layout.groups(name) for r in g)
         assert members == list(range(8)), name
 
 
 def test_coords_round_trip():
-    layout = MeshLayout(tp=2, cp=3, dp=2, pp=2)
+    layout = Layout(tp=2, cp=3, dp=2, pp=2)
     for r in range(layout.world_size):
         assert layout.rank_of(**layout.coords(r)) == r
 
 
 def test_ep_must_divide_cp_dp():
     with pytest.raises(ValueError, match="ep=3 does not divide cp\\*dp=4"):
-        MeshLayout(dp=4, ep=3)
+        Layout(dp=4, ep=3)

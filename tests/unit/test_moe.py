@@ -2,16 +2,24 @@
 and the auxiliary losses, each against an independent computation."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parbench.config import ModelConfig
+from parbench.config import ModelConfig, RunConfig
 from parbench.model import build_model, synthetic_batch
 from parbench.moe import AttachAux, RoutingGroups, capacity, route
+
+
+def close_by_the_verdict(ours: float, ref: float) -> bool:
+    """The verdict's rule on a scalar (parbench.verdict.compare): |ours - ref| <= atol + rtol
+    |ref| with RunConfig's fp32 rtol and atol. The two sides below compute the router logits
+    as GEMMs of different shapes (a group against the whole batch), whose reduction order may
+    differ by CPU (AMD and Intel vectorised kernels round differently); a hand-picked rel_tol
+    of 1e-6 (8 ulps) sat below that noise's reach."""
+    run = RunConfig()
+    return abs(ours - ref) <= run.atol + run.rtol * abs(ref)
 
 
 def test_capacity_is_switch_eq3():
@@ -72,7 +80,7 @@ def test_aux_loss_is_switch_eq4_per_group_mean():
         p = torch.softmax(x[groups == gi] @ w.t(), -1)
         f = torch.bincount(p.argmax(-1), minlength=4).float() / 6
         vals.append(4 * (f * p.mean(0)).sum())
-    assert math.isclose(float(r.aux), float(torch.stack(vals).mean()), rel_tol=1e-6)
+    assert close_by_the_verdict(float(r.aux), float(torch.stack(vals).mean()))
 
 
 def test_attach_aux_gives_the_gradient_of_adding_the_loss():
@@ -109,8 +117,8 @@ def test_groups_route_independently():
         parts.append(m.blocks["0"].mlp.last)
     assert torch.equal(both["dropped"], parts[0]["dropped"] + parts[1]["dropped"])
     assert both["dropped"].sum() > 0
-    assert math.isclose(both["aux_loss"], (parts[0]["aux_loss"] + parts[1]["aux_loss"]) / 2,
-                        rel_tol=1e-6)
+    assert close_by_the_verdict(both["aux_loss"],
+                                (parts[0]["aux_loss"] + parts[1]["aux_loss"]) / 2)
 
 
 @pytest.mark.parametrize("chunks", [(0, 0, 1, 1), (0, 1, 1, 0)])

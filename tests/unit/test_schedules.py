@@ -19,6 +19,8 @@ from parbench.schedules import (
     SCHEDULES,
     Action,
     ChunkRule,
+    ExecutorKind,
+    WeightRule,
     Placement,
     Schedule,
     ScheduleError,
@@ -88,6 +90,38 @@ def test_generated_schedules_validate_or_refuse_clearly(shape):
         message = str(err.value)
         assert name in message and "needs" in message
         assert any(f"{k}=" in message for k in ("p", "m", "v")), message
+
+
+@PROFILE
+@given(shapes)
+def test_the_spec_states_the_generators_rules(shape):
+    """``ScheduleSpec.refusal`` (what the planner reads) refuses exactly what the generator
+    refuses, and ``min_microbatches`` is the generator's floor."""
+    name, p, m, v = shape
+    spec = SCHEDULES[name]
+    assert (spec.refusal(p, m, v) is None) == supported(name, p, m, v)
+    least = spec.min_microbatches(p)
+    if least > 1 and supported(name, p, least, v):
+        assert f"needs m >= {spec.min_m} = {least}" in spec.refusal(p, least - 1, v)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_spec_facts_other_modules_read(name):
+    """splits_backward is what the generator emits; the weight rule and the executor agree
+    (an asynchronous rule runs continuously); the memory rule and note are stated; a
+    schedule the time model cannot price says why."""
+    spec = SCHEDULES[name]
+    schedule = make_schedule(name, 4, 8)
+    has_w = any(a.kind == "W" for _, _, a in schedule.iter_actions())
+    assert spec.splits_backward == schedule.split_backward == has_w
+    assert spec.asynchronous == (spec.executor is ExecutorKind.ASYNCHRONOUS)
+    assert spec.asynchronous == (spec.weight_rule is not WeightRule.SYNC)
+    assert spec.memory_note and spec.memory(4, 8, schedule.v, 0) >= 1
+    assert spec.priced == (spec.unpriced == "")
+    assert str(spec.min_m) and spec.min_microbatches(4) >= 1
+    if spec.max_inflight is not None and spec.chunks is ChunkRule.ONE:
+        assert spec.memory(4, 8, 1, 0) >= spec.max_inflight(4, 8, 0) or \
+            spec.executor is ExecutorKind.BPIPE  # BPipe evicts what 1F1B holds
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -91,3 +91,16 @@ def test_summary_is_json_and_carries_the_closed_form():
     assert data["bubble_ratio"] == pytest.approx(closed["bubble_ratio"])
     custom = simulate(schedule, cost=lambda a: 1.0)
     assert summary(schedule, custom)["closed_form"] is None
+
+
+def test_the_schedule_verb_simulates_large_schedules_and_only_caps_the_grid(capsys):
+    """``parbench schedule 1f1b p=64 m=1024``: 131,072 actions, above the grid's cap, so the
+    grid is not drawn, but every figure is simulated: the bubble is 1F1B's (p-1)/(m+p-1)."""
+    from parbench.cli.schedule import MAX_SLOTS, cmd_schedule
+    assert cmd_schedule(["1f1b", "p=64", "m=1024"]) == 0
+    out = capsys.readouterr().out
+    assert f"grid not drawn: p*m*v*segments=65536 is above {MAX_SLOTS}" in out
+    ratio = next(line for line in out.splitlines() if line.startswith("bubble_ratio:"))
+    assert abs(float(ratio.split(":")[1]) - 63 / (1024 + 63)) < 1e-9
+    assert cmd_schedule(["1f1b", "p=4", "m=8"]) == 0
+    assert "grid not drawn" not in capsys.readouterr().out

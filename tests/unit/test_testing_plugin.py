@@ -29,7 +29,7 @@ class OneMicrobatchDDP(NativeDDP):
     @classmethod
     def check(cls, case):
         super().check(case)
-        if case.parallel.num_microbatches != 1:
+        if case.layout.num_microbatches != 1:
             raise ConfigError("num_microbatches must be 1")
 
 
@@ -41,7 +41,7 @@ def test_cases_are_valid_small_cases_of_their_family(family, data):
     cls = get_scheme(case.run.scheme)
     assert cls.family == family and case.run.scheme == native_scheme(cls.name)
     cls.check(case)
-    assert case.parallel.world_size <= 4 and case.run.steps == 2 and case.run.timed_steps == 0
+    assert case.layout.world_size <= 4 and case.run.steps == 2 and case.run.timed_steps == 0
     assert case.model.name.startswith("tiny") and case.id
 
 
@@ -49,8 +49,8 @@ def test_cases_are_valid_small_cases_of_their_family(family, data):
 def test_cases_take_fixed_fields_strategies_and_a_scheme(data):
     case = data.draw(cases("data", dp=2, bucket_mb=st.sampled_from([0.5, 1.0]),
                            scheme=OneMicrobatchDDP))
-    assert case.parallel.dp == 2 and case.parallel.bucket_mb in (0.5, 1.0)
-    assert case.parallel.num_microbatches == 1  # the scheme's check filters the draws
+    assert case.layout.dp == 2 and case.options.data.bucket_mb in (0.5, 1.0)
+    assert case.layout.num_microbatches == 1  # the scheme's check filters the draws
     assert case.run.scheme == f"{__name__}:OneMicrobatchDDP"
 
 
@@ -62,9 +62,9 @@ def test_unknown_family_is_an_error():
 def test_make_case_defaults_fields_and_bad_input():
     case = make_case(NativeDDP, dp=2, num_microbatches=2, sp=False)
     assert (case.model.name, case.run.timed_steps, case.run.scheme) == ("tiny", 0, "data.ddp")
-    assert (case.parallel.dp, case.parallel.num_microbatches) == (2, 2)
+    assert (case.layout.dp, case.layout.num_microbatches) == (2, 2)
     again = make_case(NativeDDP, case=case, steps=1)  # a given case keeps its fields
-    assert (again.parallel.dp, again.run.steps) == (2, 1)
+    assert (again.layout.dp, again.run.steps) == (2, 1)
     with pytest.raises(ConfigError, match="num_heads"):
         make_case(NativeDDP, tp=3)
     with pytest.raises(ConfigError, match="tp=2 is not used"):

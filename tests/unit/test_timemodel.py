@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from parbench.analytic.shape import Shape
 from parbench.cli import main
 from parbench.config import ConfigError
-from parbench.timemodel import (PRESETS, Fit, Layout, Link, Profile, StepTime, load_profile,
+from parbench.timemodel import (PRESETS, Fit, Training, Link, Profile, StepTime, load_profile,
                                 predict_step)
 from parbench.timemodel.calibrate import fit_alpha_beta
 
@@ -40,7 +39,7 @@ def synthetic(**kw) -> Profile:
 # ---- the planner's API --------------------------------------------------------------------
 
 def test_api_fields():
-    st = predict_step(MID, Layout(dp=2, micro_batch_size=2, num_microbatches=4), synthetic())
+    st = predict_step(MID, Training.of(dp=2, micro_batch_size=2, num_microbatches=4), synthetic())
     assert isinstance(st, StepTime)
     for name in ("step_s", "tokens_per_s", "mfu", "compute_s", "recompute_s", "bubble_s",
                  "exposed_comm_s", "memory_per_rank_bytes", "device_memory_bytes", "fits",
@@ -48,33 +47,44 @@ def test_api_fields():
         assert hasattr(st, name)
     assert st.step_s > 0 and 0 < st.mfu < 1
     assert st.tokens_per_s == pytest.approx(2 * 2 * 4 * MID.s / st.step_s)
-    assert Layout() == Layout(tp=1, cp=1, ep=1, dp=1, pp=1, vpp=1, sp=False, schedule="1f1b",
-                              zero_stage=0, recompute="none", micro_batch_size=1,
-                              num_microbatches=1, dtype="bf16")
+    assert Training.of() == Training.of(tp=1, cp=1, ep=1, dp=1, pp=1, vpp=1, sp=False,
+                                        schedule="1f1b", zero_stage=0, recompute="none",
+                                        micro_batch_size=1, num_microbatches=1, dtype="bf16")
 
 
-def test_fast_enough_for_a_planner():
-    """Thousands of calls: cached simulations and per-layer costs keep a call under 1 ms on
-    average once the few distinct stage costs have been simulated."""
+def test_a_planner_reuses_the_simulations(monkeypatch):
+    """Thousands of calls stay cheap for a planner because the schedule simulations are cached
+    on normalised stage costs, not per profile: once the few distinct stage costs have been
+    simulated, a second pass with a fresh profile (per-layer caches cold) simulates nothing.
+    The mechanism is asserted, not a wall time (which flakes on a loaded machine; speed
+    belongs in a benchmark)."""
+    import parbench.schedules
+    simulated = []
+    real = parbench.schedules.simulate
+    monkeypatch.setattr(parbench.schedules, "simulate",
+                        lambda *a, **k: simulated.append(a[0]) or real(*a, **k))
     prof = load_profile("a100-80gb")
-    lays = [Layout(tp=tp, pp=pp, dp=64 // (tp * pp), micro_batch_size=1,
+    lays = [Training.of(tp=tp, pp=pp, dp=64 // (tp * pp), micro_batch_size=1,
                    num_microbatches=max(pp, 8), zero_stage=z, recompute=rc, sp=tp > 1)
             for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) for z in (0, 1, 2, 3)
             for rc in ("none", "selective", "full") if 64 % (tp * pp) == 0]
     for lay in lays:  # warm the caches
         predict_step(GPT3, lay, prof)
+    simulated.clear()
     prof2 = load_profile("a100-80gb")
-    t0 = time.perf_counter()
     for lay in lays:  # a fresh profile: per-layer caches cold, simulations cached
-        predict_step(GPT3, replace(lay, dtype="bf16"), prof2)
-    per_call = (time.perf_counter() - t0) / len(lays)
-    assert per_call < 0.02, per_call
+        predict_step(GPT3, lay.with_values(dtype="bf16"), prof2)
+    assert not simulated, f"{len(simulated)} schedules simulated again"
+    # the counter sees the time model's simulations: a micro-batch count no layout above
+    # (nor, by its oddness, any other test) uses is simulated
+    predict_step(GPT3, lays[0].with_values(tp=1, pp=8, dp=8, num_microbatches=29), prof2)
+    assert simulated
 
 
 # ---- compute --------------------------------------------------------------------------------
 
 def test_doubling_matmul_throughput_halves_compute():
-    lay = Layout(micro_batch_size=4, num_microbatches=2)
+    lay = Training.of(micro_batch_size=4, num_microbatches=2)
     slow = predict_step(MID, lay, synthetic(mem_bandwidth=1e30))
     fast = predict_step(MID, lay, synthetic(mem_bandwidth=1e30,
                                             matmul_flops={"bf16": 200e12, "fp32": 50e12}))
@@ -85,7 +95,7 @@ def test_doubling_matmul_throughput_halves_compute():
 
 def test_mfu_is_korthikanti_model_flops_over_peak():
     from parbench.analytic.flops import shape_training_flops
-    lay = Layout(tp=2, dp=4, micro_batch_size=2, num_microbatches=4, recompute="full")
+    lay = Training.of(tp=2, dp=4, micro_batch_size=2, num_microbatches=4, recompute="full")
     prof = synthetic()
     st = predict_step(MID, lay, prof)
     flops = shape_training_flops(MID, 2 * 4 * 4, recompute=False)  # no recomputation
@@ -94,13 +104,13 @@ def test_mfu_is_korthikanti_model_flops_over_peak():
 
 def test_full_recompute_costs_one_more_forward():
     prof = synthetic(mem_bandwidth=1e30)
-    none = predict_step(MID, Layout(micro_batch_size=2, num_microbatches=2), prof)
-    full = predict_step(MID, Layout(micro_batch_size=2, num_microbatches=2, recompute="full"),
+    none = predict_step(MID, Training.of(micro_batch_size=2, num_microbatches=2), prof)
+    full = predict_step(MID, Training.of(micro_batch_size=2, num_microbatches=2, recompute="full"),
                         prof)
     layer = none.breakdown["per_microbatch"]["layer"]
     assert full.recompute_s == pytest.approx(2 * MID.l * layer["fwd_s"], rel=1e-6)
     assert full.step_s == pytest.approx(none.step_s + full.recompute_s, rel=1e-6)
-    sel = predict_step(MID, Layout(micro_batch_size=2, num_microbatches=2,
+    sel = predict_step(MID, Training.of(micro_batch_size=2, num_microbatches=2,
                                    recompute="selective"), prof)
     assert 0 < sel.recompute_s < full.recompute_s
 
@@ -150,42 +160,42 @@ def test_collective_time_fit_then_ring_model():
 
 def test_groups_beyond_a_node_use_the_slow_link():
     prof = synthetic()
-    inside = predict_step(MID, Layout(tp=8, micro_batch_size=2, num_microbatches=2), prof)
-    lay = Layout(tp=8, dp=2, micro_batch_size=2, num_microbatches=2)
+    inside = predict_step(MID, Training.of(tp=8, micro_batch_size=2, num_microbatches=2), prof)
+    lay = Training.of(tp=8, dp=2, micro_batch_size=2, num_microbatches=2)
     across = predict_step(MID, lay, prof)
     layer = lambda st: st.breakdown["per_microbatch"]["layer"]["comm_bwd_s"]["tp"]  # noqa: E731
     assert layer(across) == pytest.approx(layer(inside))  # tp stays inside the node
     # dp groups of stride 8 leave the node: the inter-node link prices them
-    one_node = predict_step(MID, replace(lay, ranks_per_node=16), prof)
+    one_node = predict_step(MID, lay.with_values(ranks_per_node=16), prof)
     assert across.exposed_comm_s["dp"] > one_node.exposed_comm_s["dp"]
 
 
 # ---- overlap rules --------------------------------------------------------------------------
 
 def test_ddp_buckets_overlap_backward_but_not_the_last():
-    lay = Layout(dp=8, micro_batch_size=1, num_microbatches=1, bucket_mb=25)
+    lay = Training.of(dp=8, micro_batch_size=1, num_microbatches=1, bucket_mb=25)
     on = predict_step(MID, lay, synthetic(overlap=1.0))
     off = predict_step(MID, lay, synthetic(overlap=0.0))
     total = on.breakdown["dp"]["total_s"]
     assert off.exposed_comm_s["dp"] >= total  # nothing hidden (+ the loss all-reduce)
     assert on.exposed_comm_s["dp"] < off.exposed_comm_s["dp"]
     assert on.exposed_comm_s["dp"] > 0  # the last bucket stays exposed
-    no_overlap = predict_step(MID, replace(lay, overlap_grad_reduce=False), synthetic())
+    no_overlap = predict_step(MID, lay.with_values(overlap_grad_reduce=False), synthetic())
     assert no_overlap.exposed_comm_s["dp"] == pytest.approx(off.exposed_comm_s["dp"])
 
 
 def test_zero3_prefetch_hides_gathers():
-    lay = Layout(dp=8, zero_stage=3, micro_batch_size=2, num_microbatches=2)
+    lay = Training.of(dp=8, zero_stage=3, micro_batch_size=2, num_microbatches=2)
     on = predict_step(MID, lay, synthetic(overlap=1.0))
     off = predict_step(MID, lay, synthetic(overlap=0.0))
     assert on.exposed_comm_s["dp"] < off.exposed_comm_s["dp"]
     # ZeRO-3 moves 1.5x the bytes of ZeRO-0 (Rajbhandari et al. Sec. 7.2.2), twice per mb
-    z0 = predict_step(MID, replace(lay, zero_stage=0), synthetic(overlap=0.0))
+    z0 = predict_step(MID, lay.with_values(zero_stage=0), synthetic(overlap=0.0))
     assert off.breakdown["dp"]["total_s"] > z0.breakdown["dp"]["total_s"]
 
 
 def test_tensor_parallel_communication_is_never_overlapped():
-    lay = Layout(tp=4, micro_batch_size=2, num_microbatches=2)
+    lay = Training.of(tp=4, micro_batch_size=2, num_microbatches=2)
     on = predict_step(MID, lay, synthetic(overlap=1.0))
     off = predict_step(MID, lay, synthetic(overlap=0.0))
     assert on.exposed_comm_s["tp"] == pytest.approx(off.exposed_comm_s["tp"])
@@ -193,12 +203,12 @@ def test_tensor_parallel_communication_is_never_overlapped():
 
 
 def test_ring_attention_hops_hide_under_the_block():
-    lay = Layout(cp=4, cp_algorithm="ring", micro_batch_size=1, num_microbatches=2)
+    lay = Training.of(cp=4, cp_algorithm="ring-attention", micro_batch_size=1, num_microbatches=2)
     slow_link = {"intra": Link(1e9, 1e-5)}
     on = predict_step(MID, lay, synthetic(overlap=1.0, links=slow_link))
     off = predict_step(MID, lay, synthetic(overlap=0.0, links=slow_link))
     assert on.exposed_comm_s.get("cp", 0.0) < off.exposed_comm_s["cp"]
-    uly = predict_step(MID, replace(lay, cp_algorithm="ulysses"), synthetic(links=slow_link))
+    uly = predict_step(MID, lay.with_values(cp_algorithm="ulysses"), synthetic(links=slow_link))
     assert uly.exposed_comm_s["cp"] > 0
 
 
@@ -209,17 +219,17 @@ def test_pipeline_bubble_matches_the_closed_form():
                   seq_length=512, position_embeddings=False)
     prof = synthetic(mem_bandwidth=1e30, links={"intra": Link(1e30, 0.0)})
     p, m = 4, 8
-    st = predict_step(shape, Layout(pp=p, micro_batch_size=1, num_microbatches=m), prof)
+    st = predict_step(shape, Training.of(pp=p, micro_batch_size=1, num_microbatches=m), prof)
     ratio = st.bubble_s / st.breakdown["pipeline_s"]
     assert ratio == pytest.approx((p - 1) / (m + p - 1), rel=0.05)
-    inter = predict_step(shape, Layout(pp=p, vpp=2, schedule="interleaved",
+    inter = predict_step(shape, Training.of(pp=p, vpp=2, schedule="interleaved",
                                        micro_batch_size=1, num_microbatches=m), prof)
     assert inter.bubble_s < st.bubble_s
 
 
 def test_point_to_point_latency_is_pipeline_exposure():
     shape = replace(MID, num_layers=8)
-    lay = Layout(pp=4, micro_batch_size=1, num_microbatches=8)
+    lay = Training.of(pp=4, micro_batch_size=1, num_microbatches=8)
     fast = predict_step(shape, lay, synthetic(links={"intra": Link(1e30, 0.0)}))
     slow = predict_step(shape, lay, synthetic(links={"intra": Link(1e9, 1e-3)}))
     assert slow.exposed_comm_s["pp"] > 0
@@ -230,19 +240,19 @@ def test_point_to_point_latency_is_pipeline_exposure():
 
 def test_over_memory_is_flagged():
     prof = load_profile("a100-80gb")
-    st = predict_step(GPT3, Layout(dp=8, micro_batch_size=1, num_microbatches=1), prof)
+    st = predict_step(GPT3, Training.of(dp=8, micro_batch_size=1, num_microbatches=1), prof)
     assert not st.fits
     assert st.memory_per_rank_bytes > st.device_memory_bytes == 80e9
     assert any(n.startswith("over memory") for n in st.notes)
-    ok = predict_step(GPT3, Layout(tp=8, pp=16, dp=8, sp=True, recompute="selective",
+    ok = predict_step(GPT3, Training.of(tp=8, pp=16, dp=8, sp=True, recompute="selective",
                                    micro_batch_size=1, num_microbatches=192), prof)
     assert ok.fits
 
 
 def test_zero_shrinks_memory():
     prof = synthetic()
-    base = Layout(dp=8, micro_batch_size=1, num_microbatches=1)
-    mems = [predict_step(MID, replace(base, zero_stage=z), prof).memory_per_rank_bytes
+    base = Training.of(dp=8, micro_batch_size=1, num_microbatches=1)
+    mems = [predict_step(MID, base.with_values(zero_stage=z), prof).memory_per_rank_bytes
             for z in range(4)]
     assert mems == sorted(mems, reverse=True) and mems[3] < mems[0]
 
@@ -279,9 +289,9 @@ def test_unknown_profile_is_a_config_error(tmp_path, monkeypatch):
 
 def test_bad_layout_is_refused():
     with pytest.raises(ValueError, match="tp=5 does not divide num_heads"):
-        predict_step(MID, Layout(tp=5), synthetic())
+        predict_step(MID, Training.of(tp=5), synthetic())
     with pytest.raises(ValueError, match="recompute"):
-        predict_step(MID, Layout(recompute="some"), synthetic())
+        predict_step(MID, Training.of(recompute="some"), synthetic())
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -329,10 +339,10 @@ def test_pipedream_updates_after_every_microbatch():
     step is longer by at least m - 1 optimizer steps of a stage; 2BW (one update per batch)
     by one weight-version copy only."""
     prof = synthetic(optimizer={"per_tensor_s": 1e-3, "bytes_per_element": 32.0})
-    lay = Layout(pp=4, num_microbatches=8, schedule="1f1b")
+    lay = Training.of(pp=4, num_microbatches=8, schedule="1f1b")
     base = predict_step(MID, lay, prof).step_s
-    dream = predict_step(MID, replace(lay, schedule="pipedream"), prof).step_s
-    two = predict_step(MID, replace(lay, schedule="2bw"), prof).step_s
+    dream = predict_step(MID, lay.with_values(schedule="pipedream"), prof).step_s
+    two = predict_step(MID, lay.with_values(schedule="2bw"), prof).step_s
     per_stage_tensors = 16 // 4 * 12  # 12 tensors per layer (two LayerNorms, 4 linears)
     assert dream - base >= 7 * per_stage_tensors * 1e-3
     assert 0 < two - base < 2 * (dream - base) / 7
@@ -363,7 +373,7 @@ def test_quick_calibration_on_two_ranks(tmp_path, monkeypatch):
     assert 0.0 <= prof.overlap <= 1.0
     path = prof.save(tmp_path / "t.json")
     st = predict_step(shape_from(model_preset("tiny")),
-                      Layout(dp=2, micro_batch_size=2, num_microbatches=2, dtype="fp32"),
+                      Training.of(dp=2, micro_batch_size=2, num_microbatches=2, dtype="fp32"),
                       load_profile(str(path)))
     assert math.isfinite(st.step_s) and st.step_s > 0
 
@@ -374,7 +384,7 @@ def test_split_backward_pays_one_engine_call_per_linear():
     bound) grows by at least m x 4 x layers-per-stage calls under ZB-H1; under fused 1F1B
     only by the loss's own backward calls."""
     def busy(schedule, call):
-        lay = Layout(pp=4, num_microbatches=8, schedule=schedule)
+        lay = Training.of(pp=4, num_microbatches=8, schedule=schedule)
         return predict_step(MID, lay, synthetic(backward_call_s=call), bound=True).step_s
     calls = 8 * 4 * (16 // 4)
     assert busy("zb-h1", 1e-3) - busy("zb-h1", 0.0) >= calls * 1e-3 * (1 - 1e-9)

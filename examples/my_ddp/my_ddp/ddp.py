@@ -35,7 +35,7 @@ class MyDDP(Scheme):
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp_size).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
-        m = self.ctx.parallel.num_microbatches
+        m = self.ctx.layout.num_microbatches
         self.opt.zero_grad(set_to_none=True)
         local = 0.0
         for xm, ym in microbatches(x, y, m):
