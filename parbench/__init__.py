@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "Scheme": "scheme", "SchemeContext": "scheme", "Prediction": "scheme", "register": "scheme",
-    "get_scheme": "scheme", "build_model": "model", "build_stage": "model",
+    "get_scheme": "registry", "build_model": "model", "build_stage": "model",
     "make_optimizer": "model", "dp_slice": "batching", "microbatches": "batching",
     "unrecorded": "comm", "CaseConfig": "config", "ConfigError": "config",
 }

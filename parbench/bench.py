@@ -14,7 +14,7 @@ from .config import CaseConfig
 from .overrides import apply_overrides, parse_overrides
 from .results import Row
 from .runner import PoolCache, case_row
-from .scheme import get_scheme
+from .registry import get_scheme
 
 
 def base_case(argv: list[str], defaults: dict[str, str]) -> tuple[CaseConfig, int]:
@@ -37,9 +37,9 @@ def alternate(cases: dict[str, CaseConfig], repeats: int, verbose: bool = True
                 row = case_row(case, None if cls.isolated else pools.get(case))
                 rows[label].append(row)
                 if verbose:
-                    wire = sum(row.wire_bytes.values())
+                    wire = sum(row.traffic.wire_max().values())
                     print(f"  repeat {rep + 1}/{repeats} {label:34s} "
-                          f"{(row.step_time_s or 0) * 1e3:8.2f} ms  wire {wire / 2**10:9.1f} KiB"
+                          f"{(row.time.step_s or 0) * 1e3:8.2f} ms  wire {wire / 2**10:9.1f} KiB"
                           f"  {'pass' if row.passed else 'FAIL'}", flush=True)
     finally:
         pools.close()
@@ -47,7 +47,7 @@ def alternate(cases: dict[str, CaseConfig], repeats: int, verbose: bool = True
 
 
 def median_ms(rows: list[Row]) -> float:
-    return statistics.median(r.step_time_s for r in rows) * 1e3
+    return statistics.median(r.time.step_s for r in rows) * 1e3
 
 
 def describe(case: CaseConfig, repeats: int, started: float) -> str:

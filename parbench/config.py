@@ -72,13 +72,13 @@ class ModelConfig:
     num_experts: int = _rule(0, "nonneg", "0 = dense")
     moe_top_k: int = _rule(1, "pos")
     #: layer i is an MoE layer iff num_experts > 0 and i % moe_every == 0 (Megatron-Core's
-    #: moe_layer_freq); see parbench.moe for the routing, capacity and loss semantics
+    #: moe_layer_freq); see parbench.model.moe for the routing, capacity and loss semantics
     moe_every: int = _rule(1, "pos")
     moe_capacity_factor: float = _rule(1.0, "nonneg", "0 = no capacity limit (no dropping)")
     moe_aux_loss_coef: float = _rule(0.01, "nonneg", "load-balancing loss (Switch Eq. 4)")
     moe_z_loss_coef: float = _rule(0.0, "nonneg", "router z-loss (ST-MoE Eq. 5)")
     #: a fixed bias on the router logits that makes low-numbered experts popular (a skewed
-    #: router for FasterMoE's shadow experts; parbench.moe); 0 = none
+    #: router for FasterMoE's shadow experts; parbench.model.moe); 0 = none
     moe_router_skew: float = _rule(0.0, "nonneg", "0 = unskewed router")
     init_std: float = _rule(0.02, "gt0")
     #: analytic only (see the class doc): grouped-query attention's K/V heads, 0 = num_heads

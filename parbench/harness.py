@@ -12,6 +12,7 @@ checking and the baselines' capture work and are never timed.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,11 @@ from .golden import global_batch
 from .memory import PeakMemory, model_states
 from .mesh import Mesh
 from .model import compute_dtype
-from .results import RankResult
-from .scheme import SchemeContext, get_scheme
+from .results import BubbleFigures, RankResult, SchemeFigures
+from .scheme import SchemeContext
+from .registry import get_scheme
 from .timeline import Timeline
-from .checks import RankChecker
+from .verdict.checks import RankChecker
 
 _MESHES: dict[tuple, Mesh] = {}
 
@@ -38,70 +40,110 @@ def get_mesh(case: CaseConfig, rank: int) -> Mesh:
     return _MESHES[key]
 
 
+@dataclass
+class _Steps:
+    """What the steps of one case leave on this rank."""
+
+    step_times: list[float] = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    checks: list = field(default_factory=list)
+    wire: list[dict[str, float]] = field(default_factory=list)
+    calls: list[dict[str, int]] = field(default_factory=list)
+    states: list[dict[str, int]] = field(default_factory=list)
+    ledger: list[dict] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)
+    peak: int | None = None
+
+
+@dataclass
+class _Rank:
+    """One rank's part of a case: the scheme built, its checker and its instruments."""
+
+    wctx: object
+    case: CaseConfig
+    scheme: object
+    checker: RankChecker
+    mesh: Mesh
+    timeline: Timeline
+
+
 def run_case(wctx, case_dict: dict) -> RankResult:
     """One case on this rank (``wctx``: the pool's or torchrun's WorkerContext)."""
     case = CaseConfig.from_dict(case_dict)
-    rank, run = wctx.rank, case.run
-    progress = wctx.progress
-    progress(f"building {run.scheme}")
+    run = case.run
+    wctx.progress(f"building {run.scheme}")
     torch.manual_seed(run.seed)
     cls = get_scheme(run.scheme)
-    mesh = get_mesh(case, rank)
-    timeline = Timeline(rank, enabled=run.instrument)
-    ctx = SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
-                        timeline=timeline)
-    scheme = cls(ctx)
-    golden = cls.reference(case, run.steps)
-    checker = RankChecker(scheme, case, golden)
-    dtype = compute_dtype(run)
-    progress("built")
-
-    memory_step = 1 if run.steps > 1 else 0
-    step_times, losses, checks = [], [], []
-    wire_per_step: list[dict[str, float]] = []
-    calls_per_step: list[dict[str, int]] = []
-    states: list[dict[str, int]] = []
-    ledger_records: list[dict] = []
-    trace_events: list[dict] = []
-    peak = None
+    mesh = get_mesh(case, wctx.rank)
+    timeline = Timeline(wctx.rank, enabled=run.instrument)
+    scheme = cls(SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
+                               timeline=timeline))
+    me = _Rank(wctx, case, scheme, RankChecker(scheme, case, cls.reference(case, run.steps)),
+               mesh, timeline)
+    wctx.progress("built")
+    out = _Steps()
     for step in range(run.steps + run.timed_steps):
-        if run.fail_at_step == step and rank == run.fail_rank:
-            _inject_failure(run.fail_kind, step, rank)
-        progress(f"step {step}")
-        x, y = global_batch(case, step)
-        ledger = Ledger(axis_of=mesh.axis_of_group, timeline=timeline) if run.instrument \
-            else Ledger(axis_of=mesh.axis_of_group, timeline=None, recording=False)
-        timeline.clear()
-        dist.barrier()
-        if step == memory_step:
-            base = sum(model_states(scheme, dtype).values())
-            with PeakMemory(wctx.device.split(":")[0], base) as pm, ledger:
-                loss = scheme.train_step(x, y, step)
-            peak = pm.peak
-        else:
-            t0 = time.perf_counter()
-            with ledger:
-                loss = scheme.train_step(x, y, step)
-            if wctx.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            if step >= run.steps + run.warmup_steps:
-                step_times.append(time.perf_counter() - t0)
-        dist.barrier()
-        wire_per_step.append(ledger.wire_by_axis())
-        calls_per_step.append(ledger.calls_by_axis())
-        if step == run.steps - 1:
-            ledger_records = ledger.as_dicts()
-            trace_events = timeline.as_dicts()
-        if step < run.steps:
-            progress(f"checking step {step}")
-            states.append(model_states(scheme, dtype))
-            losses.append(loss)
-            checks.append(checker.check(step, loss, x, y))
-    return RankResult(rank=rank, losses=losses, checks=checks, step_times=step_times,
-                      peak_bytes=peak, model_states_per_step=states,
-                      wire_by_axis_per_step=wire_per_step,
-                      calls_by_axis_per_step=calls_per_step, ledger=ledger_records,
-                      timeline=trace_events, metrics=scheme.metrics())
+        _step(me, step, out)
+    figures, bubble = split_figures(scheme.metrics())
+    return RankResult(rank=wctx.rank, losses=out.losses, checks=out.checks,
+                      step_times=out.step_times, peak_bytes=out.peak,
+                      model_states_per_step=out.states, wire_by_axis_per_step=out.wire,
+                      calls_by_axis_per_step=out.calls, ledger=out.ledger,
+                      timeline=out.timeline, metrics=figures, bubble=bubble)
+
+
+def split_figures(metrics: dict) -> tuple[SchemeFigures, BubbleFigures | None]:
+    """A scheme's ``metrics()``: its own figures, and its bubble figures (a pipeline's)."""
+    figures = dict(metrics)
+    bubble = figures.pop("bubble", None)
+    if bubble is not None and not isinstance(bubble, BubbleFigures):
+        raise TypeError(f"metrics()['bubble'] is a {type(bubble).__name__}, not BubbleFigures")
+    return figures, bubble
+
+
+def _step(me: _Rank, step: int, out: _Steps) -> None:
+    """One step (checked or timed) on this rank, with the ledger and timeline attached."""
+    case, rank, run = me.case, me.wctx.rank, me.case.run
+    if run.fail_at_step == step and rank == run.fail_rank:
+        _inject_failure(run.fail_kind, step, rank)
+    me.wctx.progress(f"step {step}")
+    x, y = global_batch(case, step)
+    ledger = Ledger(axis_of=me.mesh.axis_of_group, timeline=me.timeline) if run.instrument \
+        else Ledger(axis_of=me.mesh.axis_of_group, timeline=None, recording=False)
+    me.timeline.clear()
+    dist.barrier()
+    loss = _train(me, step, x, y, ledger, out)
+    dist.barrier()
+    out.wire.append(ledger.wire_by_axis())
+    out.calls.append(ledger.calls_by_axis())
+    if step == run.steps - 1:
+        out.ledger = ledger.as_dicts()
+        out.timeline = me.timeline.as_dicts()
+    if step < run.steps:
+        me.wctx.progress(f"checking step {step}")
+        out.states.append(model_states(me.scheme, compute_dtype(run)))
+        out.losses.append(loss)
+        out.checks.append(me.checker.check(step, loss, x, y))
+
+
+def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):
+    """The scheme's step: its memory peak taken on step 1 (optimizer states exist by then),
+    timed on the timed steps after the warm-up."""
+    run, device = me.case.run, me.wctx.device
+    if step == (1 if run.steps > 1 else 0):
+        base = sum(model_states(me.scheme, compute_dtype(run)).values())
+        with PeakMemory(device.split(":")[0], base) as pm, ledger:
+            loss = me.scheme.train_step(x, y, step)
+        out.peak = pm.peak
+        return loss
+    t0 = time.perf_counter()
+    with ledger:
+        loss = me.scheme.train_step(x, y, step)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    if step >= run.steps + run.warmup_steps:
+        out.step_times.append(time.perf_counter() - t0)
+    return loss
 
 
 def _inject_failure(kind: str, step: int, rank: int) -> None:

@@ -37,6 +37,74 @@ _MEGATRON_ARGS = {
 }
 
 
+#: Megatron flags without a value: name -> the bare field it sets
+_MEGATRON_FLAGS = {"--sequence-parallel": "sp",
+                   "--untie-embeddings-and-output-weights": "tie_embeddings"}
+#: Megatron arguments that derive a layout field from the others
+_MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
+                     "--num-layers-per-virtual-pipeline-stage": "vpp"}
+
+
+def megatron_values(argv: list[str]) -> dict[str, Any]:
+    """Megatron argument -> its value (an integer; ``True`` for a flag), in the order given;
+    ``--key value`` and ``--key=value`` both read."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        key, _, inline = argv[i].partition("=")
+        if key in _MEGATRON_FLAGS:
+            out[key] = True
+            i += 1
+            continue
+        if key not in _MEGATRON_ARGS and key not in _MEGATRON_DERIVED:
+            raise ConfigError(f"Megatron argument {key!r} is not supported")
+        if inline:
+            value, i = inline, i + 1
+        elif i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        else:
+            raise ConfigError(f"Megatron argument {key!r} needs a value")
+        out[key] = coerce(value, int, key)
+    return out
+
+
+def _case_fields(args: dict[str, Any]) -> dict[str, Any]:
+    """The bare case fields Megatron arguments set directly (ffn 0 = 4h unless given; the
+    embeddings tied unless untied, as Megatron ties them)."""
+    vals = {_MEGATRON_ARGS[k][1]: v for k, v in args.items() if k in _MEGATRON_ARGS}
+    if args.get("--sequence-parallel"):
+        vals["sp"] = True
+    vals["tie_embeddings"] = not args.get("--untie-embeddings-and-output-weights", False)
+    vals.setdefault("ffn_hidden_size", 0)
+    return vals
+
+
+def _derived_layout(case: CaseConfig, args: dict[str, Any],
+                    world_size: int | None) -> Layout:
+    """dp from the world, vpp from the layers per virtual stage, the micro-batches from the
+    global batch (in that order: the global batch is per dp)."""
+    lay = case.layout
+    if world_size is not None:
+        denom = lay.tp * lay.cp * lay.pp
+        if world_size % denom:
+            raise ConfigError(f"world_size={world_size} is not a multiple of tp*cp*pp={denom}")
+        lay = replace(lay, dp=world_size // denom)
+    per_vstage = args.get("--num-layers-per-virtual-pipeline-stage")
+    if per_vstage:
+        per_stage = case.model.num_layers // lay.pp
+        if per_stage % per_vstage:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per_vstage} "
+                              f"does not divide num_layers/pp={per_stage}")
+        lay = replace(lay, vpp=per_stage // per_vstage)
+    gbs = args.get("--global-batch-size")
+    if gbs is not None:
+        try:
+            lay = lay.with_global_batch(gbs)
+        except ConfigError as e:
+            raise ConfigError(f"--global-batch-size={gbs}: {e}") from None
+    return lay
+
+
 def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseConfig:
     """Build a case from Megatron-LM command line arguments.
 
@@ -46,62 +114,9 @@ def from_megatron_args(argv: list[str], world_size: int | None = None) -> CaseCo
     vpp = num_layers / (pp * layers_per_virtual_stage). ``--global-batch-size`` sets the
     number of micro-batches per data-parallel rank = gbs / (mbs * dp).
     """
-    vals: dict[tuple[str, str], Any] = {}
-    gbs = None
-    layers_per_vstage = None
-    flags = {"--sequence-parallel": ("tensor", "sp"),
-             "--untie-embeddings-and-output-weights": None}
-    tie = True
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        key, _, inline = a.partition("=")
-        if key in flags:
-            if key == "--sequence-parallel":
-                vals[("tensor", "sp")] = True
-            else:
-                tie = False
-            i += 1
-            continue
-        known = key in _MEGATRON_ARGS or key in ("--global-batch-size",
-                                                 "--num-layers-per-virtual-pipeline-stage")
-        if not known:
-            raise ConfigError(f"Megatron argument {key!r} is not supported")
-        if inline:
-            value = inline
-            i += 1
-        else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"Megatron argument {key!r} needs a value")
-            value = argv[i + 1]
-            i += 2
-        if key == "--global-batch-size":
-            gbs = coerce(value, int, key)
-        elif key == "--num-layers-per-virtual-pipeline-stage":
-            layers_per_vstage = coerce(value, int, key)
-        else:
-            vals[_MEGATRON_ARGS[key]] = coerce(value, int, key)
-    vals[("model", "tie_embeddings")] = tie
-    vals.setdefault(("model", "ffn_hidden_size"), 0)
-    case = apply_overrides(CaseConfig(), {name: v for (_, name), v in vals.items()})
-    lay = case.layout
-    if world_size is not None:
-        denom = lay.tp * lay.cp * lay.pp
-        if world_size % denom:
-            raise ConfigError(f"world_size={world_size} is not a multiple of tp*cp*pp={denom}")
-        lay = replace(lay, dp=world_size // denom)
-    if layers_per_vstage:
-        per_stage = case.model.num_layers // lay.pp
-        if per_stage % layers_per_vstage:
-            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={layers_per_vstage} "
-                              f"does not divide num_layers/pp={per_stage}")
-        lay = replace(lay, vpp=per_stage // layers_per_vstage)
-    if gbs is not None:
-        try:
-            lay = lay.with_global_batch(gbs)
-        except ConfigError as e:
-            raise ConfigError(f"--global-batch-size={gbs}: {e}") from None
-    return replace(case, layout=lay)
+    args = megatron_values(argv)
+    case = apply_overrides(CaseConfig(), _case_fields(args))
+    return replace(case, layout=_derived_layout(case, args, world_size))
 
 
 def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
@@ -150,14 +165,21 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
 
 def megatron_overrides(text: str) -> dict[str, str]:
     """``key=value`` overrides (model, layout and option fields) from a Megatron argument
-    string."""
-    case = from_megatron_args(shlex.split(text))
+    string: every field the arguments set or derive, and any other that differs from a
+    default case's."""
+    argv = shlex.split(text)
+    case = from_megatron_args(argv)
+    args = megatron_values(argv)
+    given = set(_case_fields(args)) - {"ffn_hidden_size"} \
+        | {_MEGATRON_DERIVED[k] for k in args if k in _MEGATRON_DERIVED}
+    if "--ffn-hidden-size" in args:
+        given.add("ffn_hidden_size")
     out: dict[str, str] = {}
     base = CaseConfig()
     for sec in ("model", "layout"):
         for f in dataclasses.fields(getattr(case, sec)):
             v = getattr(getattr(case, sec), f.name)
-            if v != getattr(getattr(base, sec), f.name) or f.name == "tie_embeddings":
+            if f.name in given or v != getattr(getattr(base, sec), f.name):
                 out[f"{sec}.{f.name}"] = str(v).lower() if isinstance(v, bool) else str(v)
     if case.options.tensor.sp:
         out["tensor.sp"] = "true"

@@ -98,6 +98,8 @@ def init_process_group(rank: int, world_size: int, device: str, timeout_s: float
                        threads: int = 1) -> WorkerContext:
     """Initialise torch.distributed for this rank (env:// rendezvous) and the ledger hooks."""
     _setup_env(threads, device)
+    # torch (and comm, which wraps torch.distributed) only now: the thread settings above must
+    # be in the environment before torch is first imported in this process
     import torch
     import torch.distributed as dist
 
@@ -172,7 +174,7 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
     except BaseException:
         results.put((rank, -1, "err", traceback.format_exc()))
         return
-    from . import comm
+    from . import comm  # after init_process_group set up torch (above)
     comm.set_status_sink(lambda text: _Board.write(board.status[rank], text))
     ctx.progress = lambda text: board.touch(rank, text)
     results.put((rank, -1, "ready", None))

@@ -110,8 +110,10 @@ class Layout:
                     raise ConfigError(f"schedule={v!r} must be a schedule name")
                 continue
             low = 0 if f.name == "etp" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"{f.name}={v!r} must be an integer >= {low}"
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{f.name}={v!r} must be an integer")
+            if v < low:
+                raise ConfigError(f"{f.name}={v} must be >= {low}"
                                   + (" (0 = tp)" if f.name == "etp" else ""))
         _check_expert_grid(self)
 

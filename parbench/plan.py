@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from .layout import ConfigError, Layout
+from .schedules import ChunkRule, get_spec
+from .timemodel import Training, predict_step
 
 
 def divisors(n: int) -> list[int]:
@@ -97,7 +99,6 @@ def _grids(shape, world: int, global_batch: int, space: Space):
 
 def _per_degrees(shape, grid: Layout, global_batch: int, space: Space):
     """Every micro-batch size, schedule, ZeRO stage and recomputation on one grid."""
-    from .timemodel import Training
     base = Training.of(sp=grid.tp > 1)
     options = [base.options.with_values(zero_stage=zero, recompute=rc)
                for zero in space.zero_stages if not (zero and grid.dp == 1)
@@ -121,7 +122,6 @@ def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
     micro-batches (``ScheduleSpec.refusal``: its chunks, fewest micro-batches and further
     rules; never fewer than pp micro-batches) and whose chunks split a stage's layers evenly;
     a schedule the time model does not price (``ScheduleSpec.unpriced``) is skipped."""
-    from .schedules import ChunkRule, get_spec
     if pp == 1:
         yield "1f1b", 1
         return
@@ -137,7 +137,6 @@ def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
 
 def unpriced(space: Space) -> dict[str, str]:
     """The schedules of ``space`` the planner skips, and why (``ScheduleSpec.unpriced``)."""
-    from .schedules import get_spec
     return {name: get_spec(name).unpriced for name in space.schedules
             if not get_spec(name).priced}
 
@@ -166,8 +165,7 @@ def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
         raise ConfigError(f"global_batch_size={global_batch} must be >= 1")
     t0 = time.perf_counter()
     if predictor is not None or exhaustive:
-        if predictor is None:
-            from .timemodel import predict_step as predictor
+        predictor = predictor or predict_step
         exact = lambda trn: predictor(shape, trn, profile)  # noqa: E731
         priced = [(st.step_s, trn, st) for trn in layouts(shape, world, global_batch, space)
                   for st in (exact(trn),)]
@@ -175,7 +173,6 @@ def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
         over = sorted((x for x in priced if not x[2].fits), key=lambda x: x[0])[:3]
         n, n_over = len(priced), sum(1 for x in priced if not x[2].fits)
     else:
-        from .timemodel import predict_step
         bounds = [(predict_step(shape, trn, profile, bound=True), trn)
                   for trn in layouts(shape, world, global_batch, space)]
         n, n_over = len(bounds), sum(1 for b, _ in bounds if not b.fits)
@@ -218,4 +215,8 @@ def why(st) -> str:
 
 
 def as_dict(trn, st) -> dict:
-    return {"layout": asdict(trn), "prediction": asdict(st), "why": why(st)}
+    """One ranked layout for ``--json``: the layout, the options, precision and optimizer
+    (as ``Training`` holds them), the prediction and the reasons."""
+    d = asdict(trn)
+    return {"layout": d.pop("layout"), "options": d.pop("options"), **d,
+            "prediction": asdict(st), "why": why(st)}

@@ -17,11 +17,11 @@ from typing import Callable
 
 from .config import CaseConfig
 from .launch import RankError, WorkerPool
-from .results import Failure, RankResult, Row, append_row, load_rows
-from .scheme import get_scheme
+from .results import (Environment, Failure, Memory, RankResult, Row, RowCase, SchemeFigures,
+                      Timing, append_row, load_rows)
+from .registry import get_scheme
 from .timeline import chrome_trace
-from .checks import detectable_wd_error, golden_detectable_wd_error
-from .verdict import Merged, exact_every_step, merge_ranks
+from .verdict import Merged, merge_ranks, states_of, traffic_of, verdict_of
 
 Progress = Callable[[str, int, int, CaseConfig, "Row | None"], None]
 
@@ -55,94 +55,67 @@ def case_row(case: CaseConfig, pool: WorkerPool | None = None, suite: str = "",
 def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
              out_dir: Path | None = None) -> Row:
     """One results row: equivalence, timing, memory, traffic, measured beside predicted."""
-    import torch
-
-    from .analytic.peak import predicted_peak
-
     cls = get_scheme(case.run.scheme)
     golden = cls.reference(case, case.run.steps)
     merged = merge_ranks(per_rank, sorted(golden.params[0]))
     pred = cls.predict(case)
-    p = case.layout
-    trace = figures = None
+    env = environment()
     if out_dir is not None:
-        trace = _write_trace(case, per_rank, Path(out_dir))
-        figures = [str(f) for f in cls.figures(case, per_rank, Path(out_dir))]
-    states_pred = pred.model_state_bytes if pred else None
-    traffic_pred = pred if pred and case.run.instrument else None  # not measured: no verdict
-    last = case.run.steps - 1
-    metrics: dict = {}
+        env.trace = _write_trace(case, per_rank, Path(out_dir))
+        env.figures = [str(f) for f in cls.figures(case, per_rank, Path(out_dir))]
+    return Row(case=row_case(suite, case, cls), verdict=verdict_of(case, cls, merged, golden),
+               time=timing(case, merged, per_rank), memory=memory(case, cls, merged, pred),
+               traffic=traffic_of(case, merged, pred, per_rank[0].ledger),
+               pipeline=next((r.bubble for r in per_rank if r.bubble is not None), None),
+               scheme_figures=scheme_figures(per_rank),
+               analytic=dict(pred.figures) if pred else {}, env=env)
+
+
+def row_case(suite: str, case: CaseConfig, cls) -> RowCase:
+    return RowCase(id=case.id, suite=suite, scheme=case.run.scheme, family=cls.family,
+                   baseline_of=cls.baseline_of, model=case.model.name, layout=case.layout,
+                   config=case.to_dict())
+
+
+def timing(case: CaseConfig, merged: Merged, per_rank: list[RankResult]) -> Timing:
+    """The slowest rank's median step, every rank's timed steps, and tokens per second."""
+    step = merged.step_time_s
+    tokens = case.layout.global_batch_size * case.model.seq_length
+    return Timing(step_s=step, per_rank_s=[list(r.step_times) for r in per_rank],
+                  tokens_per_s=tokens / step if step else None)
+
+
+def memory(case: CaseConfig, cls, merged: Merged, pred) -> Memory:
+    """Peaks per rank beside the analytic peak, and the model states."""
+    from .analytic.peak import predicted_peak
+    states = states_of(merged, pred)
+    first = states.predicted[0] if states.predicted else None
+    return Memory(peak_bytes=merged.peak_bytes,
+                  peak_predicted=predicted_peak(case, cls.family, first), states=states)
+
+
+def scheme_figures(per_rank: list[RankResult]) -> SchemeFigures:
+    """The scheme's own figures: each key as the lowest rank reporting it gives it."""
+    out: SchemeFigures = {}
     for r in per_rank:
         for k, v in r.metrics.items():
-            metrics.setdefault(k, v)
-    return Row(
-        id=case.id, suite=suite, scheme=case.run.scheme, family=cls.family,
-        baseline_of=cls.baseline_of, world_size=p.world_size,
-        degrees={**p.degrees(), "vpp": p.vpp},
-        model=case.model.name, case=case.to_dict(),
-        equivalent=merged.equivalent, golden_ok=merged.golden_ok,
-        update_ok=merged.update_ok if cls.checks_update else None,
-        max_loss_abs=merged.max_loss_abs,
-        max_grad_abs=merged.max_grad_abs, max_param_abs=merged.max_param_abs,
-        tolerance={"rtol": case.run.rtol, "atol": case.run.atol,
-                   "param_atol": case.run.param_atol},
-        uncovered=merged.uncovered, first_failure=merged.first_failure,
-        losses=merged.losses, golden_losses=golden.losses,
-        golden_source=getattr(golden, "source", "live"),
-        step_time_s=merged.step_time_s,
-        step_times_s=[list(r.step_times) for r in per_rank],
-        tokens_per_s=(p.global_batch_size * case.model.seq_length / merged.step_time_s
-                      if merged.step_time_s else None),
-        peak_bytes=merged.peak_bytes,
-        peak_bytes_predicted=predicted_peak(case, cls.family, states_pred[0]
-                                            if states_pred else None),
-        other_peak_bytes=_other_peak(merged),
-        model_state_bytes=merged.model_state_bytes,
-        model_state_bytes_predicted=states_pred,
-        wire_bytes=merged.wire_measured, wire_bytes_per_rank=merged.wire_by_axis,
-        wire_bytes_predicted=pred.max_wire(last) if pred else None,
-        wire_bytes_predicted_per_rank=pred.wire_at(last) if pred else None,
-        wire_exact=exact_every_step(merged.wire_by_step,
-                                    traffic_pred.wire_at if traffic_pred else _nothing, tol=0.5),
-        calls_exact=exact_every_step(merged.calls_by_step,
-                                     traffic_pred.calls_at if traffic_pred else _nothing),
-        model_state_exact=exact_every_step(merged.states_by_step,
-                                           pred.states_at if pred else _nothing),
-        calls_per_rank=merged.calls_by_step[-1],
-        calls_predicted_per_rank=pred.calls_at(last) if pred else None,
-        max_update_excess=merged.max_update_excess,
-        detectable_wd_error=detectable_wd_error(case.run) if cls.checks_update
-        else golden_detectable_wd_error(case.run),
-        prediction=pred.figures if pred else {},
-        ledger_summary=ledger_summary(per_rank[0].ledger),
-        extra=metrics, figures=figures or [], trace=trace, host_cpus=os.cpu_count(),
-        torch=torch.__version__, python=sys.version.split()[0])
+            out.setdefault(k, v)
+    return out
+
+
+def environment() -> Environment:
+    import torch
+    return Environment(host_cpus=os.cpu_count(), torch=torch.__version__,
+                       python=sys.version.split()[0])
 
 
 def failed_row(suite: str, case: CaseConfig, error: RankError) -> Row:
     """The row of a case that crashed or hung: no verdict, the failure instead."""
-    import torch
-    cls = get_scheme(case.run.scheme)
-    p = case.layout
-    message = str(error)
-    return Row(id=case.id, suite=suite, scheme=case.run.scheme, family=cls.family,
-               baseline_of=cls.baseline_of, world_size=p.world_size,
-               degrees={**p.degrees(), "vpp": p.vpp},
-               model=case.model.name, case=case.to_dict(), status="failed",
-               failure=Failure(kind=error.kind, rank=error.rank, message=message,
-                               traceback=error.traceback_text),
-               host_cpus=os.cpu_count(), torch=torch.__version__,
-               python=sys.version.split()[0])
-
-
-def _nothing(step: int):
-    return None
-
-
-def _other_peak(merged: Merged) -> list:
-    """Peak minus model states: activations, communication buffers, temporaries."""
-    return [(pk - sum(st.values())) if pk is not None and st else None
-            for pk, st in zip(merged.peak_bytes, merged.model_state_bytes)]
+    row = Row(case=row_case(suite, case, get_scheme(case.run.scheme)), env=environment())
+    row.verdict.status = "failed"
+    row.verdict.failure = Failure(kind=error.kind, rank=error.rank, message=str(error),
+                                  traceback=error.traceback_text)
+    return row
 
 
 def _write_trace(case: CaseConfig, per_rank: list[RankResult], out_dir: Path) -> str:
@@ -152,18 +125,6 @@ def _write_trace(case: CaseConfig, per_rank: list[RankResult], out_dir: Path) ->
     path = trace_dir / f"{safe}.json"
     chrome_trace([e for r in per_rank for e in r.timeline], str(path))
     return str(path)
-
-
-def ledger_summary(records: list[dict]) -> dict:
-    """{'axis/op': {count, message_bytes, wire_bytes}} of one rank's ledger records."""
-    out: dict = {}
-    for r in records:
-        e = out.setdefault(f"{r['axis']}/{r['op']}", {"count": 0, "message_bytes": 0,
-                                                       "wire_bytes": 0.0})
-        e["count"] += 1
-        e["message_bytes"] += r["message_bytes"]
-        e["wire_bytes"] += r["wire_bytes"]
-    return out
 
 
 # ---- many cases -------------------------------------------------------------------------------

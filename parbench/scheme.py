@@ -1,4 +1,4 @@
-"""The Scheme contract, the prediction a scheme states, and the registry.
+"""The Scheme contract, the prediction a scheme states, and ``register``.
 
 A scheme builds its shard of the reference model from the same full weights (the seeded
 initialisation of ``parbench.model``), runs one optimizer step per ``train_step`` on the
@@ -8,21 +8,27 @@ Process groups come from ``ctx.mesh`` explicitly; there is no global parallel st
 Optional behaviour is a method of the base class with a neutral default (``check``,
 ``predict``, ``reference``, ``metrics``, ``figures``), never an attribute probed with
 ``hasattr``.
+
+``register`` fills the table of schemes by name as their modules are imported; finding them
+(loading ``impls/``, entry points, a user's module, the mutants) is ``parbench.registry``'s
+job, a floor above ``impls/``.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
-from .config import CaseConfig, ConfigError
+from . import comm
+from .config import OPTIONAL_FIELDS, CaseConfig, ConfigError
+from .golden import GoldenRun, reference_run
 from .mesh import Mesh
+from .model.moe import RoutingGroups
+from .options import option_names
 from .timeline import Timeline
 
 
@@ -69,8 +75,10 @@ class Prediction:
     ``wire_bytes[r]`` and ``model_state_bytes[r]`` are rank r's figures ({axis: bytes} and
     {category: bytes}); the ``*_by_step[s][r]`` lists override them for schemes whose figures
     change from step to step (local SGD's sync steps, a continuous pipeline's fill and
-    drain). ``figures`` holds further analytic numbers for the report (the paper's
-    accounting, parameter counts, ...).
+    drain). ``figures`` holds further analytic numbers for readers of the results
+    (``Row.analytic``: the paper's accounting, parameter counts, ...);
+    ``paper_model_state_bytes`` is one rank's model states in the paper's own accounting
+    (ZeRO: (2 + 2 + K) Psi, K = 12), shown beside ours.
     """
 
     wire_bytes: list[dict[str, float]] | None = None
@@ -81,6 +89,7 @@ class Prediction:
     calls_by_step: list[list[dict[str, int]]] | None = None
     model_state_bytes_by_step: list[list[dict[str, int]]] | None = None
     figures: dict = field(default_factory=dict)
+    paper_model_state_bytes: float | None = None
 
     @classmethod
     def uniform(cls, world_size: int, wire: dict[str, float] | None = None,
@@ -165,20 +174,18 @@ class Scheme(ABC):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         """Reject a case before spawning (raise ConfigError naming field, value, rule)."""
-        p = case.layout
-        for axis in ("tp", "cp", "ep", "pp"):
-            if axis not in cls.uses and getattr(p, axis) != 1:
-                raise ConfigError(f"{axis}={getattr(p, axis)} is not used by scheme "
-                                  f"{cls.name} (it uses {', '.join(cls.uses)}); set {axis}=1")
+        for axis, n in case.layout.degrees().items():
+            if axis != "dp" and axis not in cls.uses and n != 1:
+                raise ConfigError(f"{axis}={n} is not used by scheme {cls.name} (it uses "
+                                  f"{', '.join(cls.uses)}); set {axis}=1")
         if case.model.num_experts and not cls.supports_moe:
             raise ConfigError(f"num_experts={case.model.num_experts}: scheme {cls.name} runs "
                               "dense models (MoE: expert.alltoall, hybrid)")
 
     @classmethod
-    def routing_groups(cls, case: CaseConfig):
+    def routing_groups(cls, case: CaseConfig) -> RoutingGroups:
         """The MoE routing groups of this scheme, as the golden run must cut the batch: by
-        default one group per rank and micro-batch (``parbench.moe``)."""
-        from .moe import RoutingGroups
+        default one group per rank and micro-batch (``parbench.model.moe``)."""
         return RoutingGroups(rows=case.layout.micro_batch_size)
 
     @classmethod
@@ -193,10 +200,10 @@ class Scheme(ABC):
         return None
 
     @classmethod
-    def reference(cls, case: CaseConfig, steps: int):
-        """The golden run this scheme must equal (default: single-device synchronous)."""
-        from .golden import reference_run
-        return reference_run(case, steps)
+    def reference(cls, case: CaseConfig, steps: int) -> GoldenRun:
+        """The golden run this scheme must equal (default: single-device synchronous, routing
+        this scheme's groups)."""
+        return reference_run(case, steps, cls.routing_groups(case))
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]] | None:
         """The tensors this rank keeps between steps, by category (``params``, ``grads``,
@@ -218,19 +225,17 @@ class Scheme(ABC):
     def reduce_loss(self, value: float | torch.Tensor, group=None) -> float:
         """Sum a loss over ``group`` for reporting, outside the ledger (not the scheme's
         traffic)."""
-        import torch.distributed as dist
-
-        from . import comm
         t = torch.tensor([float(value)], dtype=torch.float64)
         with comm.unrecorded():
             dist.all_reduce(t, group=group)
         return float(t.item())
 
 
-# ---- the registry -------------------------------------------------------------------------
+# ---- the table of registered schemes ------------------------------------------------------
 
-_REGISTRY: dict[str, type[Scheme]] = {}
-_LOADED = False
+#: every scheme registered in this process, by name (``register`` fills it as modules are
+#: imported; ``parbench.registry`` finds and imports them)
+SCHEMES: dict[str, type[Scheme]] = {}
 
 
 def register(cls: type[Scheme]) -> type[Scheme]:
@@ -238,14 +243,21 @@ def register(cls: type[Scheme]) -> type[Scheme]:
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     check_declared_options(cls)
-    _REGISTRY[cls.name] = cls
+    SCHEMES[cls.name] = cls
     return cls
+
+
+def registered(name: str) -> type[Scheme]:
+    """The scheme registered as ``name`` in this process: how a baseline finds the native
+    scheme it is compared with (``baseline_of``), loaded with it by ``parbench.registry``."""
+    if name not in SCHEMES:
+        raise ConfigError(f"scheme={name!r} is not registered in this process (load it with "
+                          "parbench.registry.get_scheme)")
+    return SCHEMES[name]
 
 
 def check_declared_options(cls: type[Scheme]) -> None:
     """Every option a scheme declares is a real field (a typo is an error at import)."""
-    from .config import OPTIONAL_FIELDS
-    from .options import option_names
     known = set(option_names()) | set(OPTIONAL_FIELDS)
     unknown = [n for n in cls.options if n not in known]
     if unknown:
@@ -253,34 +265,8 @@ def check_declared_options(cls: type[Scheme]) -> None:
                          f"(options: {', '.join(sorted(known))})")
 
 
-#: entry points of the group ``parbench.schemes`` that failed to load: name -> why
-_BROKEN_ENTRY_POINTS: dict[str, str] = {}
-ENTRY_POINT_GROUP = "parbench.schemes"
-
-
-def _load_all() -> None:
-    """Import every module under ``impls/`` (each registers its schemes on import), then the
-    schemes installed packages declare in the entry-point group ``parbench.schemes``
-    (``name = "pkg.module:Class"``; registered under the entry point's name)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import impls
-    for mod in pkgutil.walk_packages(impls.__path__, prefix="impls."):
-        importlib.import_module(mod.name)
-    from importlib.metadata import entry_points
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            cls = ep.load()
-            _check_scheme_class(cls, f"entry point {ep.name} = {ep.value}")
-        except Exception as e:  # noqa: BLE001 -- reported when the scheme is asked for
-            _BROKEN_ENTRY_POINTS[ep.name] = f"{type(e).__name__}: {e}"
-            continue
-        _REGISTRY.setdefault(ep.name, cls)
-
-
 def _check_scheme_class(cls, where: str) -> None:
+    """``cls`` keeps the contract: a concrete subclass of ``Scheme`` with a family."""
     if not (isinstance(cls, type) and issubclass(cls, Scheme)):
         raise ConfigError(f"{where} is {cls!r}, not a subclass of parbench.Scheme")
     if getattr(cls, "__abstractmethods__", None):
@@ -289,87 +275,3 @@ def _check_scheme_class(cls, where: str) -> None:
     if not cls.family:
         raise ConfigError(f"{where} declares no family (set family = 'data', 'pipeline', "
                           "'tensor', 'context', 'expert' or 'hybrid')")
-
-
-def is_external(name: str) -> bool:
-    """``pkg.module:Class`` or ``path/to/file.py:Class``: a scheme loaded by its path."""
-    return ":" in name
-
-
-def _import_module(target: str, spec: str):
-    """The module of ``target`` (a dotted name, or a .py file path)."""
-    import sys
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise ConfigError(f"scheme={spec!r}: no file {target}")
-        name = f"parbench_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
-        if name in sys.modules:
-            return sys.modules[name]
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
-    # like ``python -m``: a module in the working directory is importable
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    return importlib.import_module(target)
-
-
-def load_external(spec: str) -> type[Scheme]:
-    """A user's scheme class named ``pkg.module:Class`` or ``path/to/file.py:Class``,
-    imported and registered under ``spec`` (every rank process resolves the same string).
-    Bad input is one ConfigError naming what failed."""
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise ConfigError(f"scheme={spec!r} must be pkg.module:Class or path/to/file.py:Class")
-    try:
-        module = _import_module(target, spec)
-    except ConfigError:
-        raise
-    except ModuleNotFoundError as e:
-        if e.name and (target == e.name or target.startswith(e.name + ".")):
-            raise ConfigError(f"scheme={spec!r}: no module named {e.name!r} (is it on "
-                              "PYTHONPATH or installed?)") from None
-        raise ConfigError(f"scheme={spec!r}: importing {target!r} raised "
-                          f"ModuleNotFoundError: {e}") from None
-    except BaseException as e:  # noqa: BLE001 -- a user's module may raise anything
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise ConfigError(f"scheme={spec!r}: importing {target!r} raised "
-                          f"{type(e).__name__}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"scheme={spec!r}: {target!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    _check_scheme_class(obj, f"scheme={spec!r}")
-    _REGISTRY[spec] = obj
-    return obj
-
-
-def get_scheme(name: str) -> type[Scheme]:
-    _load_all()
-    if name.startswith("mutant.") and name not in _REGISTRY:
-        from .selftest.catalogue import load
-        load()
-    if name not in _REGISTRY and is_external(name):
-        return load_external(name)
-    if name in _BROKEN_ENTRY_POINTS and name not in _REGISTRY:
-        raise ConfigError(f"scheme={name!r}: its entry point ({ENTRY_POINT_GROUP}) failed to "
-                          f"load: {_BROKEN_ENTRY_POINTS[name]}")
-    if name not in _REGISTRY:
-        raise ConfigError(f"scheme={name!r} is not registered (choose from "
-                          f"{', '.join(sorted(_REGISTRY))}, or give pkg.module:Class)")
-    return _REGISTRY[name]
-
-
-def all_schemes() -> dict[str, type[Scheme]]:
-    """Every registered scheme but the self-test's mutants."""
-    _load_all()
-    return dict(sorted((n, c) for n, c in _REGISTRY.items() if not n.startswith("mutant.")))

@@ -94,7 +94,7 @@ def expand(spec: dict, overrides: dict, default_name: str = "suite") -> Suite:
 
 def check_suite(suite: Suite, world_size: int | None = None) -> None:
     """Every check that can run before spawning: config rules, scheme exists, scheme rules."""
-    from .scheme import get_scheme
+    from .registry import get_scheme  # loads impls/ (torch): reading a suite stays light
     for case in suite.cases:
         validate_case(case, world_size)
         cls = get_scheme(case.run.scheme)

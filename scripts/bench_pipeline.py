@@ -39,7 +39,7 @@ DEFAULTS = {"model": "small", "num_layers": "8", "pp": "2", "steps": "1",
             "timed_steps": "8", "warmup_steps": "2", "num_microbatches": "8",
             "micro_batch_size": "1"}
 BUBBLE_SCHEMES = ("pipeline.1f1b", "pipeline.pipedream", "pipeline.2bw")
-BUBBLE_KEYS = ("bubble_measured", "bubble_replayed", "bubble_unit", "bubble_closed_form")
+BUBBLE_FIELDS = ("measured", "replayed", "unit", "closed_form")
 
 
 def bubbles(argv: list[str]) -> None:
@@ -48,16 +48,18 @@ def bubbles(argv: list[str]) -> None:
     degrees = [int(x) for x in str(ov.pop("pp", "2,4")).split(",")]
     for key in ("repeats", "schedules", "mode"):
         ov.pop(key, None)
-    print(f"{'pp':>3s} {'scheme':22s} " + " ".join(f"{k[7:]:>12s}" for k in BUBBLE_KEYS)
+    print(f"{'pp':>3s} {'scheme':22s} " + " ".join(f"{k:>12s}" for k in BUBBLE_FIELDS)
           + "  held graphs            verdict")
     for pp in degrees:
         base, _ = base_case([f"{k}={v}" for k, v in ov.items()], {"pp": str(pp)})
         rows = alternate({s: apply_overrides(base, {"scheme": s}) for s in BUBBLE_SCHEMES}, 1,
                          verbose=False)
         for scheme, (row,) in rows.items():
-            cells = " ".join("           —" if row.extra.get(k) is None
-                             else f"{row.extra[k]:12.3f}" for k in BUBBLE_KEYS)
-            print(f"{pp:3d} {scheme:22s} {cells}  {row.extra.get('held_graphs', ''):22s} "
+            bubble = row.pipeline
+            values = [getattr(bubble, k) if bubble else None for k in BUBBLE_FIELDS]
+            cells = " ".join("           —" if v is None else f"{v:12.3f}" for v in values)
+            held = bubble.held_graphs if bubble else ""
+            print(f"{pp:3d} {scheme:22s} {cells}  {held:22s} "
                   f"{'pass' if row.passed else 'FAIL'}", flush=True)
     m = base.model
     print(f"\nmodel={m.name} (h={m.hidden_size}, layers={m.num_layers}, seq={m.seq_length}), "

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides  # noqa: E402
-from parbench.scheme import get_scheme  # noqa: E402
+from parbench.registry import get_scheme  # noqa: E402
 
 PAIRS = [("tensor.megatron", "baseline.dtensor.tp"),
          ("tensor.megatron", "baseline.megatron.tp"),

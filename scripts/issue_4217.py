@@ -41,7 +41,7 @@ def per_layer_fwd_bytes(pools, base: dict, scheme: str, axis: str, p: int) -> tu
                                               "num_layers": str(layers)})
         row = case_row(case, pools.get(case))
         ok = ok and row.passed
-        wire[layers] = row.wire_bytes.get(axis, 0.0)
+        wire[layers] = row.traffic.wire_max().get(axis, 0.0)
     return wire[2] - wire[1], ok
 
 

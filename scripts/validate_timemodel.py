@@ -41,8 +41,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from parbench.analytic.data_parallel import layer_tensors  # noqa: E402
+from parbench.analytic.shape import shape_from  # noqa: E402
+from parbench.calibration import Plan, calibrate, compute_task, run_everywhere  # noqa: E402
 from parbench.config import ConfigError  # noqa: E402
-from parbench.overrides import coerce, parse_overrides  # noqa: E402
+from parbench.launch import RankError  # noqa: E402
+from parbench.overrides import apply_overrides, coerce, parse_overrides  # noqa: E402
+from parbench.registry import get_scheme  # noqa: E402
+from parbench.runner import PoolCache, case_row  # noqa: E402
+from parbench.suites import load_suite  # noqa: E402
+from parbench.timemodel import Training, load_profile, predict_step  # noqa: E402
+from parbench.timemodel.profile import profile_dir  # noqa: E402
 
 SUITES = ("data", "pipeline", "tensor", "sequence")
 #: schemes whose mechanism the time model does not price (said in the table, not predicted)
@@ -64,10 +73,9 @@ TORCH_PIPE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "z
 
 def layout_of(case):
     """The :class:`Layout` a case's configuration describes, and a note (None: not modelled)."""
-    from parbench.timemodel import Training
     p, o, r = case.layout, case.options, case.run
     s = r.scheme
-    kw = dict(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, vpp=p.vpp, sp=o.tensor.sp,
+    kw = dict(**p.degrees(), vpp=p.vpp, sp=o.tensor.sp,
               micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches,
               dtype=r.dtype, recompute=o.recompute, bucket_mb=o.data.bucket_mb,
               optimizer=r.optimizer)
@@ -118,8 +126,6 @@ def layout_of(case):
 
 
 def predict(case, profile) -> float:
-    from parbench.analytic.shape import shape_from
-    from parbench.timemodel import predict_step
     lay, _ = layout_of(case)
     shape = shape_from(case.model)
     st = predict_step(shape, lay, profile)
@@ -131,7 +137,6 @@ def predict(case, profile) -> float:
         timed = range(r.steps + r.warmup_steps, r.steps + r.timed_steps)
         frac = sum(1 for s in timed if (s + 1) % H == 0) / max(len(timed), 1)
         alone = predict_step(shape, replace(lay, dp=1), profile)
-        from parbench.analytic.data_parallel import layer_tensors
         psi = sum(x for _, ts in layer_tensors(shape) for x in ts)
         avg = profile.collective_time("all_reduce", case.layout.dp, 4 * psi, "intra")
         loss = profile.collective_time("all_reduce", case.layout.dp, 8, "intra")
@@ -190,8 +195,6 @@ def label(case) -> str:
 
 
 def two_rank_cases(suites, timed_steps: int | None, instrument: bool = False):
-    from parbench.overrides import apply_overrides
-    from parbench.suites import load_suite
     seen, out = set(), []
     for name in suites:
         for c in load_suite(name).cases:
@@ -209,7 +212,6 @@ def two_rank_cases(suites, timed_steps: int | None, instrument: bool = False):
 
 
 def shapes_of(cases):
-    from parbench.analytic.shape import shape_from
     out = []
     for _, c in cases:
         s = shape_from(c.model)
@@ -219,9 +221,6 @@ def shapes_of(cases):
 
 
 def ensure_profile(name: str, mode: str, cases, instrument: bool = False):
-    from parbench.timemodel import load_profile
-    from parbench.timemodel.calibrate import Plan, calibrate
-    from parbench.timemodel.profile import profile_dir
     path = profile_dir() / f"{name}.json"
     if mode == "false" or (mode == "auto" and (path.exists() or name.endswith(".json"))):
         return load_profile(name)
@@ -234,11 +233,10 @@ def ensure_profile(name: str, mode: str, cases, instrument: bool = False):
                 cp_splits=(1, 2), dtypes=dtypes, instrumented=instrument)
     prof = calibrate(plan, 2, name, reference=("tiny", 2, 2),
                      progress=lambda s: print("  " + s, flush=True))
-    from parbench.timemodel.calibrate import _run_everywhere, compute_task
     for sh in shapes[1:]:
         p2 = Plan(device="cpu", shape=sh, micro_batch_sizes=mbs, tp_splits=(1, 2),
                   cp_splits=(1, 2), square_sizes=(), dtypes=dtypes)
-        res = _run_everywhere(compute_task, 2, "cpu", p2)
+        res = run_everywhere(compute_task, 2, "cpu", p2)
         keys = {prof._part_key(p["kind"], p) for p in prof.parts}
         for r in res:
             for p in r.get("parts", []):
@@ -258,9 +256,6 @@ def ensure_profile(name: str, mode: str, cases, instrument: bool = False):
 
 def run_cases(cases, repeats: int):
     """Every case ``repeats`` times, interleaved, on one pool per world size."""
-    from parbench.launch import RankError
-    from parbench.runner import PoolCache, case_row
-    from parbench.scheme import get_scheme
     times: dict[str, list[float]] = {c.id: [] for _, c in cases}
     failures: dict[str, str] = {}
     pools = PoolCache()
@@ -276,13 +271,13 @@ def run_cases(cases, repeats: int):
                 except (RankError, ConfigError) as e:
                     failures[c.id] = str(e).splitlines()[0][:120]
                     continue
-                if row.status != "ok" or not row.step_time_s:
-                    failures[c.id] = (row.failure.message if row.failure else
-                                      str(row.status))[:120]
+                v, step_s = row.verdict, row.time.step_s
+                if v.status != "ok" or not step_s:
+                    failures[c.id] = (v.failure.message if v.failure else str(v.status))[:120]
                     continue
-                times[c.id].append(row.step_time_s)
+                times[c.id].append(step_s)
                 print(f"  repeat {rep + 1}/{repeats} [{i + 1}/{len(cases)}] {label(c):48s} "
-                      f"{row.step_time_s * 1e3:8.2f} ms", flush=True)
+                      f"{step_s * 1e3:8.2f} ms", flush=True)
     finally:
         pools.close()
     return times, failures

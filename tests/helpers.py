@@ -6,10 +6,10 @@ import torch
 from impls.expert.dispatch import moe_tokens
 from parbench.config import CaseConfig, RunConfig
 from parbench.model import MLP
-from parbench.moe import MoE, RoutingGroups
+from parbench.model.moe import MoE, RoutingGroups
 from parbench.results import RankResult
 from parbench.runner import run_per_rank
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from parbench.verdict import Merged, compare, merge_ranks
 
 
@@ -36,7 +36,7 @@ def assert_wire_and_calls_per_step(pred, per_rank: list[RankResult]) -> None:
 
 def moe_layer_against_reference(cfg, b: int, s: int, dispatch=None) -> tuple[dict, MoE]:
     """One process, every expert local: ``moe_tokens`` (with ``dispatch``, default
-    ``ExpertDispatch``) and ``parbench.moe.MoE`` on the same tokens ``[b, s, h]`` (seed 0)
+    ``ExpertDispatch``) and ``parbench.model.moe.MoE`` on the same tokens ``[b, s, h]`` (seed 0)
     and routing groups of two rows; output, input gradient, router gradient and every expert
     weight gradient are asserted equal by the verdict's rule (``assert_close_by_the_verdict``:
     the two paths sum over tokens in different orders). Returns ``(stats, reference layer)``."""

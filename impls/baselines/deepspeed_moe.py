@@ -15,7 +15,7 @@ before the engine asks, so that its all-to-alls and reductions are booked to axe
 of the ledger. Each micro-batch's loss is the token cross-entropy plus
 ``moe_aux_loss_coef`` times the sum of the layers' ``l_aux``; the engine scales it by 1/m.
 
-Where DeepSpeed 0.19.8's semantics differ from the reference MoE (``parbench.moe``), and
+Where DeepSpeed 0.19.8's semantics differ from the reference MoE (``parbench.model.moe``), and
 therefore which cases are comparable (``check``):
 
 - **Dropping order.** Top-1 keeps, of an over-full expert's tokens, the ``torch.topk`` of a 0/1
@@ -48,7 +48,7 @@ import torch.nn as nn
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import MLP, build_model
-from parbench.moe import MoE as ReferenceMoE
+from parbench.model.moe import MoE as ReferenceMoE
 from parbench.scheme import Scheme, register
 
 from impls.baselines.deepspeed_common import stage0_engine

@@ -17,14 +17,16 @@ state, so the runner gives this scheme a fresh pool (``isolated``).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parbench.analytic.comm import rooted_wire_factor
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
-from parbench.scheme import Scheme, register
+from parbench.scheme import Scheme, register, registered
+
+from impls.baselines.deepspeed_zero import _import_deepspeed
 
 
 class EmbedLayer(nn.Module):
@@ -69,7 +71,6 @@ class DeepSpeedPipe(Scheme):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        from impls.baselines.deepspeed_zero import _import_deepspeed
         deepspeed = _import_deepspeed()
         from deepspeed.pipe import PipelineModule
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
@@ -145,9 +146,7 @@ class DeepSpeedPipe(Scheme):
         """Our 1F1B's figures, with DeepSpeed's p2p on axis world and its 8-byte loss
         broadcast from the last stage over the pipe group (a chain from the root: the rank
         before the root sends nothing; ``analytic.comm.rooted_wire_factor``)."""
-        from parbench.analytic.comm import rooted_wire_factor
-        from parbench.scheme import get_scheme
-        pred = get_scheme(cls.baseline_of).predict(case)
+        pred = registered(cls.baseline_of).predict(case)
         pp = case.layout.pp
         pred.wire_bytes = [{"world": w.get("pp", 0.0),
                             "other": float(8 * rooted_wire_factor("broadcast", pp, rank,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import build_model
+from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
 from impls.tensor.megatron import MegatronFigures
@@ -122,7 +122,6 @@ class DTensorTP(MegatronFigures):
         return model
 
     def make_optimizer(self, params):
-        from parbench.model import make_optimizer
         self.local = [_local(p).detach() for p in params]
         return make_optimizer(self.local, self.ctx.run)
 

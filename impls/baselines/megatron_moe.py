@@ -31,7 +31,7 @@ MoE layer adds an all-to-all of the E C probabilities forward and of their gradi
 (6 all-to-alls per layer per micro-batch where GShard and ours have 4); and the dispatcher keeps
 routing tensors between steps (``other`` model-state bytes).
 
-Semantics against the reference MoE (``parbench.moe``), and which cases are comparable
+Semantics against the reference MoE (``parbench.model.moe``), and which cases are comparable
 (``check``): router without bias (the reference's; Megatron's ``add_bias_linear`` bias is
 removed), top-1 gate = the chosen expert's probability (``moe_router_pre_softmax``), top-2
 gates = the top-2 probabilities renormalised (its default), the Switch balancing loss with
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model
-from parbench.moe import MoE as ReferenceMoE
+from parbench.model.moe import MoE as ReferenceMoE
 from parbench.scheme import register
 
 from impls.baselines.deepspeed_moe import ds_capacity_factor

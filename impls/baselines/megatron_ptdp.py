@@ -69,7 +69,7 @@ from torch.overrides import TorchFunctionMode
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import make_optimizer, stage_layers
-from parbench.scheme import Scheme, get_scheme, register
+from parbench.scheme import Scheme, register, registered
 
 from impls.baselines.megatron_tp import (MegatronCoreBaseline, MegatronCoreGPT,
                                          point_current_device_at_cpu)
@@ -177,7 +177,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
     @classmethod
     def predict(cls, case: CaseConfig):
         """``hybrid``'s closed form for the same configuration (module docstring)."""
-        return get_scheme(cls.baseline_of).predict(case)
+        return registered(cls.baseline_of).predict(case)
 
     def __init__(self, ctx):
         super().__init__(ctx)

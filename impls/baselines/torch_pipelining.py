@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_stage, make_optimizer
 from parbench.schedules import Placement
-from parbench.scheme import Scheme, register
+from parbench.scheme import Scheme, register, registered
 
 #: our name -> (torch schedule class name, our matching scheme, stage placement)
 TORCH_SCHEDULES = {
@@ -150,7 +150,6 @@ class TorchPipelining(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        from parbench.scheme import get_scheme
         par = case.layout
         if par.dp != 1:
             raise ConfigError(f"dp={par.dp}: pipeline baselines run one pipeline (set dp=1)")
@@ -166,13 +165,12 @@ class TorchPipelining(Scheme):
         if placement is Placement.V and par.num_microbatches < S:
             raise ConfigError(f"num_microbatches={par.num_microbatches}: {cls.name} needs "
                               f"m >= 2p = {S}")
-        get_scheme(cls.baseline_of)  # registered
+        registered(cls.baseline_of)
 
     @classmethod
     def predict(cls, case: CaseConfig):
         """The matching native schedule's figures (same stages, same transfers)."""
-        from parbench.scheme import get_scheme
-        return get_scheme(cls.baseline_of).predict(case)
+        return registered(cls.baseline_of).predict(case)
 
 
 def _register():

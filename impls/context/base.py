@@ -166,7 +166,7 @@ class ContextParallelScheme(Scheme):
         shape = shape_from(mdl)
         pred = closed.context_prediction(
             cls.kind, shape, cp=p.cp, dp=p.dp, cp_ulysses=cls.cp_ulysses(case),
-            micro_batch=p.micro_batch_size, microbatches=p.num_microbatches,
+            micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches,
             recompute=case.options.recompute, optimizer=case.run.optimizer)
         b = p.micro_batch_size
         figures = dict(pred.figures)

@@ -83,8 +83,8 @@ class DistFlashAttnScheme(ContextParallelScheme):
         p, mdl = case.layout, case.model
         shape = shape_from(mdl)
         b = p.micro_batch_size
-        ranks = closed.rank_predictions(shape, cp=p.cp, dp=p.dp, micro_batch=b,
-                                        microbatches=p.num_microbatches,
+        ranks = closed.rank_predictions(shape, cp=p.cp, dp=p.dp, micro_batch_size=b,
+                                        num_microbatches=p.num_microbatches,
                                         recompute=case.options.recompute,
                                         optimizer=case.run.optimizer)
         if case.options.recompute == "full":
@@ -95,8 +95,8 @@ class DistFlashAttnScheme(ContextParallelScheme):
                                             mdl.hidden_size, mdl.num_heads, p.cp,
                                             case.options.recompute, mdl.ffn)
         work = cls.predicted_work(case)
-        naive = closed.rank_predictions(shape, cp=p.cp, dp=1, micro_batch=b,
-                                        microbatches=p.num_microbatches, recompute="selective")
+        naive = closed.rank_predictions(shape, cp=p.cp, dp=1, micro_batch_size=b,
+                                        num_microbatches=p.num_microbatches, recompute="selective")
         figures = {"activation_bytes_per_layer": act,
                    "attention_work_per_rank": work,
                    "attention_imbalance": imbalance(work),

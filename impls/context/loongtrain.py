@@ -118,8 +118,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         p, mdl = case.layout, case.model
         pred = loong.loongtrain_prediction(
             shape_from(mdl), cp=p.cp, dp=p.dp, cp_ulysses=case.options.context.cp_ulysses,
-            cp_window=case.options.context.cp_window, micro_batch=p.micro_batch_size,
-            microbatches=p.num_microbatches, recompute=case.options.recompute,
+            cp_window=case.options.context.cp_window, micro_batch_size=p.micro_batch_size,
+            num_microbatches=p.num_microbatches, recompute=case.options.recompute,
             optimizer=case.run.optimizer)
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(

@@ -6,5 +6,5 @@ Fedus et al. 2021).
 buffer, all-to-all, local experts, all-to-all back, combine; reused by the hybrid schemes);
 ``layer`` puts a rank's shard of the reference model together; ``scheme`` registers
 ``expert.alltoall`` (gradients: dense over dp, experts over edp); ``stats`` is what its row
-reports. Closed forms: ``parbench.analytic.expert``; MoE semantics: ``parbench.moe``.
+reports. Closed forms: ``parbench.analytic.expert``; MoE semantics: ``parbench.model.moe``.
 """

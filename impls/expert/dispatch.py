@@ -5,7 +5,7 @@ Fedus et al. 2021, Sec. 2.1-2.2).
 
 ``moe_tokens`` is the reusable entry point (the expert family and the hybrid schemes call it):
 
-1. **Route** with ``parbench.moe.route`` (top-k, gates, capacity C per routing group, the
+1. **Route** with ``parbench.model.moe.route`` (top-k, gates, capacity C per routing group, the
    deterministic dropping order, the Switch load-balancing and router z-losses).
 2. **Dispatch buffer** ``[E, G C, h]``: expert e's slots of group g are rows g C .. g C + C - 1
    of ``buffer[e]``, filled in the routing's slot order; empty slots (an expert under its
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parbench.moe import AttachAux, Routing, expert_mlp, route, skew_of
+from parbench.model.moe import AttachAux, Routing, expert_mlp, route, skew_of
 
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -176,7 +176,7 @@ def moe_tokens(x: torch.Tensor, router_weight: torch.Tensor, experts, first_expe
     ``first_expert .. first_expert + E/ep - 1``; ``groups`` ``[T]`` the routing-group ids (None:
     one group); ``ep_group`` the process group the experts are sharded over (None or ep = 1: no
     communication); ``aux_scale`` multiplies the layer's auxiliary loss term. Numerically equal
-    to ``parbench.moe.MoE`` on the same tokens and groups. ``stats``: per-expert ``load`` and
+    to ``parbench.model.moe.MoE`` on the same tokens and groups. ``stats``: per-expert ``load`` and
     ``dropped`` counts, ``aux_loss``, ``z_loss`` (unscaled means over the groups), ``capacity``
     and the number of ``groups``. ``dispatch`` replaces the steps (default
     :class:`ExpertDispatch`).

@@ -5,7 +5,7 @@ dropped; every expert computes exactly the tokens routed to it.
 One MoE layer on a rank (:class:`DroplessDispatch`, the steps are methods so that a mutant
 replaces one):
 
-1. **Route** with ``parbench.moe.route`` at capacity factor 0 (C = T: nothing is dropped).
+1. **Route** with ``parbench.model.moe.route`` at capacity factor 0 (C = T: nothing is dropped).
 2. **Sort** the k T assignments by expert (a stable sort: within an expert, the routing's
    (token, choice) order), and count them per expert: ``counts`` ``[E]``.
 3. **Counts exchange**: one even all-to-all of ``counts`` over ep, so that each rank learns
@@ -26,15 +26,17 @@ splits swapped (no second counts exchange). Per MoE layer and micro-batch: 5 cal
 (counts, dispatch, combine) and 2 backward. Everything else -- gradients, the optimizer, what
 the verdict gathers -- is ``expert.alltoall``'s. Closed forms:
 ``parbench.analytic.expert_dropless`` with the per-expert counts of the single-device
-reference router (``parbench.moe_trace``).
+reference router (``parbench.golden.reference_loads``).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from parbench.analytic.expert_dropless import dropless_prediction
 from parbench.config import CaseConfig, ConfigError
-from parbench.moe import AttachAux, expert_mlp
+from parbench.golden import reference_loads
+from parbench.model.moe import AttachAux, RoutingGroups, expert_mlp
 from parbench.scheme import Prediction, register
 
 from .dispatch import ExpertDispatch, routing_groups, stats_of
@@ -161,8 +163,7 @@ class ExpertDropless(ExpertAllToAll):
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        from parbench.analytic.expert_dropless import dropless_prediction
-        return routed_prediction(case, dropless_prediction)
+        return routed_prediction(case, dropless_prediction, cls.routing_groups(case))
 
     #: the prediction's figures the row shows beside the measured bytes
     shown_figures = ("alltoall_padded_ep_wire_bytes_all_ranks",
@@ -186,15 +187,15 @@ def by_step_prediction(world: int, steps, states: dict, figures: dict) -> Predic
                       model_state_bytes=[dict(states) for _ in range(world)], figures=figures)
 
 
-def routed_prediction(case: CaseConfig, closed_form, **extra) -> Prediction:
+def routed_prediction(case: CaseConfig, closed_form, routing: RoutingGroups,
+                      **extra) -> Prediction:
     """``closed_form`` (``dropless_prediction``, ``shadow_prediction``) on the case's degrees
-    and the reference run's per-step expert loads, as a by-step ``Prediction``; ``extra``
-    goes to ``closed_form`` as it is."""
-    from parbench.moe_trace import reference_loads
+    and the reference run's per-step expert loads (routed in the scheme's groups
+    ``routing``), as a by-step ``Prediction``; ``extra`` goes to ``closed_form`` as it is."""
     p = case.layout
-    pred = closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch=p.micro_batch_size,
-                       microbatches=p.num_microbatches,
-                       loads=reference_loads(case, case.run.steps),
+    pred = closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch_size=p.micro_batch_size,
+                       num_microbatches=p.num_microbatches,
+                       loads=reference_loads(case, case.run.steps, routing),
                        optimizer=case.run.optimizer, **extra)
     return by_step_prediction(p.world_size, pred.steps, pred.states, pred.figures)
 

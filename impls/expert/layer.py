@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parbench.moe import MoE
+from parbench.model.moe import MoE
 
 from .dispatch import ExpertDispatch, moe_tokens
 
@@ -35,7 +35,7 @@ class ExpertParallelMoE(nn.Module):
                                       for e in range(first, first + count)})
         self.first = first
         self.dispatch = dispatch
-        #: multiplies this layer's auxiliary terms (1/m: ``parbench.moe``)
+        #: multiplies this layer's auxiliary terms (1/m: ``parbench.model.moe``)
         self.aux_scale = 1.0
         #: routing statistics of every forward since the last ``take_stats`` (plain numbers)
         self.stats: list[dict] = []

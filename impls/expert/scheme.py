@@ -11,7 +11,7 @@ global token count), and so are the dropping order and the auxiliary losses, exa
 golden run is told to route (``Scheme.routing_groups``: one group per rank and micro-batch).
 Each micro-batch's loss is its token mean / m and each layer's auxiliary term is scaled by
 1/m, so that the sum over the ranks' micro-batches is the mean over all dp m groups
-(``parbench.moe``).
+(``parbench.model.moe``).
 
 **Gradients.** The global loss is L = (1/d) sum_r L_r (d = dp ranks, L_r rank r's loss; every
 rank holds as many tokens). A dense parameter's gradient is (1/d) sum_r dL_r: one flat
@@ -39,7 +39,7 @@ from parbench.analytic import expert as closed
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
-from parbench.moe import set_aux_scale
+from parbench.model.moe import set_aux_scale
 from parbench.scheme import Prediction, Scheme, register
 
 from impls.data.buckets import Bucket
@@ -187,8 +187,8 @@ class ExpertAllToAll(Scheme):
     def predict(cls, case: CaseConfig) -> Prediction:
         p = case.layout
         pred = closed.expert_prediction(case.model, ep=p.ep, dp=p.dp,
-                                        micro_batch=p.micro_batch_size,
-                                        microbatches=p.num_microbatches,
+                                        micro_batch_size=p.micro_batch_size,
+                                        num_microbatches=p.num_microbatches,
                                         optimizer=case.run.optimizer)
         return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,
                                   **pred.figures)

@@ -36,8 +36,9 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from parbench.analytic.expert_shadow import shadow_prediction
 from parbench.config import CaseConfig, ConfigError
-from parbench.moe import AttachAux, expert_mlp
+from parbench.model.moe import AttachAux, expert_mlp
 from parbench.scheme import Prediction, register
 
 from .dispatch import routing_groups, stats_of
@@ -182,5 +183,5 @@ class ExpertFasterMoE(ExpertDropless):
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        from parbench.analytic.expert_shadow import shadow_prediction
-        return routed_prediction(case, shadow_prediction, shadows=case.options.expert.moe_shadow)
+        return routed_prediction(case, shadow_prediction, cls.routing_groups(case),
+                                 shadows=case.options.expert.moe_shadow)

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from parbench.analytic.expert_tutel import tutel_prediction
 from parbench.config import CaseConfig, ConfigError
+from parbench.golden import reference_loads
 from parbench.scheme import Prediction, register
 
 from .hier_a2a import RANKS_PER_NODE, build_plan
@@ -79,8 +81,13 @@ class ExpertTutel(ExpertAllToAll):
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        from parbench.analytic.expert_tutel import tutel_prediction
-        return tutel_prediction(case)
+        """The closed form (``analytic.expert_tutel``) on the reference router's counts of the
+        checked steps, routed in this scheme's groups."""
+        counts = reference_loads(case, case.run.steps, cls.routing_groups(case))
+        t = tutel_prediction(case, counts)
+        return Prediction(wire_bytes_by_step=t.wire, calls_by_step=t.calls,
+                          model_state_bytes=[dict(t.states) for _ in range(case.layout.dp)],
+                          figures=t.figures)
 
     def metrics(self) -> dict:
         out = row_metrics(self.step_stats, self.ctx, {})

@@ -4,7 +4,7 @@ and data parallelism over one parameter layout, and the flat or 2-D all-to-all.
 
 **Adaptive capacity** (Tutel's dynamic capacity factor: its "dynamic workload" motivation and the
 adaptive-capacity setting of its MoE layer). The router and the dropping order are the
-reference's (``parbench.moe.route``). Each rank's need is the largest slot index + 1 among its
+reference's (``parbench.model.moe.route``). Each rank's need is the largest slot index + 1 among its
 kept assignments (the largest per-expert count when nothing is dropped); one all-reduce (MAX,
 one int64) over the ep group -- the ranks that exchange the buffer -- gives the capacity C of
 this layer and micro-batch, and the dispatch buffer is ``[E, C, h]``. ``moe_capacity_factor
@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from parbench.moe import AttachAux, Routing, combine_reference
+from parbench.model.moe import AttachAux, Routing, combine_reference
 
 from .dispatch import ExpertDispatch, stats_of
 from .hier_a2a import TwoDimAllToAll, TwoDimPlan

@@ -29,11 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parbench.moe import is_moe_layer
+from parbench.model.moe import is_moe_layer
 
 from impls.context.allgather import AllGatherCore, GatherGroup
 from impls.context.ring import RingPeers
 from impls.context.ulysses import UlyssesRingCore
+from impls.expert.dispatch import moe_tokens
 from impls.tensor.collectives import CopyToRegion, ReduceFromRegion
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import Placement
@@ -140,7 +141,6 @@ class HybridStage(MegatronGPT):
             xs = x[self.rank * n:(self.rank + 1) * n]
         else:
             xs = x
-        from impls.expert.dispatch import moe_tokens
         tokens = xs.reshape(-1, xs.shape[-1])  # [n, b, h] flattened position-major
         y, stats = moe_tokens(tokens, self.p(f"blocks.{i}.mlp.router.weight"),
                               self._experts[i], self.first_expert, self.cfg, None,

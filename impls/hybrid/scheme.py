@@ -6,7 +6,7 @@ the tp shards of the stage's layers, its cp tokens, its E/ep experts of each MoE
 pipeline executor of ``impls.pipeline`` runs the schedule on the pp group with boundary
 tensors ``[s/cp (/t under SP), b, h]``: any synchronous schedule of the pipeline family --
 GPipe, 1F1B, interleaved 1F1B, looped BFS, the split-backward ZB-H1, ZB-H2 and ZB-V (the
-tensor-parallel linears do only B's or W's part, ``parbench.backward_pass``), and the
+tensor-parallel linears do only B's or W's part, ``impls.common.backward_pass``), and the
 bidirectional Chimera, DualPipe and DualPipeV (two stage copies per rank; their gradients are
 added with the partner rank's first, ``impls.pipeline.replicas``). PipeDream and 2BW are
 refused: they update weights asynchronously and are checked against their own update rule,
@@ -42,7 +42,8 @@ from parbench.analytic.shape import shape_from
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import compute_dtype, make_optimizer, stage_layers
-from parbench.moe import RoutingGroups
+from parbench.model.moe import RoutingGroups
+from parbench.reproduce import ubmesh_measured as table
 from parbench.scheme import Prediction, Scheme, register
 from parbench.schedules import get_spec
 
@@ -272,9 +273,9 @@ class HybridScheme(Scheme):
     @classmethod
     def figures(cls, case: CaseConfig, per_rank: list, out_dir):
         """UB-Mesh Table 1 for this case: rank 0's measured ledger beside the closed form at
-        this configuration and the traffic model at the paper's (``report.traffic_table``);
-        written as ``ubmesh-table1.md`` in the results directory."""
-        from parbench.report import traffic_table as table
+        this configuration and the traffic model at the paper's
+        (``reproduce.ubmesh_measured``); written as ``ubmesh-table1.md`` in the results
+        directory."""
         r0 = next((r for r in per_rank if r.rank == 0), None)
         if r0 is None or not r0.ledger:
             return []

@@ -35,6 +35,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict
 
+from parbench.results import BubbleFigures
 from parbench.schedules import (
     KINDS,
     Action,
@@ -157,7 +158,9 @@ def _paper_bound(schedule: Schedule) -> list | None:
 
 def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, *, held: int,
                    activation_bytes: int, per_microbatch: list[float]) -> dict:
-    """All bubble and held-graph figures for the case (collective over the pp group);
+    """All bubble and held-graph figures for the case, ``{"bubble": BubbleFigures}`` (the
+    scheme's metrics; the harness moves it to the row's pipeline group; collective over the
+    pp group);
     ``steps`` holds this rank's compute events of each measured step, ``held`` and
     ``activation_bytes`` its measured peaks, ``per_microbatch`` the analytic activation
     bytes of one micro-batch on each stage it holds."""
@@ -204,9 +207,10 @@ def bubble_metrics(schedule: Schedule, steps: list[list[dict]], group, *, held: 
     if memory_note:  # the paper's statement, beside the measured held graphs and bytes
         detail["paper_memory_note"] = memory_note
     paper = f"; paper F-B bound {_fmt(bound)}" if bound is not None else ""
-    return {"schedule": f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}"
-                        + (" (steady step)" if schedule.done_before else ""),
-            "held_graphs": f"{_fmt(held_meas)} (sim {_fmt(unit.peak_held)}{paper})",
-            "activation_peak_bytes": [g["bytes"] for g in gathered],
-            **flat, "bubble_unit": unit.bubble, "bubble_closed_form": value,
-            "bubble_detail": detail}
+    return {"bubble": BubbleFigures(
+        schedule=f"{schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}"
+                 + (" (steady step)" if schedule.done_before else ""),
+        measured=flat["bubble_measured"], replayed=flat["bubble_replayed"],
+        sim_mean_costs=flat["bubble_sim_mean_costs"], unit=unit.bubble, closed_form=value,
+        held_graphs=f"{_fmt(held_meas)} (sim {_fmt(unit.peak_held)}{paper})",
+        activation_peak_bytes=[g["bytes"] for g in gathered], detail=detail)}

@@ -202,7 +202,7 @@ class SegmentScheme(PipelineScheme):
         out = super().metrics()
         p, m, k = self.schedule.p, self.m, self.schedule.segments
         out["token_slices"] = self.token_slices(self.ctx.case)
-        out["bubble_detail"].update(self.segment_figures(p, m, k))
+        out["bubble"].detail.update(self.segment_figures(p, m, k))
         return out
 
     def segment_figures(self, p: int, m: int, k: int) -> dict:

@@ -26,7 +26,7 @@ How it is done here, on any stage module, without changing the model code:
 Because the same backward nodes compute the weight gradients from the same incoming
 gradients, W's results equal the fused backward's bit for bit. Custom autograd functions that
 fuse an input-gradient collective with a weight gradient (the tensor-parallel linears) read
-``parbench.backward_pass`` to do only the pass's part. The graph is kept alive
+``impls.common.backward_pass`` to do only the pass's part. The graph is kept alive
 (``retain_graph``) between B and W -- the activation memory that zero-bubble schedules
 trade for the smaller bubble.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from parbench import backward_pass
+from impls.common import backward_pass
 
 
 def _analyse(root, target, param_index: dict[int, int]):

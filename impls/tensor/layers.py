@@ -17,7 +17,7 @@ et al. 2022, Sec. 4.2.2), on sequence-first activations ``[s, b, h]``.
 - :class:`Recompute`: run a function without saving its activations and run it again in
   backward (activation recomputation, Chen et al. 2016; Korthikanti et al. Sec. 5).
 
-Under a split backward (zero-bubble schedules, ``parbench.backward_pass``) the two linears do
+Under a split backward (zero-bubble schedules, ``impls.common.backward_pass``) the two linears do
 only the pass's part: B the input gradient and its collective, W the weight gradient (the
 column linear re-gathers its sequence shard in W; the row linear keeps B's gathered gradient
 for W), so a split step moves the bytes of a fused one.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parbench import backward_pass
+from impls.common import backward_pass
 
 from .collectives import all_gather_dim0, reduce_scatter_dim0  # noqa: F401
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parbench.config import CaseConfig
-from parbench.model import build_model, compute_dtype
+from parbench.model import build_model, compute_dtype, make_optimizer
 from parbench.scheme import Prediction
 
 from impls.data.base import DataParallelScheme
@@ -66,7 +66,6 @@ class ZeroScheme(DataParallelScheme):
 
     def make_optimizer(self) -> None:
         """The run's optimizer over this rank's master shards (``self.opt``)."""
-        from parbench.model import make_optimizer
         self.opt = make_optimizer(self.masters, self.ctx.run)
 
     # ---- gradients ---------------------------------------------------------------------------

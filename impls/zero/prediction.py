@@ -50,11 +50,19 @@ def zero_prediction(case: CaseConfig, stage: int) -> Prediction:
     pred = data_parallel.zero(shape_from(case.model), par.dp, stage, case.options.data.bucket_mb,
                               par.num_microbatches, e, case.run.optimizer, mixed)
     wire = summarize(pred.transfers).get("dp", {"message_bytes": 0, "count": 0})
-    return Prediction.uniform(
+    out = Prediction.uniform(
         par.dp, pred.wire_bytes, pred.states, pred.calls,
         message_bytes={"dp": wire["message_bytes"]},
         transfers=[t.as_dict() for t in pred.transfers], **pred.figures,
         paper=paper_figures(pred.figures["params"], par.dp, stage, e, mixed))
+    out.paper_model_state_bytes = paper_states(pred.figures["params"], par.dp, stage)
+    return out
+
+
+def paper_states(psi: int, dp: int, stage: int) -> float:
+    """One rank's model states in the ZeRO paper's accounting: (2 + 2 + K) Psi, K = 12,
+    partitioned by ``stage`` (Rajbhandari et al. 2020, Sec. 5.1, Fig. 1)."""
+    return zero_model_states(psi, dp, stage, MIXED_ADAM).total
 
 
 def paper_prediction(case: CaseConfig, stage: int) -> Prediction:
@@ -66,7 +74,9 @@ def paper_prediction(case: CaseConfig, stage: int) -> Prediction:
     d, m = case.layout.dp, case.layout.num_microbatches
     per = {1: 2, 2: m + 1, 3: 3 * m}[stage]
     ms = zero_model_states(psi, d, stage, MIXED_ADAM if mixed else FP32_ADAMW)
-    return Prediction.uniform(
+    out = Prediction.uniform(
         d, {"dp": float(Fraction(d - 1, d) * per * psi * e)},
         {"params": ms.param, "grads": ms.grad, "optimizer": ms.optim}, params=psi,
         paper=paper_figures(psi, d, stage, e, mixed))
+    out.paper_model_state_bytes = paper_states(psi, d, stage)
+    return out

@@ -159,7 +159,7 @@ def logits_bytes(s: int, b: int, vocab: int, t: int = 1, bytes_per_element: int 
 
 
 def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: int,
-                                 microbatches: int | None = None, vpp: int = 1,
+                                 num_microbatches: int | None = None, vpp: int = 1,
                                  schedule: str = "1f1b") -> float:
     """Activations held at peak by the first pipeline stage (Korthikanti et al. 2022, Sec. 4.2.3).
 
@@ -176,12 +176,12 @@ def first_stage_activation_bytes(per_layer_bytes: float, num_layers: int, pp: in
         raise ValueError(f"pp={pp} does not divide num_layers={num_layers}")
     layers_here = num_layers // pp
     if schedule == "gpipe":
-        if microbatches is None:
+        if num_microbatches is None:
             raise ValueError("microbatches is required for schedule='gpipe'")
-        return per_layer_bytes * layers_here * microbatches
+        return per_layer_bytes * layers_here * num_microbatches
     if schedule not in ("1f1b", "interleaved"):
         raise ValueError(f"schedule={schedule!r} must be 1f1b, interleaved or gpipe")
-    in_flight = pp if microbatches is None else min(pp, microbatches)
+    in_flight = pp if num_microbatches is None else min(pp, num_microbatches)
     factor = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1
     return per_layer_bytes * layers_here * in_flight * factor
 
@@ -205,7 +205,7 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
       fc1 output and GeLU output (Korthikanti's "8 + 8" for f = 4h), 2 s b f e / t bytes, are
       what the routed path replaces (``dense_mlp_replaced``, negative).
     - **Router**: logits and probabilities, T x E each, fp32 (the router runs in fp32; the
-      softmax keeps its output, the z-loss's logsumexp its input, ``parbench.moe.route``):
+      softmax keeps its output, the z-loss's logsumexp its input, ``parbench.model.moe.route``):
       2 x 4 T E bytes.
     - **Dispatch buffer** (GShard, Lepikhin et al. 2020, Sec. 2.2 and Algorithm 2; Switch,
       Fedus et al. 2021, Sec. 2.2: a fixed ``[E, C, h]`` buffer, a dropped token's slot left

@@ -185,7 +185,7 @@ def zero_traffic(params: int, dp: int, stage: int, param_bytes: int = 2,
 # tensor and sequence parallel (Megatron)
 # ---------------------------------------------------------------------------------------
 
-def tp_traffic(b: int, s: int, h: int, tp: int, layers: int = 1, microbatches: int = 1,
+def tp_traffic(b: int, s: int, h: int, tp: int, layers: int = 1, num_microbatches: int = 1,
                bytes_per_element: int = 2, recompute: bool = False,
                sp: bool = False) -> list[Transfer]:
     """Megatron tensor parallelism (Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022,
@@ -199,7 +199,7 @@ def tp_traffic(b: int, s: int, h: int, tp: int, layers: int = 1, microbatches: i
     the same bandwidth.
     """
     msg = b * s * h * bytes_per_element
-    count = (6 if recompute else 4) * layers * microbatches
+    count = (6 if recompute else 4) * layers * num_microbatches
     if tp == 1:
         return []
     if not sp:
@@ -208,7 +208,7 @@ def tp_traffic(b: int, s: int, h: int, tp: int, layers: int = 1, microbatches: i
             Transfer("tp", "reduce_scatter", tp, msg, count, "sequence-parallel g-bar / g")]
 
 
-def tp_vocab_traffic(b: int, s: int, h: int, tp: int, microbatches: int = 1,
+def tp_vocab_traffic(b: int, s: int, h: int, tp: int, num_microbatches: int = 1,
                      bytes_per_element: int = 2, loss_bytes: int = 4) -> list[Transfer]:
     """Vocabulary-parallel embedding and cross-entropy (Shoeybi et al. 2019, Sec. 3), per
     micro-batch: the embedding output is all-reduced in forward (first stage); the LM head
@@ -217,9 +217,9 @@ def tp_vocab_traffic(b: int, s: int, h: int, tp: int, microbatches: int = 1,
     if tp == 1:
         return []
     act = b * s * h * bytes_per_element
-    return [Transfer("tp", "all_reduce", tp, act, microbatches, "embedding output (fwd)"),
-            Transfer("tp", "all_reduce", tp, act, microbatches, "LM head input grad (bwd)"),
-            Transfer("tp", "all_reduce", tp, b * s * loss_bytes, 3 * microbatches,
+    return [Transfer("tp", "all_reduce", tp, act, num_microbatches, "embedding output (fwd)"),
+            Transfer("tp", "all_reduce", tp, act, num_microbatches, "LM head input grad (bwd)"),
+            Transfer("tp", "all_reduce", tp, b * s * loss_bytes, 3 * num_microbatches,
                      "vocab-parallel cross-entropy")]
 
 
@@ -227,7 +227,7 @@ def tp_vocab_traffic(b: int, s: int, h: int, tp: int, microbatches: int = 1,
 # context parallel
 # ---------------------------------------------------------------------------------------
 
-def ulysses_traffic(b: int, s: int, h: int, cp: int, layers: int = 1, microbatches: int = 1,
+def ulysses_traffic(b: int, s: int, h: int, cp: int, layers: int = 1, num_microbatches: int = 1,
                     bytes_per_element: int = 2, backward: bool = True,
                     recompute: bool = False, axis: str = "cp") -> list[Transfer]:
     """DeepSpeed-Ulysses (Jacobs et al. 2023, Sec. 3.2): per layer 4 all-to-alls forward (Q, K,
@@ -243,7 +243,7 @@ def ulysses_traffic(b: int, s: int, h: int, cp: int, layers: int = 1, microbatch
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     msg = b * (s // cp) * h * bytes_per_element
     per_layer = 4 * (1 + int(backward) + int(recompute))
-    return [Transfer(axis, "all_to_all", cp, msg, per_layer * layers * microbatches,
+    return [Transfer(axis, "all_to_all", cp, msg, per_layer * layers * num_microbatches,
                      "Q, K, V, output")]
 
 
@@ -253,7 +253,7 @@ def ulysses_paper_per_link(N: int, h: int, P: int) -> Fraction:  # noqa: N803
 
 
 def ring_attention_traffic(b: int, s: int, h_kv: int, cp: int, layers: int = 1,
-                           microbatches: int = 1, bytes_per_element: int = 2,
+                           num_microbatches: int = 1, bytes_per_element: int = 2,
                            backward: bool = True, recompute: bool = False,
                            axis: str = "cp") -> list[Transfer]:
     """Ring Attention (Liu et al. 2023, Sec. 3, Algorithm 1): each layer's forward passes the
@@ -267,7 +267,7 @@ def ring_attention_traffic(b: int, s: int, h_kv: int, cp: int, layers: int = 1,
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     kv = 2 * b * (s // cp) * h_kv * bytes_per_element
-    n = (cp - 1) * layers * microbatches
+    n = (cp - 1) * layers * num_microbatches
     out = [Transfer(axis, "send", cp, kv, n * (1 + int(recompute)), "K, V block (fwd)")]
     if backward:
         out += [Transfer(axis, "send", cp, kv, n, "K, V block (bwd)"),
@@ -276,7 +276,7 @@ def ring_attention_traffic(b: int, s: int, h_kv: int, cp: int, layers: int = 1,
 
 
 def cp_allgather_traffic(b: int, s_local: int, h: int, cp: int, tp: int = 1,
-                         layers: int = 1, microbatches: int = 1, bytes_per_element: int = 2,
+                         layers: int = 1, num_microbatches: int = 1, bytes_per_element: int = 2,
                          gathers: Sequence[tuple[int, int]] = ((1, 4),),
                          grad_reduce_scatters: int = 0, axis: str = "cp") -> list[Transfer]:
     """All-gather context parallelism (as in Llama 3, Dubey et al. 2024, Sec. 3.3.2): K and V of
@@ -293,12 +293,12 @@ def cp_allgather_traffic(b: int, s_local: int, h: int, cp: int, tp: int = 1,
     if h % tp:
         raise ValueError(f"tp={tp} does not divide hidden_size={h}")
     a = b * s_local * cp * (h // tp) * bytes_per_element
-    out = [Transfer(axis, "all_gather", cp, k * a, n * layers * microbatches,
+    out = [Transfer(axis, "all_gather", cp, k * a, n * layers * num_microbatches,
                     f"{'K and V' if k == 2 else 'K or V'} of the full sequence")
            for k, n in gathers]
     if grad_reduce_scatters:
         out.append(Transfer(axis, "reduce_scatter", cp, a,
-                            grad_reduce_scatters * layers * microbatches,
+                            grad_reduce_scatters * layers * num_microbatches,
                             "dK or dV of the full sequence to its owners"))
     return out
 
@@ -307,7 +307,7 @@ def cp_allgather_traffic(b: int, s_local: int, h: int, cp: int, tp: int = 1,
 # pipeline and expert parallel
 # ---------------------------------------------------------------------------------------
 
-def pipeline_p2p_traffic(b: int, s: int, h: int, pp: int, microbatches: int, rank: int = 0,
+def pipeline_p2p_traffic(b: int, s: int, h: int, pp: int, num_microbatches: int, rank: int = 0,
                          vpp: int = 1, tp: int = 1, scatter_gather: bool = False,
                          bytes_per_element: int = 2) -> list[Transfer]:
     """Point-to-point sends of one pipeline rank per iteration (Narayanan et al. 2021,
@@ -327,8 +327,8 @@ def pipeline_p2p_traffic(b: int, s: int, h: int, pp: int, microbatches: int, ran
         if msg % tp:
             raise ValueError(f"tp={tp} does not divide the boundary tensor of {msg} bytes")
         msg //= tp
-    fwd = microbatches * (vpp - (rank == pp - 1))
-    bwd = microbatches * (vpp - (rank == 0))
+    fwd = num_microbatches * (vpp - (rank == pp - 1))
+    bwd = num_microbatches * (vpp - (rank == 0))
     out = [Transfer("pp", "send", pp, msg, fwd, "activations"),
            Transfer("pp", "send", pp, msg, bwd, "activation gradients")]
     if scatter_gather and tp > 1:
@@ -336,12 +336,12 @@ def pipeline_p2p_traffic(b: int, s: int, h: int, pp: int, microbatches: int, ran
     return _keep(out)
 
 
-def pipeline_total_sends(pp: int, microbatches: int, vpp: int = 1) -> int:
+def pipeline_total_sends(pp: int, num_microbatches: int, vpp: int = 1) -> int:
     """Point-to-point sends over all pipeline ranks per iteration: 2 m (p v - 1)."""
-    return 2 * microbatches * (pp * vpp - 1)
+    return 2 * num_microbatches * (pp * vpp - 1)
 
 
-def expert_traffic(tokens: int, h: int, ep: int, moe_layers: int = 1, microbatches: int = 1,
+def expert_traffic(tokens: int, h: int, ep: int, moe_layers: int = 1, num_microbatches: int = 1,
                    top_k: int = 1, bytes_per_element: int = 2, recompute: bool = False,
                    capacity_factor: float | None = None,
                    num_experts: int | None = None) -> list[Transfer]:
@@ -361,5 +361,5 @@ def expert_traffic(tokens: int, h: int, ep: int, moe_layers: int = 1, microbatch
         rows = num_experts * int(cap)
     msg = rows * h * bytes_per_element
     per_layer = 6 if recompute else 4
-    return [Transfer("ep", "all_to_all", ep, msg, per_layer * moe_layers * microbatches,
+    return [Transfer("ep", "all_to_all", ep, msg, per_layer * moe_layers * num_microbatches,
                      "dispatch / combine")]

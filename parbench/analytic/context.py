@@ -56,7 +56,7 @@ RING_AXIS = "cp_ring"
 # ---- traffic ------------------------------------------------------------------------------
 
 def ring_self_attention_traffic(b: int, s: int, h: int, cp: int, layers: int = 1,
-                                microbatches: int = 1, bytes_per_element: int = 2,
+                                num_microbatches: int = 1, bytes_per_element: int = 2,
                                 recompute: bool = False, axis: str = "cp") -> list[Transfer]:
     """Ring Self-Attention (Li et al. 2021, Sec. 3.2), per layer per micro-batch: forward
     passes K (b (s/N) h) N-1 times, then V N-1 times; backward passes V N-1 times (dP), K N-1
@@ -67,23 +67,23 @@ def ring_self_attention_traffic(b: int, s: int, h: int, cp: int, layers: int = 1
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     blk = b * (s // cp) * h * bytes_per_element
-    n = (cp - 1) * layers * microbatches
+    n = (cp - 1) * layers * num_microbatches
     fwd = 1 + int(recompute)
     return [Transfer(axis, "send", cp, blk, n * fwd, "K block (fwd)"),
             Transfer(axis, "send", cp, blk, n * fwd, "V block (fwd)"),
             Transfer(axis, "send", cp, blk, n, "V block (bwd, dP)"),
             Transfer(axis, "send", cp, blk, n, "K block (bwd, dQ)"),
             Transfer(axis, "all_reduce", cp, b * s * h * bytes_per_element,
-                     2 * layers * microbatches, "dV, dK of the whole sequence (bwd)")]
+                     2 * layers * num_microbatches, "dV, dK of the whole sequence (bwd)")]
 
 
 def attention_traffic(kind: str, b: int, s: int, h: int, cp: int, cp_ulysses: int = 1,
-                      layers: int = 1, microbatches: int = 1, bytes_per_element: int = 4,
+                      layers: int = 1, num_microbatches: int = 1, bytes_per_element: int = 4,
                       recompute: bool = False) -> list[Transfer]:
     """One rank's attention traffic per step for the native scheme ``kind`` (module doc)."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {', '.join(KINDS)}")
-    e, L, m = bytes_per_element, layers, microbatches
+    e, L, m = bytes_per_element, layers, num_microbatches
     if kind == "ring-self-attention":
         return ring_self_attention_traffic(b, s, h, cp, L, m, e, recompute)
     if kind == "ring-attention":
@@ -133,11 +133,11 @@ class ContextPrediction(RankPrediction):
 
 
 def context_prediction(kind: str, shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int = 1,
-                       micro_batch: int, microbatches: int = 1, recompute: str = "none",
+                       micro_batch_size: int, num_microbatches: int = 1, recompute: str = "none",
                        optimizer: str = "adamw", elem_bytes: int = 4) -> ContextPrediction:
     """Everything one rank of the native scheme ``kind`` measures in one step."""
-    tr = attention_traffic(kind, micro_batch, shape.s, shape.h, cp, cp_ulysses, shape.l,
-                           microbatches, elem_bytes, recompute != "none")
+    tr = attention_traffic(kind, micro_batch_size, shape.s, shape.h, cp, cp_ulysses, shape.l,
+                           num_microbatches, elem_bytes, recompute != "none")
     tr += gradient_allreduce(shape, cp, dp, elem_bytes)
     tr = [t for t in tr if t.count]
     return ContextPrediction(tr, replica_states(shape, optimizer, elem_bytes),

@@ -77,7 +77,7 @@ def idle_fraction(P: int, balanced: bool = True) -> float:
 
 
 def worker_transfers(b: int, s: int, h: int, a: int, P: int, r: int, layers: int = 1,
-                     microbatches: int = 1, bytes_per_element: int = 4,
+                     num_microbatches: int = 1, bytes_per_element: int = 4,
                      recompute: str = "none", axis: str = "cp") -> list[Transfer]:
     """Worker r's sends per step (module doc), per layer and micro-batch times L m."""
     if P == 1:
@@ -85,7 +85,7 @@ def worker_transfers(b: int, s: int, h: int, a: int, P: int, r: int, layers: int
     if s % P:
         raise ValueError(f"cp={P} does not divide seq_length={s}")
     T, H = schedule_steps(P)
-    e, n, k = bytes_per_element, s // P, layers * microbatches
+    e, n, k = bytes_per_element, s // P, layers * num_microbatches
     fwd = 2 if recompute == "selective" else 1
     kv_sends, q_sends = min(T, P - 1 - r), max(0, r - T)
     helped, own_blocks = max(0, H - r), min(r, T)
@@ -108,16 +108,16 @@ def remat_layer_activation_bytes(s: int, b: int, h: int, a: int, cp: int,
     return 2 * b * n * h * bytes_per_element + b * a * n * 4
 
 
-def rank_predictions(shape: Shape, *, cp: int, dp: int = 1, micro_batch: int,
-                     microbatches: int = 1, recompute: str = "none",
+def rank_predictions(shape: Shape, *, cp: int, dp: int = 1, micro_batch_size: int,
+                     num_microbatches: int = 1, recompute: str = "none",
                      optimizer: str = "adamw", elem_bytes: int = 4) -> list[RankPrediction]:
     """Every global rank's step (cp index = rank mod cp: Megatron order with tp = 1)."""
     states = replica_states(shape, optimizer, elem_bytes)
     grads = gradient_allreduce(shape, cp, dp, elem_bytes)
     out = []
     for rank in range(cp * dp):
-        tr = worker_transfers(micro_batch, shape.s, shape.h, shape.a, cp, rank % cp,
-                              shape.l, microbatches, elem_bytes, recompute)
+        tr = worker_transfers(micro_batch_size, shape.s, shape.h, shape.a, cp, rank % cp,
+                              shape.l, num_microbatches, elem_bytes, recompute)
         tr = [t for t in tr + grads if t.count]
         out.append(RankPrediction(tr, states, {"transfers": [t.as_dict() for t in tr]}))
     return out

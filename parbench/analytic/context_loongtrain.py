@@ -58,15 +58,15 @@ def check_grid(cp: int, cp_ulysses: int, cp_window: int) -> tuple[int, int, int]
 
 
 def loongtrain_traffic(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1,
-                       cp_window: int = 1, layers: int = 1, microbatches: int = 1,
+                       cp_window: int = 1, layers: int = 1, num_microbatches: int = 1,
                        bytes_per_element: int = 4, recompute: bool = False
                        ) -> list[Transfer]:
     """One rank's attention traffic per step (module doc), per group."""
     u, c, w = check_grid(cp, cp_ulysses, cp_window)
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
-    e, lm = bytes_per_element, layers * microbatches
-    out = comm.ulysses_traffic(b, s * u // cp, h, u, layers, microbatches, e,
+    e, lm = bytes_per_element, layers * num_microbatches
+    out = comm.ulysses_traffic(b, s * u // cp, h, u, layers, num_microbatches, e,
                                recompute=recompute, axis=HEAD_AXIS)
     kv = 2 * b * (s // c) * (h // u) * e
     fwd = 1 + int(recompute)
@@ -81,14 +81,14 @@ def loongtrain_traffic(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1,
 
 
 def loongtrain_prediction(shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int = 1,
-                          cp_window: int = 1, micro_batch: int, microbatches: int = 1,
+                          cp_window: int = 1, micro_batch_size: int, num_microbatches: int = 1,
                           recompute: str = "none", optimizer: str = "adamw",
                           elem_bytes: int = 4) -> RankPrediction:
     """Everything one rank measures in one step: the attention traffic per group, the
     gradient all-reduce over dp x cp and a whole replica's model states (as every native
     context-parallel scheme, ``analytic.context``)."""
-    tr = loongtrain_traffic(micro_batch, shape.s, shape.h, cp, cp_ulysses, cp_window,
-                            shape.l, microbatches, elem_bytes, recompute != "none")
+    tr = loongtrain_traffic(micro_batch_size, shape.s, shape.h, cp, cp_ulysses, cp_window,
+                            shape.l, num_microbatches, elem_bytes, recompute != "none")
     tr += gradient_allreduce(shape, cp, dp, elem_bytes)
     tr = [t for t in tr if t.count]
     return RankPrediction(tr, replica_states(shape, optimizer, elem_bytes),
@@ -96,7 +96,7 @@ def loongtrain_prediction(shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int
 
 
 def versus_usp(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1, cp_window: int = 1,
-               layers: int = 1, microbatches: int = 1, bytes_per_element: int = 4,
+               layers: int = 1, num_microbatches: int = 1, bytes_per_element: int = 4,
                recompute: bool = False) -> dict:
     """LoongTrain's per-group wire bytes beside USP's on the same grid: the head group
     carries the same all-to-alls as USP's Ulysses group; the inner and outer rings together
@@ -105,9 +105,9 @@ def versus_usp(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1, cp_window: 
     the inner steps each outer transfer overlaps (w; a single ring hides each hop behind one
     step)."""
     u, c, w = check_grid(cp, cp_ulysses, cp_window)
-    mine = summarize(loongtrain_traffic(b, s, h, cp, u, w, layers, microbatches,
+    mine = summarize(loongtrain_traffic(b, s, h, cp, u, w, layers, num_microbatches,
                                         bytes_per_element, recompute))
-    usp = summarize(attention_traffic("usp", b, s, h, cp, u, layers, microbatches,
+    usp = summarize(attention_traffic("usp", b, s, h, cp, u, layers, num_microbatches,
                                       bytes_per_element, recompute))
 
     def wire(tab, axis):

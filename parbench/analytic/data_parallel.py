@@ -104,13 +104,13 @@ def zero_units(shape: Shape, dp: int, bucket_mb: float, elem_bytes: int) -> list
     return [sum(layers[i] for i in g) for g in reversed(groups)]
 
 
-def zero(shape: Shape, dp: int, stage: int, bucket_mb: float, microbatches: int = 1,
+def zero(shape: Shape, dp: int, stage: int, bucket_mb: float, num_microbatches: int = 1,
          elem_bytes: int = 4, optimizer: str = "adamw", mixed: bool = False) -> DataPrediction:
     """Native ZeRO stage 1, 2 or 3 (see the module docstring for the rules)."""
     units = zero_units(shape, dp, bucket_mb, elem_bytes)
     shards = [shard_numel(n, dp) for n in units]
     padded = [d * dp for d in shards]
-    m = microbatches
+    m = num_microbatches
     rs, ag_step, ag_use = {1: (1, 1, 0), 2: (m, 1, 0), 3: (m, 0, 2 * m)}[stage]
     live = 1 if dp > 1 else 0
     transfers = []

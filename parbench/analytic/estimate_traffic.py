@@ -1,30 +1,59 @@
-"""The communication blocks of ``estimate``: the tokens an MoE layer routes and its padded
-dispatch rows, the expert all-to-alls, and one layer's traffic per axis."""
+"""The communication block of ``estimate``: every transfer one rank of the first pipeline stage
+makes in one iteration (tensor, context, expert, pipeline and gradient traffic), their totals
+per axis, one layer's traffic under each way of splitting it, and how an MoE layer's tokens
+are routed."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from . import comm
-from .shape import (Shape, exact_factor, expert_capacity)
+from ..layout import ConfigError, Layout
+from ..options import Options
+from . import comm, context, tensor
+from .counting import Counting
+from .estimate_blocks import Block, StageParams, optional
+from .shape import Shape, exact_factor, expert_capacity, moe_layer_count
+from .stages import stage_layer_indices
+
+_SCOPE_DENSE = ("one rank of the first pipeline stage, one iteration; gradients reduced over "
+                "dp x cp")
+_SCOPE_MOE = ("one rank of the first pipeline stage, one iteration; dense gradients reduced "
+              "over dp x cp (axis dp), expert gradients over edp = tp*cp*dp/(etp*ep) "
+              "(axis edp)")
+#: the context-parallel algorithms whose traffic estimate counts
+CP_COUNTED = ("ring-attention", "ulysses", "allgather")
 
 
-def _routed_rows(shp: Shape, micro_batch: int, s_local: int, tp: int, sp: bool
-                 ) -> tuple[int, int | None, int]:
+def routed_rows(shape: Shape, micro_batch: int, s_local: int, tp: int, sp: bool
+                ) -> tuple[int, int | None, int]:
     """(T, C, R) of one rank and MoE layer per micro-batch: T the tokens it routes (its
-    b * s/cp, divided by tp under sequence parallelism), C = ceil(cf k T / E) the capacity
-    (``None``: no limit) and R the rows of the dispatch buffer, E C with a capacity (padding
-    included) or k T without."""
-    split = tp if sp and tp > 1 else 1
-    if (micro_batch * s_local) % split:
-        raise ValueError(f"sp with tp={tp} needs tp to divide the micro_batch*seq_length/cp="
-                         f"{micro_batch * s_local} tokens a rank routes")
-    tokens = micro_batch * s_local // split
-    cap = expert_capacity(tokens, shp.num_experts, shp.moe_top_k, shp.moe_capacity_factor)
-    return tokens, cap, shp.moe_top_k * tokens if cap is None else shp.num_experts * cap
+    b * s/cp, divided by tp under sequence parallelism, which the layout's rules let tp
+    divide), C = ceil(cf k T / E) the capacity (``None``: no limit) and R the rows of the
+    dispatch buffer, E C with a capacity (padding included) or k T without."""
+    tokens = micro_batch * s_local // (tp if sp and tp > 1 else 1)
+    cap = expert_capacity(tokens, shape.num_experts, shape.moe_top_k,
+                          shape.moe_capacity_factor)
+    return tokens, cap, shape.moe_top_k * tokens if cap is None else shape.num_experts * cap
 
 
-def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: int,
-                 sp: bool, moe_layers: int, m: int, e: int, full: bool) -> tuple[list, dict]:
+@dataclass(frozen=True)
+class ExpertRouting(Block):
+    """How the expert all-to-alls were counted on one rank (per micro-batch)."""
+
+    tokens_per_rank: int
+    top_k: int
+    capacity_factor: float
+    capacity_per_expert: int | None
+    rows_per_all_to_all: int
+    moe_layers_on_rank: int
+    ep: int
+    etp: int
+    edp: int
+    all_to_alls_per_moe_layer_per_micro_batch: int
+
+
+def expert_transfers(shape: Shape, lay: Layout, sp: bool, s_local: int, full: bool,
+                     e: int) -> tuple[list[comm.Transfer], ExpertRouting]:
     """All-to-all traffic of the expert-parallel group on one rank, and how it was counted.
 
     T = the tokens one rank routes per micro-batch: its b * s/cp tokens, divided by tp under
@@ -33,18 +62,91 @@ def _expert_comm(shp: Shape, layout: dict, micro_batch: int, s_local: int, tp: i
     Sec. 2.2; dropped tokens leave padding), without one k T rows. 2 all-to-alls forward and
     2 backward per MoE layer per micro-batch, 2 more with full recomputation (GShard,
     Lepikhin et al. 2020; Switch, Fedus et al. 2021, Sec. 2.2)."""
-    ep, E, k = layout["ep"], shp.num_experts, shp.moe_top_k  # noqa: N806
-    tokens, cap, rows = _routed_rows(shp, micro_batch, s_local, tp, sp)
-    cf = shp.moe_capacity_factor
-    info = {"tokens_per_rank": tokens, "top_k": k, "capacity_factor": cf,
-            "capacity_per_expert": cap, "rows_per_all_to_all": rows,
-            "moe_layers_on_rank": moe_layers, "ep": ep, "etp": layout["etp"],
-            "edp": layout["edp"],
-            "all_to_alls_per_moe_layer_per_micro_batch": 6 if full else 4}
-    tr = comm.expert_traffic(tokens, shp.h, ep, moe_layers, m, k, e, full,
-                             capacity_factor=exact_factor(cf) if cf else None,
-                             num_experts=E)
+    tokens, cap, rows = routed_rows(shape, lay.micro_batch_size, s_local, lay.tp, sp)
+    moe_layers = moe_layer_count(shape, stage_layer_indices(shape.num_layers, lay.pp,
+                                                            lay.vpp)[0])
+    cf, k = shape.moe_capacity_factor, shape.moe_top_k
+    info = ExpertRouting(tokens, k, cf, cap, rows, moe_layers, lay.ep, lay.expert_tp, lay.edp,
+                         6 if full else 4)
+    tr = comm.expert_traffic(tokens, shape.h, lay.ep, moe_layers, lay.num_microbatches, k, e,
+                             full, capacity_factor=exact_factor(cf) if cf else None,
+                             num_experts=shape.num_experts)
     return [t for t in tr if t.count], info
+
+
+def cp_transfers(shape: Shape, lay: Layout, algorithm: str, s_local: int, full: bool,
+                 e: int) -> list[comm.Transfer]:
+    """Context-parallel attention traffic. K and V are kv_hidden wide (h without GQA): ring
+    attention passes (Liu et al. 2023), and all-gather CP gathers, this rank's kv_hidden / tp
+    columns of them; DeepSpeed-Ulysses (Jacobs et al. 2023) moves q, k, v and the output,
+    h / tp wide."""
+    b, m, t, layers = lay.micro_batch_size, lay.num_microbatches, lay.tp, \
+        shape.num_layers // lay.pp
+    if algorithm == "ring-attention":
+        return comm.ring_attention_traffic(b, shape.s, shape.kv_hidden // t, lay.cp, layers,
+                                           m, e, recompute=full)
+    if algorithm == "ulysses":
+        return comm.ulysses_traffic(b, shape.s, shape.h // t, lay.cp, layers, m, e,
+                                    recompute=full)
+    if algorithm == "allgather":
+        gathers = ((1, 6),) if full else ((1, 4),)
+        return comm.cp_allgather_traffic(b, s_local, shape.kv_hidden, lay.cp, t, layers, m, e,
+                                         gathers)
+    raise ConfigError(f"cp_algorithm={algorithm!r} is not counted by estimate (choose from "
+                      f"{', '.join(CP_COUNTED)})")
+
+
+def gradient_transfers(shape: Shape, lay: Layout, stage0: StageParams, zero_stage: int,
+                       e: int) -> list[comm.Transfer]:
+    """ZeRO / DDP traffic of the first stage's gradients (Rajbhandari et al. 2020, Sec. 7):
+    the dense part over dp x cp (axis dp), an MoE model's expert part over edp."""
+    grads = (("dp", lay.dp_cp, stage0.dense if shape.moe else stage0.total, ""),
+             ("edp", lay.edp, stage0.expert or 0, "expert "))
+    out = []
+    for axis, group, numel, what in grads:
+        if group > 1 and numel:
+            out += [comm.Transfer(axis, t.op, t.group_size, t.message_bytes, t.count,
+                                  what + t.what)
+                    for t in comm.zero_traffic(numel, group, zero_stage, e, e)]
+    return out
+
+
+@dataclass(frozen=True)
+class Communication(Block):
+    """One rank's traffic: ``transfers`` (every collective and send), ``per_axis`` (their
+    totals: axis -> count, message_bytes, wire_bytes), ``per_layer`` (one layer and
+    micro-batch under each way of splitting it) and, on MoE models, the routing."""
+
+    per_layer: dict[str, Any]
+    per_axis: dict[str, dict]
+    transfers: list[comm.Transfer]
+    scope: str
+    expert: ExpertRouting | None = optional()
+
+
+def communication_block(shape: Shape, lay: Layout, options: Options, counting: Counting,
+                        s_local: int, stage0: StageParams) -> Communication:
+    """The communication block of ``shape`` (vocabulary padded) on one rank of the first
+    pipeline stage: tensor (Megatron, with SP), context, expert, pipeline p2p and gradients."""
+    e, sp, full = counting.bytes_per_element, options.tensor.sp, options.recompute == "full"
+    b, m = lay.micro_batch_size, lay.num_microbatches
+    tr = comm.tp_traffic(b, s_local, shape.h, lay.tp, shape.num_layers // lay.pp, m, e, full,
+                         sp)
+    if lay.cp > 1:
+        tr += cp_transfers(shape, lay, options.context.cp_algorithm, s_local, full, e)
+    routing = None
+    if shape.moe:
+        ep_tr, routing = expert_transfers(shape, lay, sp, s_local, full, e)
+        tr += ep_tr
+    if lay.pp > 1:
+        s_p2p = s_local // lay.tp if sp and s_local % lay.tp == 0 else s_local
+        tr += comm.pipeline_p2p_traffic(b, s_p2p, shape.h, lay.pp, m, 0, lay.vpp,
+                                        bytes_per_element=e)
+    tr += gradient_transfers(shape, lay, stage0, options.data.zero_stage, e)
+    return Communication(
+        per_layer=per_layer_traffic(shape, b, lay.tp, lay.cp, sp, options.recompute, e),
+        per_axis=comm.summarize(tr), transfers=tr,
+        scope=_SCOPE_MOE if shape.moe else _SCOPE_DENSE, expert=routing)
 
 
 def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool,
@@ -56,7 +158,6 @@ def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool
     al.'s 4 all-reduces or 4 all-gather + reduce-scatter pairs), and over the cp ranks ring
     attention, DeepSpeed-Ulysses and all-gather CP (``context.attention_traffic``) on this
     rank's h / tp of the width. Each entry: {axis: {count, message_bytes, wire_bytes}}."""
-    from . import context, tensor
     b, s, h = micro_batch, shape.s, shape.h
     out: dict[str, Any] = {"scope": "one rank, one layer, one micro-batch (fwd + bwd"
                                     + (" + recompute" if recompute != "none" else "") + ")"}

@@ -30,7 +30,7 @@ tokens, T = b s tokens per routing group, e bytes per element, L_moe MoE layers)
   optimizer states of exactly those; nothing else held between steps.
 
 Switch Eq. 4 (the load-balancing loss) and ST-MoE Eq. 5 (the router z-loss) are the
-reference model's (``parbench.moe``); their cost is local, no traffic.
+reference model's (``parbench.model.moe``); their cost is local, no traffic.
 """
 from __future__ import annotations
 
@@ -82,14 +82,14 @@ def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
     return dense, expert
 
 
-def alltoall_traffic(shape: Shape, ep: int, micro_batch: int, microbatches: int = 1,
+def alltoall_traffic(shape: Shape, ep: int, micro_batch_size: int, num_microbatches: int = 1,
                      elem_bytes: int = 4) -> list[Transfer]:
     """GShard's dispatch and combine all-to-alls of the ``[E, C, h]`` buffer, forward and
     backward, per MoE layer per micro-batch (module docstring)."""
-    c = capacity(micro_batch * shape.s, shape.num_experts, shape.moe_top_k,
+    c = capacity(micro_batch_size * shape.s, shape.num_experts, shape.moe_top_k,
                  shape.moe_capacity_factor)
     msg = shape.num_experts * c * shape.h * elem_bytes
-    n = shape.num_moe_layers * microbatches if ep > 1 else 0
+    n = shape.num_moe_layers * num_microbatches if ep > 1 else 0
     return [Transfer("ep", "all_to_all", ep, msg, n, what) for what in
             ("dispatch (fwd)", "combine (fwd)", "combine grad (bwd)", "dispatch grad (bwd)")]
 
@@ -122,16 +122,16 @@ class ExpertPrediction(RankPrediction):
     :func:`expert_prediction`."""
 
 
-def expert_prediction(model, *, ep: int, dp: int, micro_batch: int, microbatches: int = 1,
+def expert_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int = 1,
                       optimizer: str = "adamw", elem_bytes: int = 4) -> ExpertPrediction:
     """Everything one rank of ``expert.alltoall`` measures in one step (``model``: a
     ``Shape`` or any object with the reference model's fields)."""
     shape = _moe_shape(model)
-    tr = alltoall_traffic(shape, ep, micro_batch, microbatches, elem_bytes)
+    tr = alltoall_traffic(shape, ep, micro_batch_size, num_microbatches, elem_bytes)
     tr += gradient_traffic(shape, ep, dp, elem_bytes)
     tr = [t for t in tr if t.count and t.group_size > 1]
     dense, expert = rank_tensors(shape, ep)
-    tokens = micro_batch * shape.s
+    tokens = micro_batch_size * shape.s
     c = capacity(tokens, shape.num_experts, shape.moe_top_k, shape.moe_capacity_factor)
     msg = shape.num_experts * c * shape.h * elem_bytes
     figures = {

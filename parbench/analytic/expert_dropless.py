@@ -17,7 +17,7 @@ ranks around it -- the Megatron layout of ``parbench.mesh`` with tp = cp = pp = 
   leave it in the combine (forward) and in the dispatch's gradient (backward). Each row is
   h e bytes. Four calls, (2 out + 2 in) h e bytes.
 - The per-expert counts c are data: they are taken from the **single-device reference
-  router** on the same data (``parbench.moe_trace``: the golden run's parameters of each
+  router** on the same data (``parbench.golden.reference_loads``: the golden run's parameters of each
   step, the step's global batch, one routing group per rank and micro-batch), never from the
   implementation's ledger.
 - **Gradients and model states**: those of ``expert.alltoall`` (``analytic.expert``): the
@@ -80,11 +80,11 @@ def token_rows(loads: list[list[int]], rank: int, ep: int, num_experts: int,
     return out, into
 
 
-def group_loads(loads_layer: list[list[int]], dp: int, microbatches: int, mb: int
+def group_loads(loads_layer: list[list[int]], dp: int, num_microbatches: int, mb: int
                 ) -> list[list[int]]:
     """Per dp rank, the counts of its micro-batch ``mb``: routing group q m + mb is dp rank q's
     micro-batch mb (``batching.dp_slice`` then ``microbatches``: contiguous rows)."""
-    return [loads_layer[q * microbatches + mb] for q in range(dp)]
+    return [loads_layer[q * num_microbatches + mb] for q in range(dp)]
 
 
 def add_gradients(step: RankStep, shape, ep: int, dp: int, elem_bytes: int) -> None:
@@ -93,15 +93,15 @@ def add_gradients(step: RankStep, shape, ep: int, dp: int, elem_bytes: int) -> N
             step.add(t.axis, wire_factor(t.op, t.group_size) * t.message_bytes, t.count)
 
 
-def dropless_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatches: int,
+def dropless_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microbatches: int,
                   elem_bytes: int = 4) -> RankStep:
     """One rank's step; ``loads[layer][group][expert]`` from the reference router."""
     st = RankStep()
     row = shape.h * elem_bytes
     if ep > 1:
         for layer in loads:
-            for mb in range(microbatches):
-                out, into = token_rows(group_loads(layer, dp, microbatches, mb), rank, ep,
+            for mb in range(num_microbatches):
+                out, into = token_rows(group_loads(layer, dp, num_microbatches, mb), rank, ep,
                                        shape.num_experts)
                 st.add("ep", wire_factor("all_to_all", ep) * shape.num_experts * COUNT_BYTES)
                 st.add("ep", 2 * (out + into) * row, 4)
@@ -109,15 +109,15 @@ def dropless_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatch
     return st
 
 
-def padded_a2a_wire(shape, *, ep: int, micro_batch: int, microbatches: int,
+def padded_a2a_wire(shape, *, ep: int, micro_batch_size: int, num_microbatches: int,
                     capacity_factor: float, elem_bytes: int = 4) -> int | float:
     """``expert.alltoall``'s all-to-all bytes of one rank per step at ``capacity_factor``
     (GShard's ``[E, C, h]`` buffer, 4 calls per MoE layer and micro-batch)."""
-    c = capacity(micro_batch * shape.s, shape.num_experts, shape.moe_top_k, capacity_factor)
+    c = capacity(micro_batch_size * shape.s, shape.num_experts, shape.moe_top_k, capacity_factor)
     if ep == 1:
         return 0
     return as_number(4 * wire_factor("all_to_all", ep) * shape.num_experts * c * shape.h
-                     * elem_bytes * shape.num_moe_layers * microbatches)
+                     * elem_bytes * shape.num_moe_layers * num_microbatches)
 
 
 @dataclass
@@ -129,28 +129,28 @@ class DroplessPrediction:
     figures: dict
 
 
-def dropless_prediction(model, *, ep: int, dp: int, micro_batch: int, microbatches: int,
+def dropless_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int,
                         loads: list, optimizer: str = "adamw", elem_bytes: int = 4
                         ) -> DroplessPrediction:
     """Every rank's checked steps of ``expert.dropless``; ``loads[step][layer][group]``."""
     shape = _moe_shape(model)
-    steps = [[dropless_step(shape, ep=ep, dp=dp, rank=r, loads=lo, microbatches=microbatches,
+    steps = [[dropless_step(shape, ep=ep, dp=dp, rank=r, loads=lo, num_microbatches=num_microbatches,
                             elem_bytes=elem_bytes) for r in range(dp)] for lo in loads]
     return DroplessPrediction(steps, rank_states(shape, ep, optimizer, elem_bytes),
-                              headline(shape, steps, ep=ep, dp=dp, micro_batch=micro_batch,
-                                       microbatches=microbatches, elem_bytes=elem_bytes))
+                              headline(shape, steps, ep=ep, dp=dp, micro_batch_size=micro_batch_size,
+                                       num_microbatches=num_microbatches, elem_bytes=elem_bytes))
 
 
-def headline(shape, steps: list[list[RankStep]], *, ep: int, dp: int, micro_batch: int,
-             microbatches: int, elem_bytes: int) -> dict:
+def headline(shape, steps: list[list[RankStep]], *, ep: int, dp: int, micro_batch_size: int,
+             num_microbatches: int, elem_bytes: int) -> dict:
     """The ep-axis bytes of the last step summed over ranks, beside the padded buffers of
     ``expert.alltoall`` at capacity factor 0 (the same semantics) and 1.0 (drops tokens)."""
     ours = sum(float(s.wire.get("ep", 0)) for s in steps[-1]) if steps else 0.0
-    padded = {cf: dp * padded_a2a_wire(shape, ep=ep, micro_batch=micro_batch,
-                                       microbatches=microbatches, capacity_factor=cf,
+    padded = {cf: dp * padded_a2a_wire(shape, ep=ep, micro_batch_size=micro_batch_size,
+                                       num_microbatches=num_microbatches, capacity_factor=cf,
                                        elem_bytes=elem_bytes) for cf in (0.0, 1.0)}
     return {"ep_wire_bytes_all_ranks": ours,
             "alltoall_padded_ep_wire_bytes_all_ranks": padded[0.0],
             "alltoall_cf1_ep_wire_bytes_all_ranks": padded[1.0],
             "ep_bytes_vs_padded": ours / padded[0.0] if padded[0.0] else None,
-            "capacity": micro_batch * shape.s, "moe_layers": shape.num_moe_layers}
+            "capacity": micro_batch_size * shape.s, "moe_layers": shape.num_moe_layers}

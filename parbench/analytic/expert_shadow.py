@@ -12,7 +12,7 @@ rank layout; S = ``moe_shadow``; P = h f + f + f h + h elements of one expert):
 - **Shadow choice** (identical on every rank, from the gathered counts): the S experts with
   the most assignments summed over the ep group's routing groups of this micro-batch, ties to
   the lower expert id. Taken here from the single-device reference router's counts
-  (``parbench.moe_trace``), never from the implementation.
+  (``parbench.golden.reference_loads``), never from the implementation.
 - **Broadcast** of each shadow's P e bytes from its owner (ep rank x // (E/ep)): a chain from
   the owner, every rank but the chain's last sends P e (``rooted_wire_factor``).
 - **Tokens**: ``expert.dropless``'s four uneven all-to-alls with every shadowed expert's
@@ -46,7 +46,7 @@ def choose_shadows(global_counts: list[int], count: int) -> list[int]:
     return sorted(ranked[:count])
 
 
-def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatches: int,
+def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microbatches: int,
                 shadows: int, elem_bytes: int = 4) -> tuple[RankStep, Fraction]:
     """One rank's step and, of its ep bytes, those of the token all-to-alls."""
     st, a2a = RankStep(), Fraction(0)
@@ -54,8 +54,8 @@ def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatches
     param_bytes = expert_numel(shape) * elem_bytes
     if ep > 1:
         for layer in loads:
-            for mb in range(microbatches):
-                per_rank = group_loads(layer, dp, microbatches, mb)
+            for mb in range(num_microbatches):
+                per_rank = group_loads(layer, dp, num_microbatches, mb)
                 total = [sum(per_rank[q][x] for q in ep_peers(rank, ep)) for x in range(E)]
                 chosen = choose_shadows(total, shadows)
                 st.add("ep", wire_factor("all_gather", ep) * ep * E * COUNT_BYTES)
@@ -72,7 +72,7 @@ def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, microbatches
     return st, a2a
 
 
-def shadow_prediction(model, *, ep: int, dp: int, micro_batch: int, microbatches: int,
+def shadow_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int,
                       loads: list, shadows: int, optimizer: str = "adamw",
                       elem_bytes: int = 4) -> DroplessPrediction:
     """Every rank's checked steps of ``expert.fastermoe``; ``loads[step][layer][group]``."""
@@ -81,19 +81,19 @@ def shadow_prediction(model, *, ep: int, dp: int, micro_batch: int, microbatches
         raise ValueError(f"moe_shadow={shadows} exceeds num_experts={shape.num_experts}")
     steps, a2a = [], Fraction(0)
     for lo in loads:
-        row = [shadow_step(shape, ep=ep, dp=dp, rank=r, loads=lo, microbatches=microbatches,
+        row = [shadow_step(shape, ep=ep, dp=dp, rank=r, loads=lo, num_microbatches=num_microbatches,
                            shadows=shadows, elem_bytes=elem_bytes) for r in range(dp)]
         steps.append([s for s, _ in row])
         a2a = sum((a for _, a in row), Fraction(0))  # the last step's
     last = loads[-1] if loads else []
-    plain = [dropless_step(shape, ep=ep, dp=dp, rank=r, loads=last, microbatches=microbatches,
+    plain = [dropless_step(shape, ep=ep, dp=dp, rank=r, loads=last, num_microbatches=num_microbatches,
                            elem_bytes=elem_bytes) for r in range(dp)]
     ours = sum(float(s.wire.get("ep", 0)) for s in steps[-1]) if steps else 0.0
-    counts = (dp * len(last) * microbatches * wire_factor("all_to_all", ep) * shape.num_experts
+    counts = (dp * len(last) * num_microbatches * wire_factor("all_to_all", ep) * shape.num_experts
               * COUNT_BYTES) if ep > 1 else 0
     plain_a2a = sum(float(s.wire.get("ep", 0)) for s in plain) - float(counts)
-    padded = dp * padded_a2a_wire(shape, ep=ep, micro_batch=micro_batch,
-                                  microbatches=microbatches, capacity_factor=0.0,
+    padded = dp * padded_a2a_wire(shape, ep=ep, micro_batch_size=micro_batch_size,
+                                  num_microbatches=num_microbatches, capacity_factor=0.0,
                                   elem_bytes=elem_bytes)
     figures = {"ep_wire_bytes_all_ranks": ours,
                "shadow_a2a_wire_bytes_all_ranks": float(a2a),

@@ -3,7 +3,8 @@ al. 2023, "Tutel: Adaptive Mixture-of-Experts at Scale", MLSys 2023, arXiv 2206.
 expert-parallel layout of ``analytic.expert``. Written from the paper and the stated rules
 below, never from the implementation; the only data-dependent input, the tokens each expert
 receives, comes from the single-device reference router on the same data
-(``parbench.moe_trace``: the golden run's parameters before each step, the step's batch).
+(``parbench.golden.reference_loads``: the golden run's parameters before each step, the step's
+batch), which the scheme's ``predict`` runs and hands in.
 
 Notation (per rank; d = dp ranks, ep | d, W = ep, m micro-batches of b samples of s tokens,
 T = b s, E experts of P_e = 2 h f + f + h elements, e = 4 bytes, L_moe MoE layers). Rank r
@@ -29,6 +30,7 @@ routing group r m + i; n_{g,x} is the reference's count of assignments of group 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 
 from .comm import Transfer, as_number, wire_factor
@@ -93,50 +95,66 @@ def layer_transfers(shape: Shape, ep: int, a2a: str, mode: str, cap: int,
     return out, chosen
 
 
-def capacities(counts_step: list, rank: int, ep: int, microbatches: int,
+def capacities(counts_step: list, rank: int, ep: int, num_microbatches: int,
                bound: int | None) -> list[int]:
     """C of every MoE layer and micro-batch (layer major) of ``rank`` in one step."""
     first = rank // ep * ep
     out = []
     for layer in counts_step:
-        for i in range(microbatches):
-            need = max(max(layer[q * microbatches + i]) for q in range(first, first + ep))
+        for i in range(num_microbatches):
+            need = max(max(layer[q * num_microbatches + i]) for q in range(first, first + ep))
             out.append(need if bound is None else min(bound, need))
     return out
 
 
-def local_needs(counts_step: list, rank: int, microbatches: int, bound: int | None
+def local_needs(counts_step: list, rank: int, num_microbatches: int, bound: int | None
                 ) -> list[int]:
     """Mode dp: each layer-micro-batch's own need (nothing agreed)."""
     out = []
     for layer in counts_step:
-        for i in range(microbatches):
-            need = max(layer[rank * microbatches + i])
+        for i in range(num_microbatches):
+            need = max(layer[rank * num_microbatches + i])
             out.append(need if bound is None else min(bound, need))
     return out
 
 
-def tutel_prediction(case, counts: list | None = None):
-    """Per rank and checked step: wire bytes and calls per axis, model states and figures of
-    ``expert.tutel`` (``counts``: ``moe_trace.reference_loads`` of the checked steps unless
-    given)."""
-    from ..moe_trace import reference_loads
-    from ..scheme import Prediction
+def rank_needs(counts_step: list, rank: int, ep: int, num_microbatches: int,
+               bound: int | None, mode: str) -> list[int]:
+    """The capacities ``rank`` runs in one step: agreed over its ep group (modes ep and
+    adaptive), its own needs (mode dp)."""
+    if mode == "dp":
+        return local_needs(counts_step, rank, num_microbatches, bound)
+    return capacities(counts_step, rank, ep, num_microbatches, bound)
 
+
+@dataclass
+class TutelPrediction:
+    """Per checked step and rank (``wire[step][rank]``): wire bytes and calls per axis; the
+    model states of every rank (the same on each); figures for the report."""
+
+    wire: list[list[dict[str, float]]]
+    calls: list[list[dict[str, int]]]
+    states: dict[str, int]
+    figures: dict
+
+
+def tutel_prediction(case, counts: list) -> TutelPrediction:
+    """Per rank and checked step: wire bytes and calls per axis, model states and figures of
+    ``expert.tutel``. ``counts[step][layer][group][expert]``: the reference router's counts
+    of the checked steps (``parbench.golden.reference_loads``, which the caller runs: this
+    closed form is arithmetic on them)."""
     shape, p, m = shape_from(case.model), case.layout, case.layout.num_microbatches
-    ep, dp, mode, a2a = p.ep, p.dp, case.options.expert.moe_mode, case.options.expert.moe_a2a
-    counts = reference_loads(case, case.run.steps) if counts is None else counts
-    tokens = p.micro_batch_size * shape.s
+    ep, mode, a2a = p.ep, case.options.expert.moe_mode, case.options.expert.moe_a2a
     cf = shape.moe_capacity_factor
+    tokens = p.micro_batch_size * shape.s
     bound = switch_capacity(tokens, shape.num_experts, shape.moe_top_k, cf) if cf else None
     states = rank_states(shape, ep, case.run.optimizer)
-    grads = [t for t in gradient_traffic(shape, ep, dp) if t.count and t.group_size > 1]
+    grads = [t for t in gradient_traffic(shape, ep, p.dp) if t.count and t.group_size > 1]
     wire, calls, caps0, modes0 = [], [], [], []
     for step_counts in counts:
         w_step, c_step = [], []
-        for r in range(dp):
-            caps = (local_needs(step_counts, r, m, bound) if mode == "dp"
-                    else capacities(step_counts, r, ep, m, bound))
+        for r in range(p.dp):
+            caps = rank_needs(step_counts, r, ep, m, bound, mode)
             tr, modes = list(grads), []
             for cap in caps:
                 t, chosen = layer_transfers(shape, ep, a2a, mode, cap)
@@ -150,21 +168,31 @@ def tutel_prediction(case, counts: list | None = None):
                 modes0.append(modes)
         wire.append(w_step)
         calls.append(c_step)
-    static = switch_capacity(tokens, shape.num_experts, shape.moe_top_k, cf)
-    by_mode = {}  # rank 0's MoE wire bytes in the last step under each mode
+    figures = tutel_figures(shape, ep, a2a, tokens, m, bound, counts[-1] if counts else None)
+    figures.update({"capacity_per_step_rank0": caps0, "mode_per_step_rank0": modes0,
+                    "buffer_bytes_adaptive_mean_rank0": as_number(Fraction(
+                        sum(map(sum, caps0)) * shape.num_experts * shape.h * 4,
+                        max(sum(map(len, caps0)), 1)))})
+    return TutelPrediction(wire, calls, dict(states), figures)
+
+
+def tutel_figures(shape: Shape, ep: int, a2a: str, tokens: int, num_microbatches: int,
+                  bound: int | None, last_counts: list | None) -> dict:
+    """The static capacity and buffer beside the adaptive one, the all-to-all's peers and
+    wire factor, mode dp's bytes, and rank 0's MoE wire bytes in the last step under each
+    mode (``last_counts``: that step's counts)."""
+    static = switch_capacity(tokens, shape.num_experts, shape.moe_top_k,
+                             shape.moe_capacity_factor)
+    by_mode = {}
     for mo in ("ep", "dp", "adaptive"):
-        caps = (local_needs(counts[-1], 0, m, bound) if mo == "dp"
-                else capacities(counts[-1], 0, ep, m, bound)) if counts else []
+        caps = (rank_needs(last_counts, 0, ep, num_microbatches, bound, mo)
+                if last_counts else [])
         by_mode[mo] = as_number(sum((t.total_wire_bytes for cap in caps
                                      for t in layer_transfers(shape, ep, a2a, mo, cap)[0]),
                                     Fraction(0)))
-    buf = shape.num_experts * shape.h * 4
-    figures = {
+    return {
         "capacity_static": static, "capacity_bound": bound,
-        "capacity_per_step_rank0": caps0, "mode_per_step_rank0": modes0,
-        "buffer_bytes_static": static * buf,
-        "buffer_bytes_adaptive_mean_rank0": as_number(Fraction(
-            sum(map(sum, caps0)) * buf, max(sum(map(len, caps0)), 1))),
+        "buffer_bytes_static": static * shape.num_experts * shape.h * 4,
         "a2a_peers_flat": ep - 1,
         "a2a_peers_2d": sum(n - 1 for _, n in a2a_phases(ep, "2d")) if ep % 2 == 0 else None,
         "a2a_wire_factor": as_number(a2a_wire_factor(ep, a2a)),
@@ -173,5 +201,3 @@ def tutel_prediction(case, counts: list | None = None):
                                                   * expert_numel(shape)),
         "expert_numel": expert_numel(shape), "moe_wire_bytes_rank0_by_mode": by_mode,
         "inter_node_message_ratio_2d_vs_flat": RANKS_PER_NODE if a2a == "2d" else None}
-    return Prediction(wire_bytes_by_step=wire, calls_by_step=calls,
-                      model_state_bytes=[dict(states) for _ in range(dp)], figures=figures)

@@ -2,13 +2,33 @@
 under tp and pp (GQA: num_kv_heads heads)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import memory
 from . import params as param_model
+from .estimate_blocks import Block
 from .shape import (Shape, require_nonneg_int, require_positive_int)
 
 
+@dataclass(frozen=True)
+class KVCache(Block):
+    """The KV cache of ``batch`` sequences: bytes in all and on the most loaded rank."""
+
+    batch: int
+    prompt_tokens: int
+    generated_tokens: int
+    num_kv_heads: int
+    kv_hidden: int
+    bytes_per_element: int
+    total_bytes: int
+    per_rank_bytes: int
+    layers_per_rank: int
+    formula: str = ("2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
+                    "l / pp layers and num_kv_heads / tp heads")
+
+
 def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
-             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> dict:
+             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> KVCache:
     """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
     ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
     4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
@@ -25,9 +45,7 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
     per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
                                      shape.kv_hidden // tp)
-    return {"batch": batch, "prompt_tokens": s, "generated_tokens": generate,
-            "num_kv_heads": shape.kv_heads, "kv_hidden": shape.kv_hidden,
-            "bytes_per_element": e, "total_bytes": total, "per_rank_bytes": per_rank,
-            "layers_per_rank": layers_rank,
-            "formula": "2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
-                       "l / pp layers and num_kv_heads / tp heads"}
+    return KVCache(batch=batch, prompt_tokens=s, generated_tokens=generate,
+                   num_kv_heads=shape.kv_heads, kv_hidden=shape.kv_hidden,
+                   bytes_per_element=e, total_bytes=total, per_rank_bytes=per_rank,
+                   layers_per_rank=layers_rank)

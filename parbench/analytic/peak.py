@@ -16,7 +16,7 @@ from .activations import reference_layer_activation_bytes
 from .shape import shape_from
 
 
-def activation_bytes(case, layers: int, microbatches: int = 1,
+def activation_bytes(case, layers: int, num_microbatches: int = 1,
                      embedding: bool = True, head: bool = True) -> float:
     m, p = case.model, case.layout
     e = 2 if case.run.dtype == "bf16" else 4
@@ -29,7 +29,7 @@ def activation_bytes(case, layers: int, microbatches: int = 1,
         total += b * s * h * e
     if head:
         total += 2 * b * s * m.vocab_size * 4  # logits and log-softmax, fp32 loss
-    return total * microbatches
+    return total * num_microbatches
 
 
 def predicted_peak(case, family: str, model_states: dict | None) -> float | None:

@@ -84,7 +84,7 @@ def _check(shape: Shape, tp: int) -> None:
 # Megatron 1D and sequence parallelism: traffic of one step
 # ---------------------------------------------------------------------------------------
 
-def megatron_step_traffic(shape: Shape, b: int, tp: int, microbatches: int = 1,
+def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int = 1,
                           recompute: str = "none", sp: bool = False,
                           e: int = 4) -> list[Transfer]:
     """Every tp collective of one rank in one step (m micro-batches of b sequences).
@@ -111,12 +111,12 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, microbatches: int = 1,
     """
     _check(shape, tp)
     require_positive_int("micro_batch", b)
-    require_positive_int("microbatches", microbatches)
+    require_positive_int("microbatches", num_microbatches)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE)}")
     if tp == 1:
         return []
-    s, h, L, m = shape.s, shape.h, shape.l, microbatches
+    s, h, L, m = shape.s, shape.h, shape.l, num_microbatches
     full = recompute == "full"
     if not sp:
         return tp_traffic(b, s, h, tp, L, m, e, full) + \
@@ -208,7 +208,7 @@ def per_rank(transfers: list[Transfer], world: int) -> tuple[list[dict], list[di
     return [dict(wire) for _ in range(world)], [dict(calls) for _ in range(world)]
 
 
-def megatron_paper_traffic(shape: Shape, b: int, tp: int, microbatches: int = 1,
+def megatron_paper_traffic(shape: Shape, b: int, tp: int, num_microbatches: int = 1,
                            recompute: str = "none", sp: bool = False, e: int = 4) -> dict:
     """The papers' own counts beside the exact ones: 8 b s h (t-1)/t bytes per layer per
     micro-batch (TARGETS.md; Korthikanti et al. 2022 Sec. 4.2.2: 4 all-reduces, or 4
@@ -216,6 +216,6 @@ def megatron_paper_traffic(shape: Shape, b: int, tp: int, microbatches: int = 1,
     12 b s h (t-1)/t with full recomputation; transformer layers only."""
     per_layer = Fraction(2 * (tp - 1), tp) * b * shape.s * shape.h * e * \
         (6 if recompute == "full" else 4)
-    total = per_layer * shape.l * microbatches
+    total = per_layer * shape.l * num_microbatches
     return {"per_layer_per_microbatch": float(per_layer), "layers_per_step": float(total),
             "collectives_per_layer": (6 if recompute == "full" else 4) * (2 if sp else 1)}

@@ -115,7 +115,7 @@ def _grid_shared_terms(shape: Shape, tokens: int, q: int, hidden_axis: str, m: i
                      "LM head partial logits (fwd)")]
 
 
-def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, microbatches: int = 1,
+def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, num_microbatches: int = 1,
                        e: int = 4) -> list[Transfer]:
     """Every collective of one 2D / 2.5D rank in one step.
 
@@ -136,7 +136,7 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, microbatches: i
     """
     require_positive_int("micro_batch", b)
     check_summa(shape, b, q, d)
-    m = microbatches
+    m = num_microbatches
     T = b * shape.s // (d * q)  # noqa: N806
     out: list[Transfer] = []
     if q > 1:
@@ -162,19 +162,19 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, microbatches: i
 
 
 def summa_paper_traffic(shape: Shape, b: int, q: int, d: int = 1,
-                        microbatches: int = 1, e: int = 4) -> dict:
+                        num_microbatches: int = 1, e: int = 4) -> dict:
     """The transformer linears' share in the papers' terms: 3 SUMMA products of q rounds
     each per linear, 3 (q-1) (A + B) bytes per rank (Optimus Sec. 3.2, Tesseract Sec. 3.2),
     and Tesseract's depth all-reduce of the weight gradients, 2 (d-1)/d W."""
     T = b * shape.s // (d * q)  # noqa: N806
     summa = sum(3 * (q - 1) * (T * i // q + i * o // (q * q)) * e
-                for i, o in _linears(shape)) * shape.l * microbatches
+                for i, o in _linears(shape)) * shape.l * num_microbatches
     weights = shape.l * sum(i * o for i, o in _linears(shape)) // (q * q) * e
     return {"summa_linears_per_step": summa,
             "depth_weight_allreduce": float(Fraction(2 * (d - 1), d) * weights) if d > 1 else 0}
 
 
-def cube_step_traffic(shape: Shape, b: int, q: int, microbatches: int = 1,
+def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
                       e: int = 4) -> list[Transfer]:
     """Every collective of one 3D rank in one step (Bian et al. 2021, Sec. 3).
 
@@ -195,7 +195,7 @@ def cube_step_traffic(shape: Shape, b: int, q: int, microbatches: int = 1,
     check_cube(shape, b, q)
     if q == 1:
         return []
-    m, L = microbatches, shape.l
+    m, L = num_microbatches, shape.l
     T = b * shape.s // (q * q)  # noqa: N806
     out: list[Transfer] = []
     for n, (k, o) in enumerate(_linears(shape)):

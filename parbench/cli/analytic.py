@@ -3,17 +3,26 @@
 Each turns ``key=value`` arguments into a call of the pure functions in
 ``parbench.analytic`` and renders the result (rich tables, or JSON
 with ``--json``). Nothing here spawns a rank.
+
+``estimate`` reads the model, layout and option fields through the one field table
+(:func:`parbench.overrides.apply_overrides`: bare or dotted keys, ``zero=``, the same one-line
+error as ``run``), and its own keys (``parbench estimate --help``) into a
+:class:`~parbench.analytic.Counting` and the time model's device.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, replace
+from typing import Any
 
 from rich.table import Table
 
-from ..config import ConfigError
-from ..overrides import coerce, number, parse_overrides
+from ..analytic.counting import Counting
+from ..config import CaseConfig, ConfigError, ModelConfig, model_preset, validate_model
+from ..overrides import apply_overrides, coerce, number, parse_overrides, resolve_key
 from ..report import fmt_bytes
+from .help import own_keys
 from .output import console as make_console
 
 
@@ -46,225 +55,242 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
-def _render_sections(data: dict, title: str) -> None:
-    console = make_console()
-    for section, body in data.items():
+def _render_sections(est, title: str, console) -> None:
+    """One table per block of the estimate, every figure a row."""
+    for section, block in est.sections():
+        body = block.as_dict() if hasattr(block, "as_dict") else block
         t = Table(title=f"{title}: {section}", show_header=False)
         t.add_column("quantity", style="cyan")
         t.add_column("value")
-        if isinstance(body, dict):
-            for k, v in _walk(body):
-                t.add_row(k, _fmt(k, v))
-        else:
-            t.add_row(section, _fmt(section, body))
+        for k, v in _walk(body):
+            t.add_row(k, _fmt(k, v))
         console.print(t)
 
 
-# ---- estimate -------------------------------------------------------------------------------
+# ---- estimate: the command line -------------------------------------------------------------
 
-#: estimate's own keys: name -> (keyword of analytic.estimate, integer, minimum)
-_ESTIMATE_INTS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp",
-                  "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
-                  "num_microbatches": "num_microbatches"}
-_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
-                 "seq_length", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-                 "tie_embeddings", "position_embeddings", "num_kv_heads", "mlp", "norm", "bias",
-                 "make_vocab_size_divisible_by")
-#: MoE fields read into the analytic shape directly while ``ModelConfig`` lacks them:
-#: name -> (integer, minimum)
-_SHAPE_ONLY = {"moe_every": (True, 1), "moe_capacity_factor": (False, 0)}
-_CHOICES = {"recompute": ("none", "selective", "full"),
-            "cp_algorithm": ("ring-attention", "ulysses", "allgather"),
-            "attention": ("eager", "flash"), "causal_flops": ("full", "half")}
 #: logits_dtype= -> bytes per logit (the last stage's cross-entropy input)
 _LOGITS_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: help keys that are case fields, read through the field table (not popped as own keys)
+_CASE_KEYS = ("model", "schedule")
+
+
+def _own_key_names() -> tuple[str, ...]:
+    return tuple(k for k in own_keys("estimate") if k not in _CASE_KEYS)
+
+
+@dataclass(frozen=True)
+class EstimateArgs:
+    """``parbench estimate``'s arguments, parsed: the case (its model, layout and options),
+    how to count, and the verb's own choices. ``params``: a bare parameter count instead of
+    the model (the ZeRO paper's examples)."""
+
+    case: CaseConfig
+    counting: Counting
+    params: float | None = None
+    device: str | None = None
+    device_gb: float | None = None
+    verbose: bool = False
+
+
+def _unknown(key: str) -> ConfigError:
+    return ConfigError(f"{key}: not a key of estimate (keys: {', '.join(own_keys('estimate'))}"
+                       "; and the model, layout and option fields of `parbench run --help`)")
+
+
+def _given_fields(ov: dict[str, str]) -> set[str]:
+    """The bare field names of the case keys given; run fields and unknown keys refused."""
+    names = set()
+    for k in ov:
+        try:
+            info = resolve_key(k)
+        except ConfigError:
+            raise _unknown(k) from None
+        if info.section == "run":
+            raise _unknown(k)
+        names.add(info.name)
+    return names
+
+
+def _import_megatron(ov: dict[str, str], text: str) -> None:
+    """Megatron-LM arguments as case keys; a key given on the command line wins."""
+    from ..imports import megatron_overrides
+    given = _given_fields({k: v for k, v in ov.items() if k != "model"})
+    for key, value in megatron_overrides(text).items():
+        if resolve_key(key).name not in given:
+            ov[key] = value
+    ov.setdefault("model", "custom")
+
+
+def _case(ov: dict[str, str], with_model: bool) -> CaseConfig:
+    """The case the keys describe, on the planner's defaults (one sequence per micro-batch,
+    25 MiB buckets); ``model=custom``: the default model's fields."""
+    from ..timemodel import Training
+    base = Training()
+    preset = ov.pop("model", "gpt3-175b") if with_model else "custom"
+    given = _given_fields(ov)
+    if not with_model and given & {f.name for f in dataclasses.fields(ModelConfig)}:
+        bad = next(k for k in ov if resolve_key(k).section == "model")
+        raise ConfigError(f"{bad}={ov[bad]} has no meaning with params= (give model=PRESET "
+                          "instead)")
+    model = ModelConfig() if preset == "custom" else model_preset(preset)
+    case = apply_overrides(CaseConfig(model=model, layout=base.layout, options=base.options),
+                           ov)
+    if with_model:
+        validate_model(case.model)
+    lay = case.layout
+    if lay.vpp > 1 and "schedule" not in given:
+        case = replace(case, layout=replace(lay, schedule="interleaved"))
+    return case
+
+
+def _with_global_batch(case: CaseConfig, value: str, given: set[str]) -> CaseConfig:
+    """``global_batch_size=B``: m = B / (b dp) micro-batches (checked against
+    ``num_microbatches`` when both are given)."""
+    lay = case.layout.with_global_batch(number("global_batch_size", value, integer=True,
+                                               minimum=1))
+    if "num_microbatches" in given and lay.num_microbatches != case.layout.num_microbatches:
+        raise ConfigError(f"num_microbatches={case.layout.num_microbatches} does not match "
+                          f"global_batch_size/(micro_batch_size*dp)={lay.num_microbatches}")
+    return replace(case, layout=lay)
+
+
+def _counting(own: dict[str, str], with_model: bool) -> Counting:
+    """How to count, from the own keys dtype / bytes_per_element, accounting, attention,
+    causal_flops, logits_dtype and generate."""
+    kw: dict[str, Any] = {k: own[k] for k in ("accounting", "attention", "causal_flops")
+                          if k in own}
+    if "logits_dtype" in own:
+        if own["logits_dtype"] not in _LOGITS_DTYPES:
+            raise ConfigError(f"logits_dtype={own['logits_dtype']!r} must be fp32, bf16 or "
+                              "fp16")
+        kw["logits_bytes"] = _LOGITS_DTYPES[own["logits_dtype"]]
+    if "generate" in own:
+        if not with_model:
+            raise ConfigError(f"generate={own['generate']} needs a model (give model=PRESET, "
+                              "not params=)")
+        kw["generate"] = number("generate", own["generate"], integer=True, minimum=0)
+    if "bytes_per_element" in own:
+        kw["bytes_per_element"] = number("bytes_per_element", own["bytes_per_element"],
+                                         integer=True, minimum=1)
+    elif "dtype" in own:
+        return Counting.of_dtype(own["dtype"], **kw)
+    return Counting(**kw)
+
+
+def parse_estimate(args: list[str]) -> EstimateArgs:
+    """``parbench estimate``'s ``key=value`` arguments, checked."""
+    ov = parse_overrides(args)
+    own = {k: ov.pop(k) for k in list(ov) if k in _own_key_names()}
+    if own.get("megatron_args"):
+        _import_megatron(ov, own["megatron_args"])
+    psi = None
+    if "params" in own:
+        psi = number("params", own["params"], minimum=0, strict=True)
+        if "model" in ov:
+            raise ConfigError("give model=PRESET or params=N, not both")
+    case = _case(ov, with_model=psi is None)
+    given = _given_fields(ov)
+    if "global_batch_size" in own:
+        case = _with_global_batch(case, own["global_batch_size"], given)
+    device = own.get("device")
+    if device is not None and psi is not None:
+        raise ConfigError("device= needs a model (model=PRESET or its fields), not params=")
+    if "schedule" in given and device is None:
+        raise ConfigError("schedule= is read by the time model: give device=PROFILE too")
+    device_gb = own.get("device_gb")
+    return EstimateArgs(
+        case=case, counting=_counting(own, psi is None), params=psi, device=device,
+        device_gb=None if device_gb is None else number("device_gb", device_gb, minimum=0,
+                                                        strict=True),
+        verbose=coerce(own.get("verbose", "false"), bool, "verbose"))
+
+
+# ---- estimate: the figures and their output -------------------------------------------------
+
+def _compute(a: EstimateArgs):
+    """The :class:`~parbench.analytic.Estimate` (or ``ParamsEstimate``) of the arguments."""
+    from ..analytic import estimate, estimate_params, shape_from
+    from ..analytic.estimate_states import model_fits
+    lay, opts = a.case.layout, a.case.options
+    try:
+        est = estimate_params(a.params, lay, opts, a.counting) if a.params is not None \
+            else estimate(shape_from(a.case.model), lay, opts, a.counting)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if a.device_gb is not None:
+        est = replace(est, largest_model_fits=model_fits(a.device_gb * 1e9, lay))
+    return est
+
+
+def _training(a: EstimateArgs):
+    """The time model's :class:`Training`: the same layout and options, the counting's
+    precision and accounting."""
+    from ..timemodel import Training
+    return Training(layout=a.case.layout, options=a.case.options, dtype=a.counting.dtype,
+                    accounting=a.counting.accounting)
+
+
+def _time_model(a: EstimateArgs, trn):
+    """The device profile and the predicted step (``device=``)."""
+    from ..analytic import shape_from
+    from ..schedules import SCHEDULES
+    from ..timemodel import load_profile, predict_step
+    profile = load_profile(a.device)
+    if a.case.layout.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={a.case.layout.schedule!r} must be one of "
+                          f"{', '.join(SCHEDULES)}")
+    try:
+        return profile, predict_step(shape_from(a.case.model), trn, profile)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_estimate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from .. import analytic
-    from ..analytic.memory import ACCOUNTING_ALIASES, ACCOUNTINGS
-    from ..config import CaseConfig, ModelConfig, validate_model
-    from ..imports import megatron_overrides
-    from ..overrides import apply_overrides
-
-    ov = parse_overrides(args)
-    # the time model's options (parbench.timemodel): device=PROFILE, schedule=, verbose=
-    tm_opts = {k: ov.pop(k) for k in ("device", "schedule", "verbose", "cp_ulysses",
-                                      "bucket_mb") if k in ov}
-    model_name = ov.get("model", "custom" if "megatron_args" in ov else
-                        ("gpt3-175b" if "params" not in ov else None))
-    kwargs: dict = {}
-    shape = None
-    megatron = ov.pop("megatron_args", None)
-    if megatron:
-        imported = megatron_overrides(megatron)
-        for key, value in imported.items():
-            sec, name = key.split(".", 1)
-            if sec == "parallel" and name in ("tp", "pp", "cp", "ep", "vpp", "micro_batch_size",
-                                              "num_microbatches", "sp"):
-                ov.setdefault(name, value)
-            elif sec == "model":
-                ov.setdefault(name, value)
-        ov.setdefault("model", "custom")
-    if "params" in ov:
-        kwargs["params"] = number("params", ov.pop("params"), minimum=0, strict=True)
-        if "model" in ov:
-            raise ConfigError("give model=PRESET or params=N, not both")
-        bad = [k for k in ov if k in _MODEL_FIELDS]
-        if bad:
-            raise ConfigError(f"{bad[0]}={ov[bad[0]]} has no meaning with params= (give "
-                              "model=PRESET instead)")
-    else:
-        preset = ov.pop("model", "gpt3-175b")
-        model_ov = {k: ov.pop(k) for k in list(ov) if k in _MODEL_FIELDS}
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        shape_ov = {k: number(k, model_ov.pop(k), integer=_SHAPE_ONLY[k][0],
-                              minimum=_SHAPE_ONLY[k][1])
-                    for k in list(model_ov) if k in _SHAPE_ONLY and k not in known}
-        case = CaseConfig(model=ModelConfig()) if preset == "custom" else None
-        case = apply_overrides(case or CaseConfig(),
-                               ({} if preset == "custom" else {"model": preset}) | model_ov)
-        validate_model(case.model)
-        try:
-            shape = analytic.shape_from(case.model, **shape_ov)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    device_gb = ov.pop("device_gb", None)
-    for k in list(ov):
-        v = ov.pop(k)
-        if k in _ESTIMATE_INTS:
-            kwargs[_ESTIMATE_INTS[k]] = number(k, v, integer=True, minimum=1)
-        elif k == "etp":
-            kwargs["etp"] = number(k, v, integer=True, minimum=0)  # 0: etp = tp
-        elif k == "zero_stage":
-            kwargs[k] = number(k, v, integer=True, minimum=0)
-            if kwargs[k] > 3:
-                raise ConfigError(f"zero_stage={v} must be 0, 1, 2 or 3")
-        elif k == "sp":
-            kwargs["sp"] = coerce(v, bool, "sp")
-        elif k in _CHOICES:
-            if v not in _CHOICES[k]:
-                raise ConfigError(f"{k}={v!r} must be one of {', '.join(_CHOICES[k])}")
-            kwargs[k] = v
-        elif k == "accounting":
-            if v not in ACCOUNTINGS and v not in ACCOUNTING_ALIASES:
-                raise ConfigError(f"accounting={v!r} must be one of "
-                                  f"{', '.join([*ACCOUNTINGS, *ACCOUNTING_ALIASES])}")
-            kwargs[k] = v
-        elif k == "logits_dtype":
-            if v not in _LOGITS_DTYPES:
-                raise ConfigError(f"logits_dtype={v!r} must be fp32, bf16 or fp16")
-            kwargs["logits_bytes"] = _LOGITS_DTYPES[v]
-        elif k == "generate":
-            if "params" in kwargs:
-                raise ConfigError(f"generate={v} needs a model (give model=PRESET, not "
-                                  "params=)")
-            kwargs["generate"] = number(k, v, integer=True, minimum=0)
-        elif k == "dtype":
-            kwargs["bytes_per_element"] = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v)
-            if kwargs["bytes_per_element"] is None:
-                raise ConfigError(f"dtype={v!r} must be fp32, bf16 or fp16")
-        elif k == "bytes_per_element":
-            kwargs[k] = number(k, v, integer=True, minimum=1)
-        else:
-            raise ConfigError(f"unknown key {k!r} for estimate (model=, params=, "
-                              f"megatron_args=, {', '.join(_MODEL_FIELDS)}, "
-                              f"{', '.join(_ESTIMATE_INTS)}, etp=, zero_stage=, sp=, "
-                              "recompute=, cp_algorithm=, accounting=, attention=, "
-                              "causal_flops=, logits_dtype=, generate=, dtype=, "
-                              "device_gb=, device=, schedule=, verbose=)")
-    if device_gb is not None:
-        device_gb = number("device_gb", device_gb, minimum=0, strict=True)
-    try:
-        result = analytic.estimate(shape, **kwargs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if device_gb is not None:
-        dev = device_gb * 1e9
-        dp = kwargs.get("dp", 1)
-        mp = kwargs.get("tp", 1) * kwargs.get("pp", 1)
-        result["largest_model_fits"] = {
-            "device_bytes": dev,
-            **{name: analytic.largest_model_fits(dev, dp, stage, analytic.MIXED_ADAM, mp)
-               for stage, name in enumerate(("baseline", "P_os", "P_os+g", "P_os+g+p"))},
-            "note": "parameters whose mixed-precision Adam model states (K = 12) fit, "
-                    "activations ignored (ZeRO paper Table 2)"}
-    return _estimate_output(result, shape, model_name, kwargs, tm_opts, as_json, wide)
-
-
-def _estimate_output(result: dict, shape, model_name, kwargs: dict, tm_opts: dict,
-                     as_json: bool, wide: bool) -> int:
-    """The summary (default), the full breakdown (``verbose=true`` or ``--wide``), or JSON;
-    with ``device=`` the time model's step time, MFU and memory against the device."""
-    verbose = coerce(tm_opts.get("verbose", "false"), bool, "verbose") or wide
-    st = profile = lay = None
-    if "device" in tm_opts:
-        if shape is None:
-            raise ConfigError("device= needs a model (model=PRESET or its fields), not "
-                              "params=")
-        from ..timemodel import load_profile, predict_step
-        from ..timemodel.report import layout_from_estimate
-        profile = load_profile(tm_opts["device"])
-        extra: dict = {}
-        if "schedule" in tm_opts:
-            from ..schedules import SCHEDULES
-            if tm_opts["schedule"] not in SCHEDULES:
-                raise ConfigError(f"schedule={tm_opts['schedule']!r} must be one of "
-                                  f"{', '.join(SCHEDULES)}")
-            extra["schedule"] = tm_opts["schedule"]
-        if "cp_algorithm" in kwargs:
-            extra["cp_algorithm"] = kwargs["cp_algorithm"]
-        if "cp_ulysses" in tm_opts:
-            extra["cp_ulysses"] = number("cp_ulysses", tm_opts["cp_ulysses"], integer=True,
-                                         minimum=1)
-        if "bucket_mb" in tm_opts:
-            extra["bucket_mb"] = number("bucket_mb", tm_opts["bucket_mb"], minimum=0,
-                                        strict=True)
-        if kwargs.get("accounting"):
-            extra["accounting"] = kwargs["accounting"]
-        lay = layout_from_estimate(result["inputs"], extra)
-        try:
-            st = predict_step(shape, lay, profile)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif tm_opts.get("schedule"):
-        raise ConfigError("schedule= is read by the time model: give device=PROFILE too")
+    a = parse_estimate(args)
+    est = _compute(a)
+    trn = _training(a)
+    profile, st = _time_model(a, trn) if a.device else (None, None)
     if as_json:
+        from ..timemodel.report import as_json as time_json
+        out = est.as_dict()
         if st is not None:
-            from ..timemodel.report import as_json as time_json
-            result["time"] = time_json(st, lay, profile)
-        print(json.dumps(result, indent=2, default=str))
+            out["time"] = time_json(st, trn, profile)
+        print(json.dumps(out, indent=2, default=str))
         return 0
-    out = make_console()
-    if shape is not None:
-        from ..timemodel.report import layout_from_estimate, summary
-        lay = lay or layout_from_estimate(result["inputs"], {})
-        for line in summary(model_name or "model", shape, lay, st, profile, result):
-            out.print(line, highlight=False)
-    if verbose or shape is None:
-        _render_sections(result, "estimate")
-        if st is not None:
-            from ..timemodel.report import breakdown_rows
-            t = Table(title=f"estimate: time model on {profile.name}", show_header=False)
-            t.add_column("quantity", style="cyan")
-            t.add_column("value")
-            for k, v in breakdown_rows(st):
-                t.add_row(k, v)
-            out.print(t)
-    else:
-        out.print("  (--verbose: the full breakdown; --json: every figure)",
-                  style="dim")
+    _estimate_output(a, est, trn, st, profile, a.verbose or wide)
     return 0
+
+
+def _estimate_output(a: EstimateArgs, est, trn, st, profile, verbose: bool) -> None:
+    """The summary (default), the full breakdown (``verbose=true`` or ``--wide``); with
+    ``device=`` the time model's step time, MFU and memory against the device."""
+    from ..analytic import shape_from
+    from ..timemodel.report import breakdown_rows, summary
+    out = make_console()
+    if a.params is not None:
+        _render_sections(est, "estimate", out)
+        return
+    for line in summary(a.case.model.name, shape_from(a.case.model), trn, st, profile, est):
+        out.print(line, highlight=False)
+    if not verbose:
+        out.print("  (--verbose: the full breakdown; --json: every figure)", style="dim")
+        return
+    _render_sections(est, "estimate", out)
+    if st is not None:
+        t = Table(title=f"estimate: time model on {profile.name}", show_header=False)
+        t.add_column("quantity", style="cyan")
+        t.add_column("value")
+        for k, v in breakdown_rows(st):
+            t.add_row(k, v)
+        out.print(t)
 
 
 # ---- traffic --------------------------------------------------------------------------------
 
-
-def cmd_traffic(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from ..analytic import (TRAFFIC_PRESETS, compare_with_published, field_sources,
-                           traffic_table)
-
-    ov = parse_overrides(args)
+def _traffic_config(ov: dict[str, str]) -> tuple[str, Any]:
+    """The traffic preset named by ``preset=`` with its fields overridden by the other keys."""
+    from ..analytic import TRAFFIC_PRESETS
     name = ov.pop("preset", "ubmesh-moe-2t")
     if name not in TRAFFIC_PRESETS:
         raise ConfigError(f"preset={name!r} is not a traffic preset (choose from "
@@ -272,36 +298,49 @@ def cmd_traffic(args: list[str], as_json: bool = False, wide: bool = False) -> i
     cfg = TRAFFIC_PRESETS[name]
     if isinstance(cfg, type):
         cfg = cfg()
-    if ov:
-        import dataclasses
-        fields = {f.name: f for f in dataclasses.fields(cfg)}
-        changes = {}
-        for k, v in ov.items():
-            if k not in fields:
-                raise ConfigError(f"unknown key {k!r} for preset {name} (fields: "
-                                  f"{', '.join(fields)})")
-            cur = getattr(cfg, k)
-            changes[k] = type(cur)(number(k, v, integer=isinstance(cur, int), minimum=0,
-                                          strict=True))
-        cfg = dataclasses.replace(cfg, **changes)
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for k, v in ov.items():
+        if k not in fields:
+            raise ConfigError(f"unknown key {k!r} for preset {name} (fields: "
+                              f"{', '.join(fields)})")
+        cur = getattr(cfg, k)
+        changes[k] = type(cur)(number(k, v, integer=isinstance(cur, int), minimum=0,
+                                      strict=True))
+    return name, dataclasses.replace(cfg, **changes)
+
+
+def cmd_traffic(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..analytic import compare_with_published, field_sources, traffic_table
+    ov = parse_overrides(args)
+    changed = bool(set(ov) - {"preset"})
+    name, cfg = _traffic_config(ov)
     try:
         rows = traffic_table(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    checks = compare_with_published(rows) if not ov else []
-    data = {"preset": name, "rows": [r.as_dict() for r in rows],
-            "sources": field_sources(cfg),
-            "published_checks": [c.__dict__ for c in checks]}
+    checks = compare_with_published(rows) if not changed else []
+    sources = field_sources(cfg)
     if as_json:
-        print(json.dumps(data, indent=2, default=str))
+        print(json.dumps({"preset": name, "rows": [r.as_dict() for r in rows],
+                          "sources": sources,
+                          "published_checks": [c.__dict__ for c in checks]},
+                         indent=2, default=str))
         return 0
+    _print_traffic(name, rows, checks, sources)
+    return 0
+
+
+def _print_traffic(name: str, rows, checks, sources: dict[str, str]) -> None:
+    """The traffic table, the published cells it reproduces, and where each figure of the
+    preset comes from."""
     console = make_console()
     t = Table(title=f"Traffic per parallelism, one iteration of {name} (MB = 2^20 B, "
                     "GB = 2^30 B, wire bytes per rank)")
     for col in ("parallelism", "pattern", "per transfer (MB)", "transfers", "total (GB)",
                 "share"):
         t.add_column(col)
-    for r in data["rows"]:
+    for r in (row.as_dict() for row in rows):
         t.add_row(r["parallelism"], r["pattern"],
                   "/".join(f"{x:g}" for x in r["per_transfer_MiB"]),
                   "/".join(str(c) for c in r["transfers"]), f"{r['total_GiB']:.6g}",
@@ -317,7 +356,6 @@ def cmd_traffic(args: list[str], as_json: bool = False, wide: bool = False) -> i
     src = Table(title="Where the preset's figures come from")
     src.add_column("field")
     src.add_column("source")
-    for k, v in data["sources"].items():
+    for k, v in sources.items():
         src.add_row(k, v)
     console.print(src)
-    return 0

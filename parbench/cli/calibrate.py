@@ -34,23 +34,25 @@ def _ints(key: str, value: str) -> tuple[int, ...]:
     return out
 
 
-def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from ..analytic.shape import shape_from
-    from ..config import PRESETS, model_preset
-    from ..timemodel.calibrate import Plan, calibrate
-    from ..timemodel.profile import profile_dir
+_KEYS = ("device=, world_size=, model=, micro_batch_sizes=, tp=, cp=, dtypes=, quick=, "
+         "instrumented=, reference=, name=, out=")
 
-    ov = parse_overrides(args)
-    device = ov.pop("device", "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device={device!r} must be cpu or cuda")
-    world = coerce(ov.pop("world_size", "2"), int, "world_size")
-    if world < 2:
-        raise ConfigError(f"world_size={world} must be >= 2 (collectives need two ranks)")
+
+def _models(ov: dict) -> list[str]:
+    from ..config import PRESETS
     models = [m for m in str(ov.pop("model", "tiny")).split(",") if m and m != "none"]
     for m in models:
         if m not in PRESETS:
             raise ConfigError(f"model={m!r} is not a preset (choose from {', '.join(PRESETS)})")
+    return models
+
+
+def _plans(ov: dict, device: str, models: list[str]):
+    """The plan of the first model (None: generic sizes only) and one plan per further
+    model (their GEMM and attention shapes), from the verb's keys."""
+    from ..analytic.shape import shape_from
+    from ..calibration import Plan
+    from ..config import model_preset
     mbs = _ints("micro_batch_sizes", ov.pop("micro_batch_sizes", "1,2,4"))
     tps = _ints("tp", ov.pop("tp", "1,2"))
     cps = _ints("cp", ov.pop("cp", "1,2"))
@@ -60,13 +62,6 @@ def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) ->
             raise ConfigError(f"dtypes={d!r} must be fp32, bf16 or fp16")
     quick = coerce(ov.pop("quick", "false"), bool, "quick")
     instrumented = coerce(ov.pop("instrumented", "false"), bool, "instrumented")
-    reference = coerce(ov.pop("reference", "true"), bool, "reference")
-    name = ov.pop("name", None)
-    out = ov.pop("out", None)
-    if ov:
-        raise ConfigError(f"unknown key {sorted(ov)[0]!r} for calibrate (device=, world_size=, "
-                          "model=, micro_batch_sizes=, tp=, cp=, dtypes=, quick=, "
-                          "instrumented=, reference=, name=, out=)")
     shapes = [shape_from(model_preset(m)) for m in models]
     plan = Plan(device=device, dtypes=dtypes, shape=shapes[0] if shapes else None,
                 micro_batch_sizes=mbs, tp_splits=tps, cp_splits=cps,
@@ -77,26 +72,34 @@ def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) ->
         plan.copy_bytes = 16 << 20
         plan.repeats = 3
         plan.min_time_s = 0.01
-    # further models add their GEMM / attention shapes: one plan per model, merged
-    extra_plans = [Plan(device=device, dtypes=dtypes, shape=s, micro_batch_sizes=mbs,
-                        tp_splits=tps, cp_splits=cps) for s in shapes[1:]]
+    extra = [Plan(device=device, dtypes=dtypes, shape=s, micro_batch_sizes=mbs,
+                  tp_splits=tps, cp_splits=cps) for s in shapes[1:]]
+    return plan, extra
+
+
+def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..calibration import add_model_shapes, calibrate, reference_check
+    from ..timemodel.profile import profile_dir
+
+    ov = parse_overrides(args)
+    device = ov.pop("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} must be cpu or cuda")
+    world = coerce(ov.pop("world_size", "2"), int, "world_size")
+    if world < 2:
+        raise ConfigError(f"world_size={world} must be >= 2 (collectives need two ranks)")
+    models = _models(ov)
+    plan, extra_plans = _plans(ov, device, models)
+    reference = coerce(ov.pop("reference", "true"), bool, "reference")
+    name, out = ov.pop("name", None), ov.pop("out", None)
+    if ov:
+        raise ConfigError(f"unknown key {sorted(ov)[0]!r} for calibrate ({_KEYS})")
     say = console(stderr=True).print
+    mbs = plan.micro_batch_sizes
     ref = (models[0], mbs[min(1, len(mbs) - 1)], 2) if (reference and models) else None
     profile = calibrate(plan, world, name, reference=ref, progress=lambda s: say(f"  {s}"))
     if extra_plans:
-        from ..timemodel.calibrate import _run_everywhere, compute_task
-        for p in extra_plans:
-            p.square_sizes = ()
-            p.min_time_s, p.repeats = plan.min_time_s, plan.repeats
-            res = _run_everywhere(compute_task, world, device, p)
-            have = {(g["m"], g["n"], g["k"], g["dtype"]) for g in profile.gemms}
-            for r in res:
-                for g in r["gemms"]:
-                    if (g["m"], g["n"], g["k"], g["dtype"]) not in have:
-                        profile.gemms.append(g)
-                        have.add((g["m"], g["n"], g["k"], g["dtype"]))
-                profile.attention += [a for a in r["attention"] if a not in profile.attention]
-        profile.__post_init__()
+        add_model_shapes(profile, extra_plans, world, plan)
     path = profile.save(profile_dir() / f"{profile.name}.json")
     if out:
         profile.save(out)
@@ -107,23 +110,6 @@ def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) ->
         return 0
     render(profile, str(path), check)
     return 0
-
-
-def reference_check(profile) -> dict | None:
-    """The compute model against the timed single-rank reference step (if one was timed)."""
-    ref = profile.meta.get("reference_step")
-    if not ref:
-        return None
-    from ..analytic.shape import shape_from
-    from ..config import model_preset
-    from ..timemodel import Layout, predict_step
-    shape = shape_from(model_preset(ref["model"]))
-    st = predict_step(shape, Layout(micro_batch_size=ref["micro_batch_size"],
-                                    num_microbatches=ref["num_microbatches"], dtype="fp32"),
-                      profile)
-    return {**{k: ref[k] for k in ("model", "micro_batch_size", "num_microbatches")},
-            "measured_s": ref["seconds"], "predicted_s": st.step_s,
-            "error": st.step_s / ref["seconds"] - 1}
 
 
 def render(profile, path: str, check: dict | None) -> None:

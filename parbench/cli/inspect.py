@@ -12,7 +12,7 @@ from .output import UsageError, console, emit
 
 def cmd_list(args, as_json: bool = False, wide: bool = False) -> int:
     from ..config import PRESETS
-    from ..scheme import all_schemes
+    from ..registry import all_schemes
     from ..schedules import SCHEDULES
     from ..suites import available_suites
 
@@ -59,9 +59,11 @@ MAX_MESH = 4096
 
 
 def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
-    from ..layout import DEGREES, Layout
+    from ..layout import DENSE_ORDER, Layout
 
-    names = [a.value for a in DEGREES] + ["etp"]
+    from .help import own_keys
+
+    names = own_keys("mesh")
     deg = {}
     for k, v in parse_overrides(args).items():
         if k not in names:
@@ -78,9 +80,9 @@ def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
         print(f"world {d['world_size']} = tp {g['tp']} x cp {g['cp']} x dp {g['dp']} x "
               f"pp {g['pp']}  (ep {g['ep']} re-partitions tp x cp x dp; Megatron-Core order "
               "tp-cp-ep-dp-pp)")
-        print("rank  " + "  ".join(f"{a:>3s}" for a in ("tp", "cp", "dp", "pp")))
+        print("rank  " + "  ".join(f"{a:>3s}" for a in DENSE_ORDER))
         for r, c in d["ranks"].items():
-            print(f"{r:4d}  " + "  ".join(f"{c[a]:3d}" for a in ("tp", "cp", "dp", "pp")))
+            print(f"{r:4d}  " + "  ".join(f"{c[a]:3d}" for a in DENSE_ORDER))
         for name, groups in d["groups"].items():
             print(f"{name:9s} " + " ".join(str(g) for g in groups))
 
@@ -91,7 +93,8 @@ def cmd_mesh(args, as_json: bool = False, wide: bool = False) -> int:
 def uses_golden_run(case) -> bool:
     """The case is checked against the standard single-device golden run (schemes with a
     rule of their own -- local SGD, PipeDream -- simulate it and store nothing)."""
-    from ..scheme import Scheme, get_scheme
+    from ..scheme import Scheme
+    from ..registry import get_scheme
     return get_scheme(case.run.scheme).reference.__func__ is Scheme.reference.__func__
 
 
@@ -99,6 +102,7 @@ def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
     """``golden record [suite=a,b] [dir=]``: the golden files of the suites' cases;
     ``golden check [dir=]``: hashes, stale tensors, a fresh run, the torch version."""
     from .. import golden
+    from ..registry import routing_of
     from ..suites import available_suites, load_suite
 
     if not args or args[0] not in ("record", "check"):
@@ -112,7 +116,7 @@ def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
             raise ConfigError(f"unknown key {next(iter(ov))!r} for golden record (use suite=, "
                               "dir=)")
         cases = [c for n in names for c in load_suite(n).cases if uses_golden_run(c)]
-        written = golden.record(cases, directory)
+        written = golden.record(cases, directory, routing_of)
         emit(written, as_json,
              lambda d: print(f"recorded {len(d)} golden file(s) for {len(cases)} case(s) of "
                              f"{', '.join(names)} in {directory}"))

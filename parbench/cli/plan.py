@@ -8,6 +8,7 @@ import json
 
 from ..config import ConfigError
 from ..overrides import coerce, parse_overrides
+from .help import own_keys
 from .output import UsageError, console
 
 #: the space's knobs a user may narrow on the command line
@@ -32,6 +33,10 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from ..timemodel import load_profile
 
     ov = parse_overrides(args)
+    unknown = sorted(set(ov) - set(own_keys("plan")))
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not a key of plan (keys: "
+                          f"{', '.join(own_keys('plan'))}; see parbench plan --help)")
     shape, name = _shape(ov)
     if "world" not in ov:
         raise UsageError("plan needs world=N (the number of devices)")
@@ -46,10 +51,6 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     verbose = coerce(ov.pop("verbose", "false"), bool, "verbose")
     space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov},
                   **_schedules(ov))
-    if ov:
-        raise ConfigError(f"{', '.join(sorted(ov))}: not an option of plan (model, world, "
-                          "device, global_batch_size, seq_length, top, verbose, max_tp, max_cp, "
-                          "schedules)")
     res = plan(shape, world, profile, batch, space, keep=top)
     skipped = unpriced(Space(schedules=tuple(SCHEDULES)))
     if as_json:

@@ -38,7 +38,7 @@ def check_options_used(suite, overrides: dict) -> None:
     from ..config import OPTIONAL_FIELDS
     from ..options import option_names
     from ..overrides import resolve_key
-    from ..scheme import get_scheme
+    from ..registry import get_scheme
 
     optional = set(option_names()) | set(OPTIONAL_FIELDS)
     for key, value in overrides.items():
@@ -56,7 +56,7 @@ def check_options_used(suite, overrides: dict) -> None:
 def skip_unavailable(suite) -> None:
     """Drop the cases of schemes that cannot run here (an optional dependency missing),
     saying which and why on stderr."""
-    from ..scheme import get_scheme
+    from ..registry import get_scheme
     keep, why = [], {}
     for case in suite.cases:
         reason = get_scheme(case.run.scheme).unavailable()
@@ -91,6 +91,8 @@ def load_checked_suite(args: list[str]):
 
 
 def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from rich.markup import escape
+
     from ..launch import in_torchrun
     from ..report import print_tables, write_report
     from ..report.cells import verdict
@@ -113,10 +115,13 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
             out.print(f"  [{i + 1}/{n}] {case.run.scheme} "
                       f"(world {case.layout.world_size}) ...", end="")
         else:
-            st = row.step_time_s
+            st = row.time.step_s
             out.print(f" {verdict(row)}  {st * 1e3:.2f} ms/step" if st else f" {verdict(row)}")
-            if row.failure:
+            if row.verdict.failure:
                 _report_failure(row)
+            elif row.verdict.first_failure:
+                out.print(f"    first failure: {escape(str(row.verdict.first_failure))}",
+                          soft_wrap=True, highlight=False)
 
     rows = run_cases(suite.name, suite.cases, out_dir, resume=opts["resume"],
                      progress=progress)
@@ -127,8 +132,8 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     paths = write_report(rows, out_dir)
     out.print(f"wrote {out_dir / 'results.jsonl'}, " + ", ".join(str(p) for p in paths)
               + f" in {time.time() - t_start:.1f} s")
-    broken = [r for r in rows if r.status != "ok"]
-    failed = [r for r in rows if r.status == "ok" and not r.passed]
+    broken = [r for r in rows if r.verdict.status != "ok"]
+    failed = [r for r in rows if r.verdict.status == "ok" and not r.passed]
     if failed:
         out.print(f"[red]{len(failed)} case(s) not equivalent to the golden run[/]")
     if broken:
@@ -139,7 +144,7 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
 
 
 def _report_failure(row) -> None:
-    f = row.failure
+    f = row.verdict.failure
     who = f"rank {f.rank}" if f.rank >= 0 else "the case"
     sys.stderr.write(f"parbench: {row.scheme}: {who} {f.kind}; its traceback:\n"
                      f"{f.traceback}\n")
@@ -165,7 +170,7 @@ def _run_torchrun(suite, out) -> int:
             append_row(out_dir / "results.jsonl", row)
             failed += not row.passed
             print(f"{case.id}: {'pass' if row.passed else 'FAIL'} "
-                  f"{(row.step_time_s or 0) * 1e3:.2f} ms/step", flush=True)
+                  f"{(row.time.step_s or 0) * 1e3:.2f} ms/step", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 3 if failed else 0
@@ -173,7 +178,7 @@ def _run_torchrun(suite, out) -> int:
 
 def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     """The mutation catalogue: exit 0 when every mutant is killed and no control fails."""
-    from ..selftest import run_selftest
+    from ..mutation import run_selftest
 
     ov = parse_overrides(args)
     profile = ov.pop("profile", "full")
@@ -194,7 +199,7 @@ def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> 
             out.print(f"  {mutant.id:32s} {tag}  ({mutant.bug})")
         elif not row.passed:
             out.print(f"  [red]false alarm[/]: unmodified {row.scheme} seed "
-                      f"{row.case['run']['seed']}")
+                      f"{row.case.config['run']['seed']}")
 
     out.print("[bold]parbench selftest[/]: every injected bug must be caught")
     result = run_selftest(profile, seeds, only, progress)

@@ -16,8 +16,12 @@ rank, tensor and difference are printed), 1 a rank crashed or hung, 2 bad input.
 """
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from rich.markup import escape
 
 from ..config import ConfigError
 from ..overrides import apply_overrides, coerce, parse_overrides
@@ -47,7 +51,7 @@ def _with_scheme(case, scheme: str):
 def _cases(cls, spec: str, suite_name: str | None, ov: dict) -> tuple[list, list[str]]:
     """(the cases the scheme runs, why others were left out)."""
     from ..config import CaseConfig
-    from ..scheme import get_scheme
+    from ..registry import get_scheme
     from ..selftest import FAMILY_CASES
     from ..suites import check_suite, expand, load_suite
     skipped: list[str] = []
@@ -85,7 +89,7 @@ def _cases(cls, spec: str, suite_name: str | None, ov: dict) -> tuple[list, list
 
 
 def _native_of(cls) -> str:
-    from ..scheme import get_scheme
+    from ..registry import get_scheme
     name = cls.baseline_of or NATIVE.get(cls.family)
     if not name:
         raise ConfigError(f"scheme family {cls.family!r} has no native scheme; set baseline_of")
@@ -95,12 +99,12 @@ def _native_of(cls) -> str:
 
 def _bytes_against(row, pred) -> tuple[bool | None, str]:
     """(measured == predicted on every rank, a one-line difference)."""
-    if pred is None or not row.wire_bytes_per_rank:
+    measured = row.traffic.wire
+    if pred is None or not measured:
         return None, "no closed form"
-    last = len(row.losses) - 1
-    want = pred.wire_at(last) or []
+    want = pred.wire_at(len(row.verdict.losses) - 1) or []
     diffs = []
-    for rank, (got, exp) in enumerate(zip(row.wire_bytes_per_rank, want)):
+    for rank, (got, exp) in enumerate(zip(measured, want)):
         for axis in sorted(set(got) | set(exp)):
             g, e = got.get(axis, 0.0), exp.get(axis, 0.0)
             if abs(g - e) > 0.5:
@@ -110,23 +114,73 @@ def _bytes_against(row, pred) -> tuple[bool | None, str]:
     return False, f"{len(diffs)} differ, e.g. " + diffs[0]
 
 
-def describe_failure(row) -> str:
-    """The first failing check of a row, in one line."""
-    f = row.first_failure
-    if not f:
-        return "not equivalent (no single check named)"
-    where = f"step {f['step']} rank {f['rank']}: " if "step" in f else ""
-    what = f"{f['what']} {f.get('tensor', '')}".strip()
-    if f.get("max_abs") is not None:
-        what += f": max|ours - golden| = {f['max_abs']:.3g} > tolerance {f['tolerance']:.3g}"
-    if f.get("detail"):
-        what += f" ({f['detail']})"
-    return where + what
+@dataclass
+class _Verify:
+    """What ``verify`` holds a user's scheme to: its own closed form (``own_predict``), else
+    the native scheme's (failing only with ``strict``)."""
+
+    spec: str
+    cls: type
+    native: str
+    native_cls: type
+    own_predict: bool
+    strict: bool
+
+    def bytes_line(self, case, row) -> tuple[bool | None, str]:
+        if self.own_predict:
+            exact = row.exact if row.traffic.wire_exact is not None else None
+            return exact, ("= its own closed form" if exact else
+                           "≠ its own closed form" if exact is False else "no traffic measured")
+        exact, line = _bytes_against(row, self.native_cls.predict(case))
+        return exact, line + f" ({self.native}'s closed form)"
+
+    def pairs(self, cases: list) -> list[tuple]:
+        """Each case beside the native scheme's twin (None where the native rejects it)."""
+        out = []
+        for case in cases:
+            twin = _with_scheme(case, self.native)
+            try:
+                self.native_cls.check(twin)
+            except ConfigError:
+                twin = None
+            out.append((case, twin))
+        return out
+
+
+def _report_case(v: _Verify, out, case, row, base) -> tuple[dict, str]:
+    """Print one case's verdict; (its JSON entry, ``ok`` | ``failed`` | ``crashed``)."""
+    ver = row.verdict
+    entry = {"case": case.id, "status": ver.status, "equivalent": ver.equivalent}
+    if ver.status != "ok":
+        f = ver.failure
+        out.print(f"[red]CRASHED[/] {case.id}: rank {f.rank} {f.kind}\n{f.traceback}")
+        return entry, "crashed"
+    exact, bytes_line = v.bytes_line(case, row)
+    ratio = (row.time.step_s / base.time.step_s
+             if base and base.time.step_s and row.time.step_s else None)
+    verdict = "[green]equivalent[/]" if ver.equivalent else "[red]NOT equivalent[/]"
+    out.print(f"  {case.id}: {verdict}; max|Δ| loss {ver.max_loss_abs:.2g}, grad "
+              f"{ver.max_grad_abs:.2g}, param {ver.max_param_abs:.2g}; bytes "
+              f"{bytes_line}" + (f"; time {ratio:.2f}x {v.native}" if ratio else ""),
+              soft_wrap=True)
+    first = ver.first_failure
+    entry.update(bytes_exact=exact, time_ratio=ratio,
+                 first_failure=asdict(first) if first else None)
+    if not ver.equivalent:
+        out.print(f"    [red]first failure[/]: {escape(str(first or 'no single check named'))}",
+                  soft_wrap=True)
+        return entry, "failed"
+    if exact is False and (v.own_predict or v.strict):
+        out.print("    [red]bytes differ[/] from the closed form"
+                  + (" (strict_bytes=true)" if v.strict and not v.own_predict else ""))
+        return entry, "failed"
+    return entry, "ok"
 
 
 def cmd_verify(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..registry import get_scheme
     from ..runner import results_dir, run_cases
-    from ..scheme import Scheme, get_scheme
+    from ..scheme import Scheme
 
     ov = parse_overrides(args)
     if "scheme" not in ov:
@@ -136,18 +190,11 @@ def cmd_verify(args: list[str], as_json: bool = False, wide: bool = False) -> in
     strict = coerce(ov.pop("strict_bytes", "false"), bool, "strict_bytes")
     out_opt = ov.pop("out", None)
     cls = get_scheme(spec)
-    own_predict = cls.predict.__func__ is not Scheme.predict.__func__
     native = _native_of(cls)
-    native_cls = get_scheme(native)
+    v = _Verify(spec, cls, native, get_scheme(native),
+                cls.predict.__func__ is not Scheme.predict.__func__, strict)
     cases, skipped = _cases(cls, spec, suite_name, ov)
-    pairs = []
-    for case in cases:
-        twin = _with_scheme(case, native)
-        try:
-            native_cls.check(twin)
-        except ConfigError:
-            twin = None
-        pairs.append((case, twin))
+    pairs = v.pairs(cases)
     out = console(stderr=as_json)
     out_dir = results_dir("verify", out_opt, False)
     out.print(f"[bold]parbench verify[/] {spec} (family {cls.family}, beside {native}): "
@@ -157,45 +204,13 @@ def cmd_verify(args: list[str], as_json: bool = False, wide: bool = False) -> in
     t0 = time.time()
     todo = [c for pair in pairs for c in pair if c is not None]
     rows = {r.id: r for r in run_cases("verify", todo, out_dir)}
-    failed = crashed = 0
-    report = []
+    report, outcomes = [], set()
     for case, twin in pairs:
-        row, base = rows[case.id], rows.get(twin.id) if twin else None
-        entry = {"case": case.id, "status": row.status, "equivalent": row.equivalent}
-        if row.status != "ok":
-            crashed += 1
-            f = row.failure
-            out.print(f"[red]CRASHED[/] {case.id}: rank {f.rank} {f.kind}\n{f.traceback}")
-            report.append(entry)
-            continue
-        if own_predict:
-            exact = row.exact if row.wire_exact is not None else None
-            bytes_line = "= its own closed form" if exact else \
-                ("≠ its own closed form" if exact is False else "no traffic measured")
-        else:
-            exact, bytes_line = _bytes_against(row, native_cls.predict(case))
-            bytes_line += f" ({native}'s closed form)"
-        bytes_fail = exact is False and (own_predict or strict)
-        ratio = (row.step_time_s / base.step_time_s
-                 if base and base.step_time_s and row.step_time_s else None)
-        verdict = "[green]equivalent[/]" if row.equivalent else "[red]NOT equivalent[/]"
-        out.print(f"  {case.id}: {verdict}; max|Δ| loss {row.max_loss_abs:.2g}, grad "
-                  f"{row.max_grad_abs:.2g}, param {row.max_param_abs:.2g}; bytes "
-                  f"{bytes_line}" + (f"; time {ratio:.2f}x {native}" if ratio else ""),
-                  soft_wrap=True)
-        if not row.equivalent:
-            failed += 1
-            out.print(f"    [red]first failure[/]: {describe_failure(row)}", soft_wrap=True)
-        elif bytes_fail:
-            failed += 1
-            out.print("    [red]bytes differ[/] from the closed form"
-                      + (" (strict_bytes=true)" if strict and not own_predict else ""))
-        entry.update(bytes_exact=exact, time_ratio=ratio, first_failure=row.first_failure)
+        entry, outcome = _report_case(v, out, case, rows[case.id],
+                                      rows.get(twin.id) if twin else None)
         report.append(entry)
+        outcomes.add(outcome)
     if as_json:
-        import json
         print(json.dumps(report, indent=2, default=str))
     out.print(f"wrote {out_dir / 'results.jsonl'} in {time.time() - t0:.1f} s")
-    if crashed:
-        return 1
-    return 3 if failed else 0
+    return 1 if "crashed" in outcomes else 3 if "failed" in outcomes else 0

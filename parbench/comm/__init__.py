@@ -30,7 +30,8 @@ Torch DDP's C++ reducer calls the process group directly; its baseline routes th
 through ``all_reduce`` in its checked steps only (``impls/baselines/torch_ddp``).
 """
 from .install import install
-from .ledger import CommRecord, Ledger, active, record_wire, set_status_sink, unrecorded
+from .ledger import Ledger
+from .recording import CommRecord, active, record_wire, set_status_sink, unrecorded
 
 __all__ = ["CommRecord", "Ledger", "active", "install", "record_wire", "set_status_sink",
            "unrecorded"]

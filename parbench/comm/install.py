@@ -8,17 +8,17 @@ from fractions import Fraction
 
 import torch.distributed as dist
 
-from . import ledger
-from .calls import (C10D_WRAPPERS, FUNCTIONAL_WRAPPERS, _Call, _group_size,
-                    _shard_dim_alltoall_size)
-from .ledger import ROOTED, CommRecord, record_wire
+from ..analytic.comm import ROOTED
+from . import recording
+from .calls import C10D_WRAPPERS, FUNCTIONAL_WRAPPERS, _Call, _group_size, _shard_dim_alltoall_size
+from .recording import CommRecord, record_wire
 
 _INSTALLED = False
 _TLS = threading.local()  # per thread: inside a wrapped call (nested calls are not recorded)
 
 
 def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> None:
-    led = ledger.active()
+    led = recording.active()
     if led is None:
         return
     group = call.group
@@ -64,8 +64,8 @@ def _wrap(module, name: str, op: str, size_of, api: str = "c10d", sync_module=No
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        sink = ledger.status_sink()
-        if getattr(_TLS, "inside", False) or (ledger.active() is None and sink is None):
+        sink = recording.status_sink()
+        if getattr(_TLS, "inside", False) or (recording.active() is None and sink is None):
             # inside another wrapped call (blocking send calls isend): the outer call is the
             # one record
             return orig(*args, **kwargs)
@@ -103,7 +103,7 @@ def install() -> None:
     """Wrap torch.distributed's functions (idempotent). Call before DeepSpeed initialises:
     it caches some function references at start-up."""
     global _INSTALLED
-    with ledger._LOCK:
+    with recording.LOCK:
         if _INSTALLED:
             return
         import torch.distributed.distributed_c10d as c10d

@@ -1,47 +1,14 @@
 """The traffic ledger: one per process, fed by every thread (see ``parbench.comm``)."""
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from fractions import Fraction
 
 import torch.distributed as dist
 
-from ..analytic.comm import ROOTED, rooted_wire_factor, wire_factor
-
-_LOCK = threading.Lock()
-_ACTIVE: "Ledger | None" = None
-_PAUSED = 0
-#: called with a one-line description when a rank enters a collective and with "" when it
-#: leaves (the launcher shows it when a case hangs)
-_STATUS_SINK = None
-
-
-@dataclass
-class CommRecord:
-    op: str
-    axis: str
-    group_size: int
-    dtype: str
-    elements: int
-    message_bytes: int
-    wire_bytes: float
-    peer: int = -1
-    start: float = 0.0
-    end: float = 0.0
-    async_op: bool = False
-    thread: str = ""
-    api: str = "c10d"  # c10d | functional
-
-
-def record_wire(op: str, message_bytes: int, n: int, group_rank: int = 0,
-                root: int | None = None) -> Fraction:
-    """Bytes one rank sends for one recorded call, exact (``analytic.comm``)."""
-    if op in ROOTED and root is not None:
-        return rooted_wire_factor(op, n, group_rank, root) * message_bytes
-    return wire_factor(op, n) * message_bytes
+from .install import install
+from .recording import LOCK, CommRecord, activate, restore
 
 
 class Ledger:
@@ -57,19 +24,14 @@ class Ledger:
         self._prev = None
 
     def __enter__(self) -> "Ledger":
-        global _ACTIVE
-        from .install import install
         install()
         if self.recording:
-            with _LOCK:
-                self._prev, _ACTIVE = _ACTIVE, self
+            self._prev = activate(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _ACTIVE
         if self.recording:
-            with _LOCK:
-                _ACTIVE = self._prev
+            restore(self._prev)
 
     def axis(self, group) -> str:
         if self._axis_of is not None:
@@ -79,7 +41,7 @@ class Ledger:
         return "world" if group is None or group is dist.group.WORLD else "other"
 
     def add(self, rec: CommRecord, exact_wire: Fraction) -> None:
-        with _LOCK:
+        with LOCK:
             self.records.append(rec)
             self._exact.append(exact_wire)
 
@@ -103,32 +65,3 @@ class Ledger:
 
     def as_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
-
-
-def active() -> Ledger | None:
-    return None if _PAUSED else _ACTIVE
-
-
-@contextmanager
-def unrecorded():
-    """Traffic that is not the scheme's (checks, metrics, loss reporting): not recorded, on
-    any thread, while the block runs."""
-    global _PAUSED
-    with _LOCK:
-        _PAUSED += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _PAUSED -= 1
-
-
-def set_status_sink(sink) -> None:
-    """``sink(text)`` is told which collective this process is in ("" when it leaves)."""
-    global _STATUS_SINK
-    _STATUS_SINK = sink
-
-
-
-def status_sink():
-    return _STATUS_SINK

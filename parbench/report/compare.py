@@ -24,7 +24,7 @@ What is a regression (``Diff.regression``):
   pipeline stage, adds no noise); sqrt(s_old^2 + s_new^2) is that of the ratio of two steps.
   TIME_K = 3 and TIME_FLOOR = 0.10 (asv's default factor, 1.1). A run that kept fewer than 2
   timed steps on every rank (``timed_steps - warmup_steps < 2``, or a file written before
-  ``step_times_s`` existed) has no noise estimate: with ``time_tol=auto`` its time gets no
+  the timed steps were kept) has no noise estimate: with ``time_tol=auto`` its time gets no
   verdict ("no repeated steps").
 
   The threshold does not shrink with more timed steps: it bounds the noise of one step, and
@@ -141,11 +141,21 @@ def case_key(row: Row, match: str = "id") -> str:
     if match == "id":
         return row.id
     if match == "config":
-        case = json.loads(json.dumps(row.case, default=str))
+        case = json.loads(json.dumps(_normalized(row.case.config), default=str))
         case.pop("id", None)
         (case.get("run") or {}).pop("scheme", None)
         return json.dumps(case, sort_keys=True)
     raise ConfigError(f"match={match!r} must be one of {', '.join(MATCHES)}")
+
+
+def _normalized(config: dict) -> dict:
+    """A case configuration as this version writes it (a file of an earlier version may hold
+    its ``parallel`` section, or ``cp_kind``), so that ``match=config`` pairs across versions."""
+    from ..config import CaseConfig
+    try:
+        return CaseConfig.from_dict(config).to_dict()
+    except (ConfigError, TypeError, ValueError, KeyError):
+        return config
 
 
 def _index(rows: list[Row], match: str, what: str) -> dict[str, Row]:
@@ -176,9 +186,10 @@ def match_rows(old: list[Row], new: list[Row], match: str = "id"
 
 def verdict_of(row: Row) -> str:
     """pass | inexact | FAIL | CRASHED / HUNG / TIMEOUT (see the module's docstring)."""
-    if row.status != "ok":
-        return (row.failure.kind if row.failure else "failed").upper()
-    if not row.equivalent:
+    v = row.verdict
+    if v.status != "ok":
+        return (v.failure.kind if v.failure else "failed").upper()
+    if not v.equivalent:
         return "FAIL"
     return "pass" if row.passed else "inexact"
 
@@ -188,27 +199,20 @@ def _rank(verdict: str) -> int:
 
 
 def wire_by_axis(row: Row) -> dict[str, float]:
-    """The largest rank's wire bytes per axis (``wire_bytes_per_rank``, else ``wire_bytes``)."""
-    per = [w for w in row.wire_bytes_per_rank if w]
-    if per:
-        return {a: max(float(w.get(a, 0.0) or 0.0) for w in per)
-                for a in sorted({a for w in per for a in w})}
-    return {a: float(v) for a, v in row.wire_bytes.items()}
+    """The largest rank's wire bytes per axis."""
+    return row.traffic.wire_max()
 
 
 def calls_by_axis(row: Row) -> dict[str, int]:
-    per = [c for c in row.calls_per_rank if c]
-    return {a: max(int(c.get(a, 0) or 0) for c in per)
-            for a in sorted({a for c in per for a in c})}
+    return row.traffic.calls_max()
 
 
 def states_by_rank(row: Row) -> dict[str, int]:
-    return {f"r{i}": sum(s.values()) for i, s in enumerate(row.model_state_bytes or [])
-            if s}
+    return {f"r{i}": t for i, t in enumerate(row.memory.states.totals()) if t is not None}
 
 
 def peak_by_rank(row: Row) -> dict[str, int]:
-    return {f"r{i}": p for i, p in enumerate(row.peak_bytes or []) if p is not None}
+    return {f"r{i}": p for i, p in enumerate(row.memory.peak_bytes) if p is not None}
 
 
 def relative_spread(step_times_s: list) -> float | None:
@@ -227,9 +231,9 @@ def relative_spread(step_times_s: list) -> float | None:
 
 
 def time_diff(old: Row, new: Row, opts: Options) -> TimeDiff:
-    td = TimeDiff(old_s=old.step_time_s, new_s=new.step_time_s)
-    if old.step_time_s and new.step_time_s:
-        td.ratio = new.step_time_s / old.step_time_s
+    td = TimeDiff(old_s=old.time.step_s, new_s=new.time.step_s)
+    if td.old_s and td.new_s:
+        td.ratio = td.new_s / td.old_s
     if opts.ignore_time:
         td.note = "ignored"
         return td
@@ -239,8 +243,8 @@ def time_diff(old: Row, new: Row, opts: Options) -> TimeDiff:
     if opts.time_tol is not None:
         td.threshold, td.source = opts.time_tol, "fixed"
         return td
-    td.spread_old = relative_spread(old.step_times_s)
-    td.spread_new = relative_spread(new.step_times_s)
+    td.spread_old = relative_spread(old.time.per_rank_s)
+    td.spread_new = relative_spread(new.time.per_rank_s)
     if td.spread_old is None or td.spread_new is None:
         td.note = "no repeated steps"
         return td
@@ -333,9 +337,9 @@ def diff_rows(key: str, old: Row | None, new: Row | None, opts: Options | None =
         d.reasons.append(f"verdict: {vo} → {vn}")
     elif _rank(vn) > _rank(vo):
         d.improvements.append(f"verdict: {vo} → {vn}")
-    measured = old.status == "ok" and new.status == "ok"
+    measured = old.verdict.status == "ok" and new.verdict.status == "ok"
     # a baseline's figures are findings, as in ``run``'s verdict (its verdict is gated)
-    gated = d.gated = new.baseline_of is None or opts.gate_baselines
+    gated = d.gated = new.case.baseline_of is None or opts.gate_baselines
     if measured:
         d.wire = _pairs(wire_by_axis(old), wire_by_axis(new))
         d.calls = _pairs(calls_by_axis(old), calls_by_axis(new))

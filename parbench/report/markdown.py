@@ -21,8 +21,8 @@ def markdown(rows: list[Row]) -> str:
         rat = "; ".join(f"{v:.2f}x {b}" for b, v in ratios.get(r.id, [])) or "-"
         lines.append("| " + " | ".join([
             r.scheme, cells.degrees(r), cells.verdict(r, markup=False),
-            cells.fmt_sci(r.max_loss_abs), cells.fmt_sci(r.max_param_abs),
-            cells.fmt_ms(r.step_time_s), cells.peak(r, per_rank=False), cells.states(r),
+            cells.fmt_sci(r.verdict.max_loss_abs), cells.fmt_sci(r.verdict.max_param_abs),
+            cells.fmt_ms(r.time.step_s), cells.peak(r, per_rank=False), cells.states(r),
             cells.wire_detail(r).replace("\n", "; "), rat]) + " |")
     return "\n".join(lines) + "\n"
 

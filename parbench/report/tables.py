@@ -2,16 +2,18 @@
 column with ``wide=True`` (``--wide``)."""
 from __future__ import annotations
 
+from dataclasses import astuple
+
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..results import Row
+from ..results import Row, Tolerance
 from . import cells
 
 
 def _same_case(a: Row, b: Row) -> bool:
-    ca, cb = dict(a.case), dict(b.case)
+    ca, cb = dict(a.case.config), dict(b.case.config)
     ra, rb = dict(ca["run"]), dict(cb["run"])
     ra.pop("scheme"), rb.pop("scheme")
     same = ("model", "layout", "options")
@@ -22,22 +24,23 @@ def baseline_ratios(rows: list[Row]) -> dict[str, list[tuple[str, float]]]:
     """For each native row id: [(baseline scheme, our step time / baseline step time)]."""
     out: dict[str, list] = {}
     for b in rows:
-        if not b.baseline_of or not b.step_time_s:
+        base_of, base_s = b.case.baseline_of, b.time.step_s
+        if not base_of or not base_s:
             continue
         for r in rows:
-            if r.scheme == b.baseline_of and r.step_time_s and _same_case(r, b):
-                out.setdefault(r.id, []).append((b.scheme, r.step_time_s / b.step_time_s))
+            if r.scheme == base_of and r.time.step_s and _same_case(r, b):
+                out.setdefault(r.id, []).append((b.scheme, r.time.step_s / base_s))
     return out
 
 
-def _uniform_tolerance(rows: list[Row]) -> dict | None:
-    tols = {tuple(sorted(r.tolerance.items())) for r in rows}
-    return dict(next(iter(tols))) if len(tols) == 1 else None
+def _uniform_tolerance(rows: list[Row]) -> Tolerance | None:
+    tols = {astuple(r.verdict.tolerance) for r in rows}
+    return Tolerance(*next(iter(tols))) if len(tols) == 1 else None
 
 
-def _caption(rows: list[Row], shared: list[Row], uniform: dict | None,
+def _caption(rows: list[Row], shared: list[Row], uniform: Tolerance | None,
              compact: bool = False) -> str:
-    stored = sum(r.golden_source.startswith("stored") for r in rows)
+    stored = sum(r.verdict.golden_source.startswith("stored") for r in rows)
     if compact:
         caption = ("bytes per rank per step, largest rank; '=' every rank equals its closed "
                    "form on every step, '≠' not (--wide shows both); KiB = 2^10 B; golden: "
@@ -48,13 +51,13 @@ def _caption(rows: list[Row], shared: list[Row], uniform: dict | None,
                    f"runs: {stored} from committed files, {len(rows) - stored} live")
         if uniform:
             caption += (f"; losses and gradients against the golden model at the scheme's "
-                        f"weights: rtol {uniform.get('rtol', 0):.0e}, atol "
-                        f"{uniform.get('atol', 0):.0e} (tensor-wise); drift from the golden "
-                        f"trajectory: param_atol {uniform.get('param_atol', 0):.0e} where the "
+                        f"weights: rtol {uniform.rtol:.0e}, atol "
+                        f"{uniform.atol:.0e} (tensor-wise); drift from the golden "
+                        f"trajectory: param_atol {uniform.param_atol:.0e} where the "
                         "update check does not apply")
     if shared:
         caption += (f"; {len(shared)} case(s) ran more ranks than the host's "
-                    f"{shared[0].host_cpus} cores (marked *)" +
+                    f"{shared[0].env.host_cpus} cores (marked *)" +
                     ("" if compact else ": their wall-clock times and measured bubbles "
                      "include core sharing"))
     return caption
@@ -63,7 +66,7 @@ def _caption(rows: list[Row], shared: list[Row], uniform: dict | None,
 def _by_family(rows: list[Row]) -> dict[str, list[Row]]:
     fams: dict[str, list[Row]] = {}
     for r in rows:
-        fams.setdefault(r.family or "?", []).append(r)
+        fams.setdefault(r.case.family or "?", []).append(r)
     return fams
 
 
@@ -83,18 +86,17 @@ def compact_table(fam: str, rows: list[Row], ratios: dict) -> Table:
     t.add_column("wire/rank", no_wrap=True)
     t.add_column("states", no_wrap=True)
     t.add_column("peak", no_wrap=True)
-    pipeline = any("bubble_replayed" in r.extra for r in rows)
+    pipeline = any(r.pipeline is not None for r in rows)
     if pipeline:
         t.add_column("bubble", no_wrap=True)
     for r in rows:
         rat = ratios.get(r.id, [])
         cols = [cells.short_scheme(r.scheme), cells.degrees(r) + ("*" if r in shared else ""),
-                cells.verdict(r), cells.fmt_ms(r.step_time_s),
+                cells.verdict(r), cells.fmt_ms(r.time.step_s),
                 " ".join(f"{v:.2f}×" for _, v in rat) or "—",
                 cells.wire_total(r, True), cells.states(r, True), cells.peak(r, per_rank=False)]
         if pipeline:
-            rep = r.extra.get("bubble_replayed")
-            cols.append("—" if rep is None else f"{100 * rep:.1f}%")
+            cols.append(cells.replayed_bubble(r))
         t.add_row(*cols)
     return t
 
@@ -112,28 +114,27 @@ def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
         cols.remove("tolerance")
     for col in cols:
         t.add_column(col, overflow="fold")
-    extra = cells.extra_keys(rows)
+    further = cells.figure_columns(rows)
     paper = any(cells.paper_states(r) for r in rows)
     if paper:
         t.add_column("ZeRO paper 2+2+K", overflow="fold")
-    for k in extra:
+    for k in further:
         t.add_column(k, overflow="fold")
     for r in rows:
-        tol = r.tolerance
+        v, tol = r.verdict, r.verdict.tolerance
         rat = ratios.get(r.id, [])
         rat_s = "\n".join(f"{v:.2f}× {cells.short_scheme(b)}" for b, v in rat) or "—"
         tol_cell = [] if uniform else [
-            f"rtol {tol.get('rtol', 0):.0e}\natol {tol.get('atol', 0):.0e}\n"
-            f"param {tol.get('param_atol', 0):.0e}"]
+            f"rtol {tol.rtol:.0e}\natol {tol.atol:.0e}\nparam {tol.param_atol:.0e}"]
         t.add_row(
             r.scheme, cells.degrees(r) + ("*" if r in shared else ""), cells.verdict(r),
-            "\n".join(cells.fmt_sci(v) for v in (r.max_loss_abs, r.max_grad_abs,
-                                                 r.max_param_abs)),
-            cells.update_check(r), *tol_cell, cells.fmt_ms(r.step_time_s),
-            f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "—",
+            "\n".join(cells.fmt_sci(x) for x in (v.max_loss_abs, v.max_grad_abs,
+                                                 v.max_param_abs)),
+            cells.update_check(r), *tol_cell, cells.fmt_ms(r.time.step_s),
+            f"{r.time.tokens_per_s:.0f}" if r.time.tokens_per_s else "—",
             cells.peak(r), cells.states(r), cells.wire_detail(r), rat_s,
             *([cells.paper_states(r) or "—"] if paper else []),
-            *[cells.extra_value(r, k) for k in extra])
+            *[cells.figure_value(r, k) for k in further])
     return t
 
 
@@ -145,13 +146,13 @@ def tables(rows: list[Row], wide: bool = False) -> list[Table]:
 
 def print_tables(rows: list[Row], console: Console | None = None, wide: bool = False) -> None:
     """Print the tables; wide tables get at least 200 columns (they scroll, not wrap)."""
-    from ..cli.output import console as make_console
-    console = console or make_console()
+    console = console or Console()
     if wide and console.width < 200:
         console = Console(width=200, file=console.file)
     for t in tables(rows, wide=wide):
         console.print(t)
-    failed = [r for r in rows if r.status != "ok" and r.failure]
-    for r in failed:
-        console.print(f"[red]{r.scheme} {cells.degrees(r)}: {r.failure.kind} on rank "
-                      f"{r.failure.rank}[/]: {r.failure.message}")
+    for r in rows:
+        f = r.verdict.failure
+        if r.verdict.status != "ok" and f:
+            console.print(f"[red]{r.scheme} {cells.degrees(r)}: {f.kind} on rank "
+                          f"{f.rank}[/]: {f.message}")

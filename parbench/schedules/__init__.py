@@ -45,7 +45,8 @@ from .render import (
     summary,
 )
 from .simulate import SimResult, make_cost, simulate
-from .lower import Lowered, lower, p2p_problems
+from .lower import Lowered, lower
+from .lower_check import p2p_problems
 from .spec import (
     UNIT_COSTS,
     ChunkRule,

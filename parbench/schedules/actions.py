@@ -1,9 +1,10 @@
 """Pipeline schedules as data: actions, transfers and the `Schedule` container.
 
 A schedule is a per-rank, ordered list of compute actions.  Everything else the
-harness needs — the cross-rank transfers, the dependency graph, the simulated
-timeline, the grid picture — is derived from that list, so adding a schedule
-means writing one generator that fills `Schedule.actions`.
+harness needs — the cross-rank transfers and their lowering into the lists (``lower``),
+the dependency graph, the simulated timeline, the grid picture — is derived from that
+list, so adding a schedule means writing one generator that returns the per-rank lists,
+registered with its facts (``spec.schedule_spec``), which builds the `Schedule`.
 
 Dependency rules (shared by the validator, the simulator and the executor):
 

@@ -25,18 +25,7 @@ def list_schedule(
     ignored); dependencies follow :meth:`Schedule.dependencies`.
     """
     tasks = list(tasks)
-    kinds = {(a.mb, a.stage, a.pipe): a.kind for a in tasks if a.kind in ("B", "BW")}
-    present = set(tasks)
-    waiting_on: dict[Action, int] = {}
-    dependents: dict[Action, list[Action]] = {a: [] for a in tasks}
-    for a in tasks:
-        deps = [d for d in template.dependencies(a, kinds)]
-        missing = [d for d in deps if d not in present]
-        if missing:
-            raise ScheduleError(f"{template.name}: {a} depends on {missing[0]}, which is not scheduled")
-        waiting_on[a] = len(deps)
-        for d in deps:
-            dependents[d].append(a)
+    waiting_on, dependents = _dependency_graph(template, tasks)
     p = template.p
     candidates: list[list] = [[] for _ in range(p)]
     seq = 0
@@ -75,3 +64,22 @@ def list_schedule(
     if done != len(tasks):
         raise ScheduleError(f"{template.name}: list scheduling stalled with {len(tasks) - done} actions left")
     return orders
+
+
+def _dependency_graph(template: Schedule, tasks: list[Action]
+                      ) -> tuple[dict[Action, int], dict[Action, list[Action]]]:
+    """Per task, how many dependencies it waits on, and the tasks that wait on it
+    (:meth:`Schedule.dependencies`); `ScheduleError` when a dependency is not a task."""
+    kinds = {(a.mb, a.stage, a.pipe): a.kind for a in tasks if a.kind in ("B", "BW")}
+    present = set(tasks)
+    waiting_on: dict[Action, int] = {}
+    dependents: dict[Action, list[Action]] = {a: [] for a in tasks}
+    for a in tasks:
+        deps = [d for d in template.dependencies(a, kinds)]
+        missing = [d for d in deps if d not in present]
+        if missing:
+            raise ScheduleError(f"{template.name}: {a} depends on {missing[0]}, which is not scheduled")
+        waiting_on[a] = len(deps)
+        for d in deps:
+            dependents[d].append(a)
+    return waiting_on, dependents

@@ -4,7 +4,7 @@ A generated schedule lists compute actions only. ``lower(schedule)`` inserts, on
 the ``SF`` / ``SB`` sends and ``RF`` / ``RB`` receives its cross-rank dependencies imply
 (``actions.ActionKind``), so an executor walks one list and dispatches each entry -- the idea
 of torch.distributed.pipelining's action lists with communication added, written afresh for
-parbench's schedules. The rules (one place; ``p2p_problems`` checks them without ranks):
+parbench's schedules. The rules (one place; ``p2p_problems`` checks them without ranks, in ``lower_check``):
 
 * a send follows the compute action that produces its tensor, at once;
 * the receives a compute action needs come before it, and a receiver posts its receives
@@ -180,25 +180,6 @@ def lower(schedule: Schedule, *, lookahead: int = 0,
         rows.append(row)
         starts.append(at)
     return Lowered(schedule, rows, starts, lookahead)
-
-
-def p2p_problems(lowered: Lowered, *, rendezvous: bool = False) -> list[str]:
-    """What is wrong with the p2p entries of ``lowered`` (empty: nothing).
-
-    Every send has its receive on the peer and the reverse, once each; for every ordered
-    pair of ranks the sends and the receives come in the same order; a send follows its
-    producer and a receive precedes its consumer on the rank; and the lists cannot deadlock
-    when a compute waits only for its input to have been sent (the simulator's rule; what
-    the executor needs on gloo, and on NCCL while messages fit NCCL's buffers).
-    ``rendezvous=True`` checks the stricter model where a batch completes only once every
-    partner has posted its half, and a rank waits for that (``lower_check.deadlock_free``).
-    """
-    from .lower_check import deadlock_free, pair_orders, placement_problems
-    problems = pair_orders(lowered) + placement_problems(lowered)
-    if not problems and not deadlock_free(lowered, blocking=rendezvous):
-        mode = "rendezvous batches" if rendezvous else "non-blocking posts"
-        problems.append(f"{lowered.schedule.name}: the lowered lists deadlock with {mode}")
-    return problems
 
 
 def batches(row: list[Action]) -> list[list[Action] | Action]:

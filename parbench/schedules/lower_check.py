@@ -124,3 +124,21 @@ def _acyclic(deps: list[list[int]]) -> bool:
             if not indegree[u]:
                 ready.append(u)
     return seen == len(deps)
+
+
+def p2p_problems(lowered: Lowered, *, rendezvous: bool = False) -> list[str]:
+    """What is wrong with the p2p entries of ``lowered`` (empty: nothing).
+
+    Every send has its receive on the peer and the reverse, once each; for every ordered
+    pair of ranks the sends and the receives come in the same order; a send follows its
+    producer and a receive precedes its consumer on the rank; and the lists cannot deadlock
+    when a compute waits only for its input to have been sent (the simulator's rule; what
+    the executor needs on gloo, and on NCCL while messages fit NCCL's buffers).
+    ``rendezvous=True`` checks the stricter model where a batch completes only once every
+    partner has posted its half, and a rank waits for that (``lower_check.deadlock_free``).
+    """
+    problems = pair_orders(lowered) + placement_problems(lowered)
+    if not problems and not deadlock_free(lowered, blocking=rendezvous):
+        mode = "rendezvous batches" if rendezvous else "non-blocking posts"
+        problems.append(f"{lowered.schedule.name}: the lowered lists deadlock with {mode}")
+    return problems

@@ -34,6 +34,7 @@ import numpy as np
 from .actions import Action, Schedule, ScheduleError
 from .costs import make_cost  # noqa: F401  (make_cost is part of this module's API)
 from .plan_form import _CODE_KIND, _Plan
+from .sim_general import _general_unit
 from .sim_peaks import _all_peaks
 
 
@@ -112,18 +113,11 @@ def _eager_costs(plan: _Plan, cost: Callable[[Action], float]) -> list[float] | 
         return None
 
 
-def _advance(plan: _Plan, cost: Callable[[Action], float], tfb=None):
-    """The worklist of :func:`run_times` on `plan`.
-
-    Returns ``(pos, starts, ends, done)``: each rank's next occurrence (its ``hi`` when
-    it finished), the start and end shown for each occurrence, and the occurrences in
-    the order they ran.  A unit is a single action with a finite cost >= 0 (the plain
-    path below) or anything else (`general`: overlapped pairs, costs to check or to ask
-    for, split shares), which follows the original arithmetic step by step.
-    """
-    n, flat, slot, avail = plan.n, plan.flat, plan.slot, list(plan.avail)
-    dep_a, dep_b, lag_a, lag_b = plan.dep_a, plan.dep_b, plan.lag_a, plan.lag_b
-    values = _eager_costs(plan, cost)
+def _plain_costs(plan: _Plan, values: list[float] | None) -> list[float | None]:
+    """Each occurrence's cost where `_advance`'s plain path may run it: a single action with
+    a finite cost >= 0 known ahead; None for everything else (no eager costs, a cost to
+    check, an overlapped pair, an occurrence of a non-regular plan not in its own slot)."""
+    n = plan.n
     if values is None:
         plain: list[float | None] = [None] * n
     elif all(0.0 <= c < inf for c in set(values)):
@@ -133,52 +127,33 @@ def _advance(plan: _Plan, cost: Callable[[Action], float], tfb=None):
     for i in plan.pairs:
         plain[i] = None
     if not plan.regular:  # the plain path keeps occurrence i in slot i
-        for i, u in enumerate(slot):
+        for i, u in enumerate(plan.slot):
             if u != i:
                 plain[i] = None
-    p, pairs = plan.schedule.p, plan.pairs
+    return plain
+
+
+def _advance(plan: _Plan, cost: Callable[[Action], float], tfb=None):
+    """The worklist of :func:`run_times` on `plan`.
+
+    Returns ``(pos, starts, ends, done)``: each rank's next occurrence (its ``hi`` when
+    it finished), the start and end shown for each occurrence, and the occurrences in
+    the order they ran.  A unit is a single action with a finite cost >= 0 (the plain
+    path below) or anything else (`general`, from ``sim_general``: overlapped pairs, costs
+    to check or to ask for, split shares), which follows the original arithmetic step by step.
+    """
+    n, avail = plan.n, list(plan.avail)
+    dep_a, dep_b, lag_a, lag_b = plan.dep_a, plan.dep_b, plan.lag_a, plan.lag_b
+    values = _eager_costs(plan, cost)
+    plain = _plain_costs(plan, values)
+    p = plan.schedule.p
     pos, his = [lo for lo, _ in plan.bounds], [hi for _, hi in plan.bounds]
     free = [0.0] * p
     starts, ends, done = [0.0] * n, [0.0] * n, []
     waiting: dict[int, list[int]] = {}
     ready = deque(range(p))
     popleft, wake, record = ready.popleft, ready.extend, done.append
-
-    def general(rank: int, i: int, start: float):
-        """Run the unit at occurrence i from `start`; its next occurrence, or None if blocked."""
-        group = (i, i + 1) if i in pairs else (i,)
-        for j in group:
-            for d, lag in ((dep_a[j], lag_a[j]), (dep_b[j], lag_b[j])):
-                t = avail[d]
-                if t is None:
-                    waiting.setdefault(d, []).append(rank)
-                    return None
-                start = max(start, t + lag)
-        costs = [values[j] for j in group] if values is not None else \
-            [float(cost(flat[j])) for j in group]
-        for j, c in zip(group, costs):
-            if c < 0:
-                raise ScheduleError(f"cost of {flat[j]} must be >= 0 (got {c})")
-        if len(group) == 1:
-            duration = costs[0]
-        elif tfb is None:
-            duration = sum(costs)
-        elif callable(tfb):
-            duration = float(tfb(*(flat[j] for j in group)))
-        else:
-            duration = float(tfb)
-        total, cursor = sum(costs), start
-        for j, c in zip(group, costs):
-            share = duration * (c / total if total > 0 else 1 / len(group))
-            starts[j], ends[j] = cursor, cursor + share
-            cursor += share
-        end = start + duration
-        for j in group:
-            avail[slot[j]] = end
-            record(j)
-            wake(waiting.pop(slot[j], ()))
-        return group[-1] + 1, end
-
+    general = _general_unit(plan, cost, tfb, values, avail, starts, ends, waiting, record, wake)
     while ready:
         rank = popleft()
         i, hi, t = pos[rank], his[rank], free[rank]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parbench.model.moe import route
+
 from impls.expert.dispatch import ExpertDispatch, all_to_all
 from impls.expert.scheme import ExpertAllToAll
 
@@ -70,7 +72,6 @@ class _GlobalCapacity(ExpertDispatch):
     world = 1  # the dp degree
 
     def route(self, x, router_weight, groups):
-        from parbench.moe import route
         cfg = self.cfg
         # the bug: capacity from the global batch's tokens (T dp) instead of the rank's T
         return route(x, router_weight, groups, cfg.moe_top_k,

@@ -5,8 +5,9 @@ replica exchange -- and registers as a scheme of its own. The base case
 (``FAMILY_CASES['hybrid']``) is an MoE model on tp 2 x dp 2 with ep 2 (experts whole, edp 2)."""
 from __future__ import annotations
 
-from parbench import backward_pass
+from impls.common import backward_pass
 
+from impls.expert.dispatch import moe_tokens
 from impls.hybrid.model import HybridStage
 from impls.hybrid.optimizer import GradientGroup
 from impls.hybrid.scheme import HybridScheme
@@ -43,7 +44,6 @@ class _UnsplitStage(HybridStage):
     def mlp(self, i, x):
         if i not in self._experts or self.tp == 1 or self.sp:
             return super().mlp(i, x)
-        from impls.expert.dispatch import moe_tokens
         tokens = x.reshape(-1, x.shape[-1])  # the bug: every tp rank routes every token
         y, stats = moe_tokens(tokens, self.p(f"blocks.{i}.mlp.router.weight"),
                               self._experts[i], self.first_expert, self.cfg, None,

@@ -9,8 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from impls.tensor import layers
-from impls.tensor.collectives import CopyToRegion, ReduceFromRegion
+from impls.tensor.collectives import (CopyToRegion, ReduceFromRegion, all_gather_dim0,
+                                      reduce_scatter_dim0)
 from impls.tensor.cube import Cube3D, CubeGPT, CubeLinear
+from impls.tensor.grid import reduce_grads
 from impls.tensor.megatron import Megatron1D, MegatronSP
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import blocks
@@ -222,14 +224,12 @@ class SummaLocalLayerNorm(_with_model(Optimus, _LocalLayerNormStats)):
 class TesseractNoDepthReduce(Tesseract):
     def after_backward(self):
         weights = {id(w) for w in self.model.weights()}
-        from impls.tensor.grid import reduce_grads
         reduce_grads([p for p in self.params if id(p) not in weights], self.grid.col)
 
 
 class _CubeGradNotReduced(CubeLinear):
     @staticmethod
     def backward(ctx, grad):
-        from impls.tensor.collectives import all_gather_dim0, reduce_scatter_dim0
         xg, wg = ctx.saved_tensors
         in_group, w_group, out_group = ctx.groups
         q = ctx.q

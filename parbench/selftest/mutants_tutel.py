@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from parbench.model.moe import route, skew_of
+
 from impls.expert.tutel import ExpertTutel
 from impls.expert.tutel_dispatch import GatherExperts, TutelDispatch
 
@@ -58,7 +60,6 @@ class DpGradsNotReduced(ExpertTutel):
 
 class _Unbounded(TutelDispatch):
     def route(self, x, router_weight, groups):
-        from parbench.moe import route, skew_of
         cfg = self.cfg
         # the bug: the adaptive capacity ignores the factor's upper bound (nothing dropped)
         return route(x, router_weight, groups, cfg.moe_top_k, 0.0, cfg.moe_aux_loss_coef,

@@ -7,7 +7,11 @@ re-implemented over flat shards.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+from ..model import make_optimizer
 
 
 class BiasFreeAdamW(torch.optim.Optimizer):
@@ -39,10 +43,8 @@ class BiasFreeAdamW(torch.optim.Optimizer):
 def make_buggy_optimizer(params, run, bug: str):
     """The run's optimizer with one bug: ``no-wd`` (weight decay dropped), ``double-wd``
     (applied twice), ``no-bias-correction``."""
-    from parbench.model import make_optimizer
     if bug == "no-bias-correction":
         return BiasFreeAdamW(list(params), lr=run.lr, betas=(run.beta1, run.beta2),
                              eps=run.eps, weight_decay=run.weight_decay)
     factor = {"no-wd": 0.0, "double-wd": 2.0}[bug]
-    from dataclasses import replace
     return make_optimizer(params, replace(run, weight_decay=run.weight_decay * factor))

@@ -3,11 +3,9 @@ losses beside the golden run's, and measured bytes beside predicted ones."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ..config import CaseConfig
-    from . import SchemeRun
+from ..config import CaseConfig
+from ..results import FirstFailure
 
 
 def _g(x, fmt=".3g") -> str:
@@ -40,35 +38,14 @@ def _describe(case: CaseConfig) -> str:
     return " ".join(parts)
 
 
-def describe_failure(f: dict | None) -> str:
-    """One line: where and what failed first, with the difference and the tolerance."""
-    if not f:
-        return "no single check named"
-    where = f"step {f['step']}, rank {f['rank']}: " if "step" in f else ""
-    what = f["what"]
-    tensor = f.get("tensor")
-    text = f"{what} {tensor!r}" if tensor and tensor != what else what
-    if what == "update" and f.get("max_abs") is not None:
-        text += (f": the step is {f['max_abs']:.3g} x its tolerance off the run's optimizer "
-                 "applied to the reported gradients")
-    elif f.get("max_abs") is not None:
-        text += f": max|ours - golden| = {f['max_abs']:.3g}"
-        if f.get("tolerance") is not None:
-            text += f" > tolerance {f['tolerance']:.3g}"
-    if what in ("gradient", "parameter") and not tensor:
-        text += " (this parbench version does not record which tensor)"
-    if f.get("detail") and what != "update":
-        text += f" ({f['detail']})"
-    return where + text
-
-
-def equivalence_report(result: SchemeRun) -> str:
-    """The message of ``NotEquivalent``: the case, the first failure, and per step and rank
-    the loss beside the golden run's and the largest differences."""
+def equivalence_report(result) -> str:
+    """The message of ``NotEquivalent`` for ``result`` (a ``SchemeRun``): the case, the first
+    failure, and per step and rank the loss beside the golden run's and the largest
+    differences."""
     run, m = result.case.run, result.merged
     lines = [f"{result.spec} is not equivalent to the golden run",
              f"  case: {_describe(result.case)}",
-             f"  first failure: {describe_failure(result.first_failure())}"]
+             f"  first failure: {result.first_failure() or 'no single check named'}"]
     if m.uncovered:
         lines.append(f"  parameters no rank reported: {', '.join(m.uncovered[:6])}"
                      + (" ..." if len(m.uncovered) > 6 else ""))
@@ -86,7 +63,7 @@ def equivalence_report(result: SchemeRun) -> str:
                 f"{_mark(c.loss_ok)} {c.grad_max_abs:11.3e}{_mark(c.grad_ok)} "
                 f"{c.param_max_abs:12.3e}{_mark(c.param_ok)} "
                 f"{_g(c.update_excess, '10.3g'):>10}{_mark(c.update_ok)}"
-                + (f"  <- {bad['what']}" if bad else ""))
+                + (f"  <- {bad.what}" if bad else ""))
     stepwise = any(c.stepwise for r in result.per_rank for c in r.checks)
     lines += ["", f"  tolerances: loss and gradients max|ours - golden| <= atol + rtol * "
                   f"max|golden| per tensor (rtol {run.rtol:g}, atol {run.atol:g})"
@@ -118,9 +95,9 @@ def _figure_diffs(kinds, steps: int) -> list[tuple]:
     return out
 
 
-def bytes_report(result: SchemeRun, source: str, diffs: list[tuple], kinds: list[str]) -> str:
-    """The message of ``BytesDiffer``: the first step that differs in full, then a line per
-    further step."""
+def bytes_report(result, source: str, diffs: list[tuple], kinds: list[str]) -> str:
+    """The message of ``BytesDiffer`` for ``result`` (a ``SchemeRun``): the first step that
+    differs in full, then a line per further step."""
     m = result.merged
     first = diffs[0][0]
     differing = [k for k in kinds if any(d[3] == k for d in diffs)]
@@ -154,20 +131,18 @@ def bytes_report(result: SchemeRun, source: str, diffs: list[tuple], kinds: list
     return "\n".join(lines)
 
 
-def _failed_check(c) -> dict | None:
+def _failed_check(c) -> FirstFailure | None:
     """A StepCheck's first failing check from its flags alone (older records: no names)."""
     if c.loss_ok is False:
-        return {"what": "loss", "tensor": "loss", "max_abs": c.loss_abs}
+        return FirstFailure("loss", "loss", c.loss_abs)
     if not c.grad_ok:
-        return {"what": "gradient", "max_abs": c.grad_max_abs}
+        return FirstFailure("gradient", max_abs=c.grad_max_abs)
     if not c.param_ok:
-        return {"what": "parameter", "max_abs": c.param_max_abs}
+        return FirstFailure("parameter", max_abs=c.param_max_abs)
     if c.update_ok is False:
-        return {"what": "update", "tensor": "(optimizer step)", "max_abs": c.update_excess,
-                "tolerance": 1.0}
+        return FirstFailure("update", "(optimizer step)", c.update_excess, 1.0)
     if c.init_ok is False:
-        return {"what": "init", "tensor": "(initial parameters)", "max_abs": c.init_max_abs,
-                "tolerance": 0.0}
+        return FirstFailure("init", "(initial parameters)", c.init_max_abs, 0.0)
     if c.missing:
-        return {"what": "missing", "tensor": c.missing[0]}
+        return FirstFailure("missing", c.missing[0])
     return None

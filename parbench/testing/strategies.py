@@ -46,7 +46,7 @@ def cases(family: str = "data", **fixed):
     never drawn. ``FAMILIES`` lists what each family draws."""
     from hypothesis import strategies as st
 
-    from . import _family_native, make_case
+    from .helpers import _family_native, make_case
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is not one of {', '.join(FAMILIES)}")
     scheme = fixed.pop("scheme", None) or _family_native(family)

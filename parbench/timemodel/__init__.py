@@ -1,5 +1,6 @@
-"""Device profiles, calibration and the time model (``parbench calibrate``, ``estimate
-device=``, ``plan``).
+"""Device profiles and the time model (``estimate device=``, ``plan``): arithmetic on a
+profile; measuring one (``parbench calibrate``, which spawns ranks) is
+``parbench.calibration``.
 
 The API the planner builds on::
 
@@ -13,12 +14,12 @@ The API the planner builds on::
         # fits, heaviest_axis, notes (+ breakdown)
 
 ``profile.py`` holds the :class:`Profile` and the presets (with their sources);
-``calibrate.py`` drives the measurements (``calibration_plan.py`` what is measured,
-``timing.py`` how, ``tasks.py`` what each rank runs); ``model.py`` prices a step from
-``layout.py``'s ``Training`` with ``costs.py`` (layers), ``ends.py`` (embedding, head),
-``pipeline_time.py`` (the schedule) and ``dp_memory.py`` (gradient sync, memory).
+``model.py`` prices a step of a ``Training`` (``training.py``) with ``transformer_layer.py``
+(one layer; its pricing helpers in ``costs.py``), ``ends.py`` (embedding, head),
+``pipeline_time.py`` (the schedule) and ``dp_memory.py`` (gradient sync, memory), and
+assembles the ``StepTime`` in ``step_breakdown.py``.
 """
-from .layout import Training
+from .training import Training
 from .model import StepTime, memory_per_rank, predict_step
 from .profile import PRESETS, Fit, Link, Profile, load_profile, preset_names, profile_dir
 

@@ -1,13 +1,13 @@
-"""Per-layer compute and communication costs for the time model: GEMM inventories at the
-rank's local shapes priced by the profile, the layer's tensor/context/expert collectives
-priced by alpha-beta per axis, recomputation."""
+"""The time model's cost record and pricing helpers: ``_Costs`` (a stage's or a layer's cost
+of one micro-batch), the GEMM and operator inventories of a layer and of the model's ends at
+the rank's local shapes priced by the profile, collectives priced by alpha-beta per axis.
+``transformer_layer`` prices one layer with them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .layout import Training
+from ..analytic.comm import Transfer
 from .profile import Profile
-
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -98,22 +98,6 @@ def _comm_time(profile: Profile, transfers, link: str) -> float:
 # one layer
 # ---------------------------------------------------------------------------------------
 
-def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False) -> _Costs:
-    """One transformer layer, one micro-batch, one rank: compute (f, b, w, recompute) and
-    the exposed tp / cp / ep communication (module doc)."""
-    lay, opt = trn.layout, trn.options
-    key = ("layer", shape, lay.tp, lay.cp, lay.ep, lay.etp, opt.tensor.sp, opt.recompute,
-           lay.micro_batch_size, trn.dtype, opt.context.cp_algorithm,
-           opt.context.cp_ulysses, moe_layer, trn.ranks_per_node)
-    cache = _cache(profile)
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    c = _layer_costs(shape, trn, profile, moe_layer)
-    cache[key] = c
-    return c
-
-
 def _gemms(profile: Profile, m: int, n_out: int, k_in: int, dt: str) -> tuple[float, float,
                                                                                 float]:
     """Forward, input-gradient and weight-gradient GEMMs of a linear k_in -> n_out on m rows."""
@@ -194,131 +178,7 @@ def _apply_measured(profile: Profile, kind: str, dt: str, inv: tuple[float, floa
     return mf, mb * (1 - share), mb * share
 
 
-def _layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool) -> _Costs:
-    lay, opt = trn.layout, trn.options
-    from ..analytic import comm as acomm
-    tp, cp, b, dt = lay.tp, lay.cp, lay.micro_batch_size, trn.dtype
-    e = _e(dt)
-    h, f, a = shape.h, shape.f, shape.a
-    s_l = shape.s // cp
-    T = b * s_l  # noqa: N806
-    T_ln = T // tp if (opt.tensor.sp and tp > 1) else T  # noqa: N806
-    kv_l = max(_kv(shape) // tp, 1)
-    d = h // a
-    a_l = max(a // tp, 1)
-    gated = _gated(shape)
-    bias = _bias(shape)
-    c = _Costs()
-    inv = _dense_inventory(profile, b, s_l, h, a_l, f // tp, kv_l, gated, bias, tp, T_ln, dt)
-    f0, b0, w0, af_self, ab_self = inv
-    if moe_layer:
-        # the dense MLP's share replaced by the router and the local experts
-        E, k = shape.num_experts, shape.moe_top_k  # noqa: N806
-        etp = lay.etp or tp
-        ep = lay.ep
-        rows = max(1, int(round(k * T_ln * (shape.moe_capacity_factor or 1.0))))
-        per_expert = max(1, -(-rows * ep // E))
-        n_local = max(1, E // ep)
-        for n_out, k_in in ((f // tp * (2 if gated else 1), h), (h, f // tp)):
-            g = _gemms(profile, T, n_out, k_in, dt)
-            f0, b0, w0 = f0 - g[0], b0 - g[1], w0 - g[2]
-        router = _gemms(profile, T_ln, E, h, dt)
-        f0, b0, w0 = f0 + router[0], b0 + router[1], w0 + router[2]
-        for n_out, k_in in ((f // etp * (2 if gated else 1), h), (h, f // etp)):
-            g = _gemms(profile, per_expert, n_out, k_in, dt)
-            f0, b0, w0 = f0 + n_local * g[0], b0 + n_local * g[1], w0 + n_local * g[2]
-        route_bytes = 6 * rows * h * e + 3 * T_ln * E * 4
-        f0 += profile.mem_time(route_bytes, 8)
-        b0 += profile.mem_time(route_bytes, 8) + 8 * profile.bwd_op_overhead_s
-        measured = None
-    else:
-        measured = profile.part_time("layer", b=b, s=s_l, h=h, heads=a_l, f=f // tp, kv=kv_l,
-                                     dtype=dt, gated=gated)
-    c.f, c.b, c.w = _apply_measured(profile, "layer", dt, (f0, b0, w0), measured)
-    # ---- attention under context parallelism: replace the local causal kernel
-    kind = opt.context.cp_algorithm
-    hop_block = 0.0
-    if cp == 1:
-        af, ab = af_self, ab_self
-    else:
-        if kind == "ulysses":
-            af, ab = profile.attention_time(b, max(a_l // cp, 1), shape.s, shape.s, d, dt,
-                                            True)
-        elif kind == "allgather":
-            af, ab = profile.attention_time(b, a_l, s_l, shape.s, d, dt, False)
-            af, ab = 0.5 * (af + profile.op_overhead_s), 0.5 * (ab + profile.op_overhead_s)
-        else:  # ring attention (and RSA, USP's ring): cp causal blocks of s_l x s_l
-            bf, bb = af_self, ab_self
-            merge = profile.mem_time(4 * T * (h // tp) * e, 4)
-            af, ab = cp * bf + (cp - 1) * merge, cp * bb + (cp - 1) * merge
-            hop_block = bf
-        rf, rb = _part_ratio(profile, "layer", dt)
-        c.f += max(af - af_self, 0.0) * rf
-        c.b += max(ab - ab_self, 0.0) * rb
-    # ---- recomputation
-    if opt.recompute == "full":
-        c.rc = c.f
-    elif opt.recompute == "selective":
-        c.rc = af * _part_ratio(profile, "layer", dt)[0]
-    # ---- communication on the critical path
-    rpn = trn.ranks_per_node or profile.ranks_per_node
-    prof_link = _LinkFn(profile, rpn)
-    if tp > 1:
-        from ..analytic import tensor as atensor
-        sp = opt.tensor.sp
-        fwd_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, "none", sp, e)
-        full_tr = atensor.megatron_layer_traffic(b, s_l, h, tp, opt.recompute, sp, e)
-        link = prof_link(1, tp)
-        # forward: half of the no-recompute count (2 of 4 all-reduces; 2 AG + 2 RS of SP's)
-        t_all = _comm_time(profile, fwd_tr, link)
-        t_full = _comm_time(profile, full_tr, link)
-        if opt.tensor.sp:
-            t_f = _comm_time(profile, [_scaled(t, 2 / t.count) for t in fwd_tr], link)
-        else:
-            t_f = t_all / 2
-        c.comm_f["tp"] = t_f
-        c.comm_b["tp"] = t_full - t_f
-    if cp > 1:
-        from ..analytic import context as actx
-        link = prof_link(tp, cp)
-        tr = actx.attention_traffic(kind, b, shape.s, h // tp, cp,
-                                    opt.context.cp_ulysses, 1, 1, e,
-                                    opt.recompute != "none")
-        if kind in ("ring-attention", "ring-self-attention", "usp"):
-            # each hop overlaps the block computed meanwhile (Liu et al. 2023, Sec. 3)
-            sends = [t for t in tr if t.op == "send"]
-            hop_t = max((profile.collective_time("send", 2, t.message_bytes, link)
-                         for t in sends), default=0.0)
-            hide = 0.0 if profile.p2p_blocking else profile.overlap * hop_block
-            per_hop = max(0.0, hop_t - hide)
-            hops_f = sum(t.count for t in sends if "fwd" in t.what)
-            hops_b = sum(t.count for t in sends if "fwd" not in t.what)
-            c.comm_f["cp"] = hops_f * per_hop
-            c.comm_b["cp"] = hops_b * per_hop + _comm_time(
-                profile, [t for t in tr if t.op != "send"], link)
-        else:
-            # Ulysses (4 all-to-alls forward of 8 or 12) and all-gather CP (K, V gathered
-            # forward: 2 of the gathers), exposed
-            t_all = _comm_time(profile, tr, link)
-            n_all = sum(t.count for t in tr) or 1
-            n_f = 4 if kind == "ulysses" else 2
-            c.comm_f["cp"] = t_all * n_f / n_all
-            c.comm_b["cp"] = t_all - c.comm_f["cp"]
-    if moe_layer and lay.ep > 1:
-        E, k = shape.num_experts, shape.moe_top_k  # noqa: N806
-        cf = shape.moe_capacity_factor or None
-        tr = acomm.expert_traffic(T_ln, h, lay.ep, 1, 1, k, e, opt.recompute == "full",
-                                  capacity_factor=cf, num_experts=E)
-        link = prof_link(lay.etp or tp, lay.ep)
-        t_all = _comm_time(profile, tr, link)
-        n_all = sum(t.count for t in tr) or 1
-        c.comm_f["ep"] = t_all * 2 / n_all
-        c.comm_b["ep"] = t_all - c.comm_f["ep"]
-    return c
-
-
 def _scaled(t, k: float):
-    from ..analytic.comm import Transfer
     return Transfer(t.axis, t.op, t.group_size, t.message_bytes, max(1, int(round(t.count * k))),
                     t.what)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+from ..analytic import activations, memory
+from ..analytic import params as aparams
+from ..schedules import get_spec
 from .costs import _bias, _cache, _e, _gated, _kv, _LinkFn, _param_shape, _vocab
-from .layout import Training
+from .training import Training
 from .profile import Profile
-
 
 # ---------------------------------------------------------------------------------------
 # data parallel
@@ -160,7 +162,6 @@ def _stage_params(shape, trn: Training) -> list[dict]:
     key = (shape, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
     hit = _STAGES.get(key)
     if hit is None:
-        from ..analytic import params as aparams
         if len(_STAGES) > 4096:
             _STAGES.clear()
         hit = _STAGES[key] = aparams.stage_params(_param_shape(shape, lay.tp), lay.pp, lay.tp,
@@ -171,7 +172,6 @@ def _stage_params(shape, trn: Training) -> list[dict]:
 def memory_per_rank(shape, trn: Training) -> tuple[float, dict]:
     """(bytes, detail) of the most loaded pipeline rank: model states + activations."""
     lay, opt = trn.layout, trn.options
-    from ..analytic import activations, memory
     e = _e(trn.dtype)
     acc = trn.accounting or ("fp32_adamw" if e == 4 else "mixed_adam")
     stages = _stage_params(shape, trn)
@@ -220,5 +220,4 @@ def _inflight(name: str, p: int, m: int, rank: int, v: int) -> float:
     its peak: the schedule's memory rule (``ScheduleSpec.memory``, the paper's)."""
     if p == 1:
         return 1
-    from ..schedules import get_spec
     return get_spec(name).memory(p, m, v, rank)

@@ -1,11 +1,22 @@
 """The embedding and LM-head costs of the first and last pipeline stages (time model)."""
 from __future__ import annotations
 
-from .costs import (_cache, _comm_time, _Costs, _e, _embed_inventory, _gated,
-                    _head_inventory, _kv, _LinkFn, _part_ratio, _vocab)
-from .layout import Training
+from ..analytic import comm as acomm
+from .costs import (
+    _cache,
+    _comm_time,
+    _Costs,
+    _e,
+    _embed_inventory,
+    _gated,
+    _head_inventory,
+    _kv,
+    _LinkFn,
+    _part_ratio,
+    _vocab,
+)
+from .training import Training
 from .profile import Profile
-
 
 # ---------------------------------------------------------------------------------------
 # embedding, head
@@ -48,7 +59,6 @@ def _ends(shape, trn: Training, profile: Profile) -> tuple[_Costs, _Costs]:
     head = _Costs(f=hf * rf, b=hb * rb, w=hw * rb)
     emb = _Costs(f=ef * rf, b=eb * rb, w=ew * rb)
     if tp > 1:
-        from ..analytic import comm as acomm
         link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(1, tp)
         S = T * h * e  # noqa: N806
         ce = acomm.Transfer("tp", "all_reduce", tp, T * 4, 3)

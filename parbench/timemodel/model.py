@@ -59,15 +59,17 @@ counted: allocator fragmentation, communication buffers, temporaries.
 from __future__ import annotations
 
 from functools import lru_cache
-import math
 
-from .costs import _cache, _Costs, _e, layer_costs, _LinkFn
-from .dp_memory import dp_costs, memory_per_rank, _rank_tensors, _stage_params
+from ..analytic.shape import Shape, shape_from
+from ..schedules import ScheduleSpec, WeightRule, get_spec
+from .costs import _cache, _Costs, _e, _LinkFn
+from .dp_memory import _rank_tensors, _stage_params, dp_costs, memory_per_rank  # noqa: F401
 from .ends import _ends
-from ..schedules import WeightRule, get_spec
-from .layout import StepTime, Training
+from .training import StepTime, Training
 from .pipeline_time import busy_bound, pipeline_time
 from .profile import Profile
+from .step_breakdown import CriticalSync, PipelineRun, StageCosts, step_time
+from .transformer_layer import layer_costs
 
 # ---------------------------------------------------------------------------------------
 # the step
@@ -88,7 +90,6 @@ def predict_step(shape, training: Training, profile: Profile, bound: bool = Fals
     ``bound=True``: a lower bound of the step, priced without simulating the schedule (the
     pipeline's makespan replaced by the busiest rank's busy time; the rest unchanged); the
     planner ranks by it first and simulates only what could make its top list."""
-    from ..analytic.shape import Shape, shape_from
     if not isinstance(shape, Shape):
         shape = shape_from(shape)
     trn = training
@@ -112,14 +113,20 @@ def _moe_layers(shape) -> frozenset:
 
 
 def _predict(shape, trn: Training, profile: Profile, bound: bool = False) -> StepTime:
-    lay, opt = trn.layout, trn.options
-    from ..analytic import flops as aflops
-    notes: list[str] = []
-    p, v, m = lay.pp, lay.vpp, lay.num_microbatches
-    e = _e(trn.dtype)
-    nstages = p * v
+    """One step of ``trn`` priced (module doc): each virtual stage's costs, the pipeline,
+    the optimizer and data-parallel sync on the critical rank, then the StepTime."""
+    stages = _stage_costs(shape, trn, profile)
+    pipe = _pipeline(shape, trn, profile, stages.per_stage, bound)
+    sync = _critical_sync(shape, trn, profile, stages.per_stage, pipe)
+    return step_time(shape, trn, profile, stages, pipe, sync)
+
+
+def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
+    """Each virtual stage's cost of one micro-batch: its dense and MoE layers, the embedding
+    on the first stage, the LM head on the last."""
+    lay = trn.layout
+    nstages = lay.pp * lay.vpp
     per_chunk = shape.l // nstages
-    # ---- per virtual stage costs of one micro-batch
     moe_idx = _moe_layers(shape)
     dense_c = layer_costs(shape, trn, profile, False)
     moe_c = layer_costs(shape, trn, profile, True) if moe_idx else None
@@ -137,152 +144,117 @@ def _predict(shape, trn: Training, profile: Profile, bound: bool = False) -> Ste
         if vs == nstages - 1:
             c.add(head)
         stage_costs.append(c)
-    # micro-batch-level fixed costs (loss scaling, backward() call) on the last stage
-    # ---- data-parallel exposure inside the pipeline (ZeRO-2/3 per micro-batch)
-    # ---- pipeline
-    spec, rule = None, WeightRule.SYNC  # one stage: no schedule runs
+    return StageCosts(dense_c, emb, head, stage_costs)
+
+
+def _pipeline(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
+              bound: bool) -> PipelineRun:
+    """The schedule run with the stage costs (one stage: m micro-batches back to back);
+    ``bound``: the busiest rank's busy time instead of the simulated makespan."""
+    lay = trn.layout
+    p, m = lay.pp, lay.num_microbatches
     if p == 1:
         c = stage_costs[0]
         busy = m * (c.tf + c.tb + c.w)
-        makespan = makespan0 = busy
-        busy_ranks = [busy]
-        p2p = 0.0
+        return PipelineRun(None, WeightRule.SYNC, busy, busy, [busy], 0.0)
+    # the schedule's facts (split backward, weight rule, placement): its spec
+    spec = get_spec(lay.schedule)
+    p2p = _p2p_time(shape, trn, profile)
+    _add_schedule_costs(shape, trn, profile, stage_costs, spec, p2p)
+    if bound:
+        # no bound for the V and two-pipe placements: 0, still a lower bound
+        busy_ranks = busy_bound(trn, stage_costs) or [0.0] * p
+        makespan = makespan0 = max(busy_ranks)
     else:
-        # the schedule's facts (split backward, weight rule, placement): its spec
-        spec = get_spec(lay.schedule)
-        rule = spec.weight_rule
-        s_p2p = lay.micro_batch_size * (shape.s // lay.cp) * shape.h * e
-        if opt.tensor.sp and lay.tp > 1:
-            s_p2p //= lay.tp
-        link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(
-            lay.tp * lay.cp * lay.dp, 2)
-        p2p = profile.collective_time("send", 2, s_p2p, link)
-        # the latency of each cross-rank dependency (in the simulator); a blocking send
-        # (rendezvous) also keeps the sender busy until its receive is posted: each virtual
-        # stage but the last sends its activations after F, each but the first its gradient
-        # after B. The simulator does not model the rendezvous's wait for a busy receiver.
-        p2p_latency = p2p
-        if profile.p2p_blocking:
-            for vs, c in enumerate(stage_costs):
-                if vs < nstages - 1:
-                    c.comm_f["pp"] = c.comm_f.get("pp", 0.0) + p2p
-                if vs > 0:
-                    c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
-        if spec.splits_backward:
-            # a split backward's W (Qi et al. 2024, Sec. 2) re-enters the autograd graph once
-            # per linear layer (4 per transformer layer, the LM head on the last stage): one
-            # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
-            for vs, c in enumerate(stage_costs):
-                calls = 4 * per_chunk + (1 if vs == nstages - 1 else 0)
-                c.w += calls * profile.backward_call_s
-        if rule is WeightRule.PIPEDREAM:
-            # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
-            # step after every micro-batch's backward and stashes the new weight version
-            for vs, c in enumerate(stage_costs):
-                psi_s, n_t, opt_vs = _optimizer_time(shape, trn, profile, vs)
-                c.b += opt_vs + _version_copy(profile, psi_s, n_t)
-        if bound:
-            # no bound for the V and two-pipe placements: 0, still a lower bound
-            busy_ranks = busy_bound(trn, stage_costs) or [0.0] * p
-            makespan = makespan0 = max(busy_ranks)
-        else:
-            makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs,
-                                                         p2p_latency)
-    # ---- per rank totals (the stages the schedule's placement gives each rank)
+        # the latency of each cross-rank dependency (in the simulator)
+        makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs, p2p)
+    return PipelineRun(spec, spec.weight_rule, makespan, makespan0, busy_ranks, p2p)
+
+
+def _p2p_time(shape, trn: Training, profile: Profile) -> float:
+    """Seconds of one stage-to-stage send of a micro-batch's activations (1/tp of them
+    under sequence parallelism), on the link between pipeline neighbours."""
+    lay = trn.layout
+    s_p2p = lay.micro_batch_size * (shape.s // lay.cp) * shape.h * _e(trn.dtype)
+    if trn.options.tensor.sp and lay.tp > 1:
+        s_p2p //= lay.tp
+    link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(
+        lay.tp * lay.cp * lay.dp, 2)
+    return profile.collective_time("send", 2, s_p2p, link)
+
+
+def _add_schedule_costs(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
+                        spec: ScheduleSpec, p2p: float) -> None:
+    """What the schedule adds to each virtual stage's costs: blocking sends, a split
+    backward's engine calls, PipeDream's per-micro-batch weight updates."""
+    nstages = len(stage_costs)
+    per_chunk = shape.l // nstages
+    if profile.p2p_blocking:
+        # a blocking send (rendezvous) keeps the sender busy until its receive is posted:
+        # each virtual stage but the last sends its activations after F, each but the first
+        # its gradient after B. The simulator does not model the rendezvous's wait for a
+        # busy receiver.
+        for vs, c in enumerate(stage_costs):
+            if vs < nstages - 1:
+                c.comm_f["pp"] = c.comm_f.get("pp", 0.0) + p2p
+            if vs > 0:
+                c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
+    if spec.splits_backward:
+        # a split backward's W (Qi et al. 2024, Sec. 2) re-enters the autograd graph once
+        # per linear layer (4 per transformer layer, the LM head on the last stage): one
+        # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
+        for vs, c in enumerate(stage_costs):
+            calls = 4 * per_chunk + (1 if vs == nstages - 1 else 0)
+            c.w += calls * profile.backward_call_s
+    if spec.weight_rule is WeightRule.PIPEDREAM:
+        # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
+        # step after every micro-batch's backward and stashes the new weight version
+        for vs, c in enumerate(stage_costs):
+            psi_s, n_t, opt_vs = _optimizer_time(shape, trn, profile, vs)
+            c.b += opt_vs + _version_copy(profile, psi_s, n_t)
+
+
+def _critical_sync(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
+                   pipe: PipelineRun) -> CriticalSync:
+    """The busiest rank's totals (the stages the schedule's placement gives it), then its
+    optimizer step, data-parallel sync and the loss all-reduce."""
+    lay = trn.layout
+    p, v, m = lay.pp, lay.vpp, lay.num_microbatches
     rank_costs = [_Costs() for _ in range(p)]
-    for vs, r, share in _held_stages(spec, p, v, nstages):
+    for vs, r, share in _held_stages(pipe.spec, p, v, p * v):
         rank_costs[r].add(stage_costs[vs], m * share)
+    busy_ranks = pipe.busy_ranks
     crit = max(range(p), key=lambda r: busy_ranks[r] if r < len(busy_ranks) else 0.0)
     rc0 = rank_costs[crit]
-    # ---- optimizer and data parallelism, on the critical rank's stage
-    n_dp = lay.dp * lay.cp
     psi, tensors, opt_s = _optimizer_time(shape, trn, profile, crit)
-    if rule is WeightRule.PIPEDREAM:
-        opt_s = 0.0  # every micro-batch's update is inside the pipeline (above)
-    elif rule is WeightRule.TWO_BW:
+    if pipe.rule is WeightRule.PIPEDREAM:
+        opt_s = 0.0  # every micro-batch's update is inside the pipeline (_add_schedule_costs)
+    elif pipe.rule is WeightRule.TWO_BW:
         opt_s += _version_copy(profile, psi, tensors)
     bwd_each = rc0.b + rc0.w
     bwd_each /= max(m, 1)
     fwd_each = rc0.f / max(m, 1)
     dp_exposed, dp_total, dp_detail = dp_costs(shape, trn, profile, crit, psi,
                                                bwd_each, bwd_each, fwd_each, tensors)
-    # the step's loss, averaged over the ranks that hold replicas of it (every scheme
-    # reports the global mean, as Megatron averages the loss over data parallelism)
+    return CriticalSync(crit, rc0, opt_s, dp_exposed, dp_total, dp_detail,
+                         _loss_allreduce_time(trn, profile))
+
+
+def _loss_allreduce_time(trn: Training, profile: Profile) -> float:
+    """The step's loss, averaged over the ranks that hold replicas of it (every scheme
+    reports the global mean, as Megatron averages the loss over data parallelism)."""
+    lay = trn.layout
     n_loss = lay.dp * lay.cp * lay.pp
-    loss_s = 0.0
     if n_loss > 1:
         stride = lay.tp if lay.pp == 1 else lay.tp * lay.cp * lay.dp
         link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(
             lay.tp, n_loss if lay.pp == 1 else stride * lay.pp // max(lay.tp, 1))
-        loss_s = profile.collective_time("all_reduce", n_loss, 8, link)
-    elif lay.tp > 1:
-        loss_s = profile.collective_time("all_reduce", lay.tp, 8, "intra")
-    step = makespan + dp_exposed + opt_s + loss_s
-    # ---- breakdown
-    compute = rc0.f + rc0.b + rc0.w + opt_s
-    recompute = rc0.rc
-    exposed = {ax: v_ for ax, v_ in ((ax, rc0.comm_f.get(ax, 0.0) + rc0.comm_b.get(ax, 0.0))
-                                     for ax in ("tp", "cp", "ep", "pp")) if v_ > 0}
-    if p > 1:
-        exposed["pp"] = exposed.get("pp", 0.0) + max(makespan - makespan0, 0.0)
-    if n_dp > 1:
-        exposed["dp"] = dp_exposed
-    if loss_s:
-        ax = "dp" if n_dp > 1 else ("pp" if p > 1 else "tp")
-        exposed[ax] = exposed.get(ax, 0.0) + loss_s
-    busy_crit = busy_ranks[crit] if p > 1 else makespan
-    bubble = max(makespan0 - busy_crit, 0.0) if p > 1 else 0.0
-    heaviest = max(exposed, key=exposed.get) if any(x > 0 for x in exposed.values()) \
-        else None
-    # ---- throughput, MFU
-    B = lay.micro_batch_size * m * lay.dp  # noqa: N806
-    tokens = B * shape.s
-    model_flops = aflops.shape_training_flops(shape, B, recompute=False)
-    world = lay.world_size
-    peak = profile.peak_flops(trn.dtype)
-    mfu = model_flops / (step * world * peak) if step > 0 else 0.0
-    # ---- memory
-    mem, mem_detail = memory_per_rank(shape, trn)
-    dev = profile.memory_bytes or math.inf
-    fits = mem <= dev
-    if not fits:
-        notes.append(f"over memory: {mem / 1e9:.1f} GB per rank > {dev / 1e9:.1f} GB of "
-                     f"{profile.name}")
-    if not profile.calibrated:
-        notes.append(f"{profile.name} is an uncalibrated preset (datasheet peaks): step "
-                     "time is a lower bound, MFU an upper bound")
-    if shape.moe:
-        notes.append("MoE: experts assumed balanced (k T rows per rank); routing and "
-                     "dispatch costs approximate")
-    breakdown = {
-        "per_microbatch": {
-            "layer": {"fwd_s": dense_c.f, "bwd_input_s": dense_c.b, "bwd_weight_s": dense_c.w,
-                      "recompute_s": dense_c.rc, "comm_fwd_s": dict(dense_c.comm_f),
-                      "comm_bwd_s": dict(dense_c.comm_b)},
-            "embedding": {"fwd_s": emb.f, "bwd_s": emb.b + emb.w,
-                          "comm_s": sum(emb.comm_f.values()) + sum(emb.comm_b.values())},
-            "head": {"fwd_s": head.f, "bwd_s": head.b + head.w,
-                     "comm_s": sum(head.comm_f.values()) + sum(head.comm_b.values())},
-            "stages": [{"tf_s": c.tf, "tb_s": c.tb, "tw_s": c.w} for c in stage_costs],
-        },
-        "critical_rank": crit,
-        "pipeline_s": makespan,
-        "p2p_s": p2p,
-        "optimizer_s": opt_s,
-        "loss_allreduce_s": loss_s,
-        "dp": {"exposed_s": dp_exposed, "total_s": dp_total, **dp_detail},
-        "overlap_fraction": profile.overlap,
-        "model_flops": model_flops,
-        "tokens_per_step": tokens,
-        "peak_flops": peak,
-        "memory": mem_detail,
-        "profile": profile.name,
-    }
-    return StepTime(step_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, mfu=mfu,
-                    compute_s=compute, recompute_s=recompute, bubble_s=bubble,
-                    exposed_comm_s=exposed, memory_per_rank_bytes=mem,
-                    device_memory_bytes=profile.memory_bytes, fits=fits,
-                    heaviest_axis=heaviest, notes=notes, breakdown=breakdown)
+        return profile.collective_time("all_reduce", n_loss, 8, link)
+    if lay.tp > 1:
+        return profile.collective_time("all_reduce", lay.tp, 8, "intra")
+    return 0.0
+
+
 
 
 def _held_stages(spec, p: int, v: int, nstages: int) -> list[tuple[int, int, float]]:

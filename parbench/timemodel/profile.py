@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError
+
 #: where ``parbench calibrate`` writes by default, and where ``load_profile`` looks up names
 PROFILE_DIR_ENV = "PARBENCH_PROFILE_DIR"
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -376,7 +378,6 @@ def load_profile(name_or_path: str) -> Profile:
     """A profile by preset name (``a100-80gb``, ``h100-80gb``, ``h200-141gb``), by the name
     of a profile ``parbench calibrate`` saved (``cpu-local`` by default, in
     :func:`profile_dir`), or from a JSON path. Raises ``ConfigError`` naming what exists."""
-    from ..config import ConfigError
     key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if key in PRESETS:
         return Profile.from_dict(PRESETS[key].to_dict())

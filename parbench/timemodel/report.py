@@ -6,30 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .layout import Training
+from .training import Training
 from .model import StepTime
 from .profile import Profile
 
 GB = 1e9
-
-
-def layout_from_estimate(inputs: dict, extra: dict) -> Training:
-    """The :class:`Training` of an ``analytic.estimate`` result's ``inputs`` (plus
-    ``schedule`` and the other time-model options given on the command line)."""
-    e = inputs.get("bytes_per_element", 2)
-    kw = dict(tp=inputs.get("tp", 1), cp=inputs.get("cp", 1), ep=inputs.get("ep", 1),
-              dp=inputs.get("dp", 1), pp=inputs.get("pp", 1), vpp=inputs.get("vpp", 1),
-              sp=bool(inputs.get("sp", False)), zero_stage=inputs.get("zero_stage", 0),
-              recompute=inputs.get("recompute", "none"),
-              micro_batch_size=inputs.get("micro_batch", 1),
-              num_microbatches=inputs.get("num_microbatches", 1),
-              dtype="fp32" if e == 4 else "bf16")
-    if inputs.get("etp"):
-        kw["etp"] = inputs["etp"]
-    kw.update(extra)
-    if kw["vpp"] > 1 and "schedule" not in extra:
-        kw["schedule"] = "interleaved"
-    return Training.of(**kw)
 
 
 def _gb(x: float) -> str:
@@ -45,15 +26,29 @@ def _s(x: float) -> str:
 
 
 def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Profile | None,
-            result: dict) -> list[str]:
-    """The lines of the at-a-glance summary (rich markup)."""
+            est: Any) -> list[str]:
+    """The lines of the at-a-glance summary (rich markup) of an ``analytic.Estimate``, with
+    the time model's step when ``st`` is given."""
+    lines = [_headline(model, shape, trn)]
+    if st is None or profile is None:
+        mem = est.memory
+        lines.append(f"  memory per rank  {_gb(mem.per_rank)} (model states "
+                     f"{_gb(mem.model_states.selected.total)}, activations "
+                     f"{_gb(mem.activations.first_stage_korthikanti)}); add device=a100-80gb "
+                     "(or a calibrated profile) for the step time")
+        return lines
+    return lines + _step_lines(trn, st, profile) + _notes(trn, st)
+
+
+def _headline(model: str, shape, trn: Training) -> str:
+    """Model, parameters, degrees, options, devices, batch and precision."""
     lay, opt = trn.layout, trn.options
     from ..analytic.params import total_params
     try:
         n = total_params(shape)
     except Exception:  # noqa: BLE001 - a shape the param count refuses: leave it out
         n = float("nan")
-    deg = " ".join(f"{k}={n}" for k, n in lay.degrees().items() if n > 1) or "one device"
+    deg = " ".join(f"{k}={v}" for k, v in lay.degrees().items() if v > 1) or "one device"
     extra = [f"vpp={lay.vpp}"] if lay.vpp > 1 else []
     if opt.tensor.sp:
         extra.append("sp")
@@ -63,36 +58,32 @@ def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Prof
         extra.append(f"recompute={opt.recompute}")
     if lay.pp > 1:
         extra.append(f"schedule={lay.schedule}")
-    B = lay.global_batch_size  # noqa: N806
-    lines = [f"[bold]{model}[/] ({n / 1e9:,.1f} B parameters): {deg}"
-             + (f" ({', '.join(extra)})" if extra else "")
-             + f" on {lay.world_size:,} devices; global batch {B:,} x {shape.s:,} tokens "
-             f"({lay.num_microbatches} micro-batch{'es' if lay.num_microbatches > 1 else ''} "
-             f"of {lay.micro_batch_size} per dp rank), "
-             f"{trn.dtype}"]
-    if st is None or profile is None:
-        mem = _analytic_memory(result)
-        if mem is not None:
-            lines.append(f"  memory per rank  {_gb(mem[0])} (model states {_gb(mem[1])}, "
-                         f"activations {_gb(mem[2])}); add device=a100-80gb (or a "
-                         "calibrated profile) for the step time")
-        return lines
+    m = lay.num_microbatches
+    return (f"[bold]{model}[/] ({n / 1e9:,.1f} B parameters): {deg}"
+            + (f" ({', '.join(extra)})" if extra else "")
+            + f" on {lay.world_size:,} devices; global batch {lay.global_batch_size:,} x "
+            f"{shape.s:,} tokens ({m} micro-batch{'es' if m > 1 else ''} of "
+            f"{lay.micro_batch_size} per dp rank), {trn.dtype}")
+
+
+def _step_lines(trn: Training, st: StepTime, profile: Profile) -> list[str]:
+    """The device, memory against it, the step, where its time goes, the heaviest axis."""
     kind = "calibrated profile" if profile.calibrated else \
         "uncalibrated preset: datasheet peaks, so a lower bound on the step"
-    lines.append(f"device {profile.name} ({kind})")
     md = st.breakdown.get("memory", {})
     verdict = "[green]fits[/]" if st.fits else "[bold red]DOES NOT FIT[/]"
     dev = f"of {_gb(st.device_memory_bytes)}" if st.device_memory_bytes else ""
-    lines.append(f"  memory per rank  {_gb(st.memory_per_rank_bytes)} {dev}  {verdict}  "
-                 f"(model states {_gb(md.get('model_states', 0))}, activations "
-                 f"{_gb(md.get('activations', 0) + md.get('logits', 0))}, pipeline rank "
-                 f"{md.get('stage', 0)})")
-    lines.append(f"  step time        {_s(st.step_s)}   {st.tokens_per_s:,.0f} tokens/s   "
-                 f"MFU {100 * st.mfu:.1f}%")
+    lines = [f"device {profile.name} ({kind})",
+             f"  memory per rank  {_gb(st.memory_per_rank_bytes)} {dev}  {verdict}  "
+             f"(model states {_gb(md.get('model_states', 0))}, activations "
+             f"{_gb(md.get('activations', 0) + md.get('logits', 0))}, pipeline rank "
+             f"{md.get('stage', 0)})",
+             f"  step time        {_s(st.step_s)}   {st.tokens_per_s:,.0f} tokens/s   "
+             f"MFU {100 * st.mfu:.1f}%"]
     parts = [f"compute {_s(st.compute_s)}"]
     if st.recompute_s:
         parts.append(f"recompute {_s(st.recompute_s)}")
-    if lay.pp > 1:
+    if trn.layout.pp > 1:
         parts.append(f"bubble {_s(st.bubble_s)} ({100 * st.bubble_s / st.step_s:.1f}%)")
     for ax, v in sorted(st.exposed_comm_s.items(), key=lambda kv: -kv[1]):
         parts.append(f"{ax} {_s(v)}")
@@ -101,6 +92,13 @@ def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Prof
         v = st.exposed_comm_s[st.heaviest_axis]
         lines.append(f"  heaviest axis    {st.heaviest_axis}: {_s(v)} exposed, "
                      f"{100 * v / st.step_s:.1f}% of the step")
+    return lines
+
+
+def _notes(trn: Training, st: StepTime) -> list[str]:
+    """The time model's notes, a starved pipeline, and what MFU counts."""
+    lay = trn.layout
+    lines = []
     for note in st.notes:
         color = "red" if note.startswith("over memory") else "yellow"
         lines.append(f"  [{color}]note[/]: {note}")
@@ -112,18 +110,6 @@ def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Prof
     lines.append("  MFU: model FLOPs of the step without recomputation (3 x forward, "
                  "Korthikanti et al. 2022) / (step x devices x peak)")
     return lines
-
-
-def _analytic_memory(result: dict) -> tuple[float, float, float] | None:
-    try:
-        ms = result["memory"]["model_states"]["selected"]
-        states = (ms.get("padded") or ms.get("paper") or {}).get("total")
-        acts = result["memory"]["activations"].get("first_stage_korthikanti", 0.0)
-        if states is None:
-            return None
-        return states + acts, states, acts
-    except (KeyError, TypeError, AttributeError):
-        return None
 
 
 def breakdown_rows(st: StepTime) -> list[tuple[str, str]]:

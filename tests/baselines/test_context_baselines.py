@@ -12,7 +12,7 @@ import pytest
 
 from parbench.config import CaseConfig
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 BASE = {"model": "tiny", "num_microbatches": "2", "steps": "3", "timed_steps": "0",

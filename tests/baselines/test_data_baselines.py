@@ -14,7 +14,7 @@ import pytest
 
 from parbench.config import CaseConfig
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 # param_atol 1e-4: see FP32_PARAM_ATOL in tests/equivalence/test_data.py

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from parbench.config import CaseConfig, ConfigError
-from parbench.moe import route
+from parbench.model.moe import route
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 BASE = {"model": "tiny", "num_experts": "4", "num_microbatches": "2", "steps": "3",

@@ -9,7 +9,7 @@ import pytest
 
 from parbench.config import CaseConfig, ConfigError
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 NAME = "baseline.megatron.ptdp"

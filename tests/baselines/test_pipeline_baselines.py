@@ -7,7 +7,7 @@ import pytest
 from parbench.config import CaseConfig
 from parbench.overrides import apply_overrides
 from parbench.schedules import SCHEDULES, ChunkRule
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 from impls.baselines.torch_pipelining import TORCH_SCHEDULES

@@ -63,7 +63,7 @@ def no_spawn(monkeypatch, tmp_path):
     checks), and fails the test if any worker process is started at all."""
     import parbench.golden
     import parbench.runner
-    import parbench.selftest
+    import parbench.mutation
     reached: list[str] = []
     monkeypatch.setattr(parbench.golden, "check", lambda *a, **k: [])
     def no_cases(suite, cases, out_dir, **kw):
@@ -77,7 +77,7 @@ def no_spawn(monkeypatch, tmp_path):
     def no_process(self):
         pytest.fail(f"a worker process was started: {self!r}")
     monkeypatch.setattr(parbench.runner, "run_cases", no_cases)
-    monkeypatch.setattr(parbench.selftest, "run_selftest", no_selftest)
+    monkeypatch.setattr(parbench.mutation, "run_selftest", no_selftest)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_process)
     monkeypatch.chdir(tmp_path)
     return reached

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from parbench.results import load_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,13 +84,13 @@ def test_smoke_suite_runs_and_reports(tmp_path):
     out = tmp_path / "smoke"
     p, dt = parbench("run", "suite=smoke", f"out={out}")
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert rows and all(r["equivalent"] for r in rows)
-    assert {r["scheme"] for r in rows} >= {"data.ddp", "baseline.torch.ddp"}
+    rows = load_rows(out)
+    assert rows and all(r.verdict.equivalent for r in rows)
+    assert {r.scheme for r in rows} >= {"data.ddp", "baseline.torch.ddp"}
     assert "ours/base" in p.stdout and "pass" in p.stdout
     assert (out / "report.md").exists() and (out / "figures" / "step_time.png").exists()
     for r in rows:
-        assert Path(r["trace"]).exists()
+        assert Path(r.env.trace).exists()
     # re-rendering from the directory gives the same table
     p2, _ = parbench("report", str(out))
     assert p2.returncode == 0 and "data.ddp" in p2.stdout
@@ -119,18 +121,18 @@ def test_crashed_and_hung_cases_are_failed_rows_and_the_suite_goes_on(tmp_path):
     p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=180)
     assert p.returncode == 1, p.stderr
     assert "injected failure at step 1 on rank 1" in p.stderr and "Traceback" in p.stderr
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["scheme"] for r in rows] == ["data.ddp", "data.ddp", "zero.1", "zero.1", "zero.2"]
-    assert all(rows[i]["equivalent"] and rows[i]["status"] == "ok" for i in (0, 2, 4))
-    crashed, hung = rows[1], rows[3]
-    assert crashed["status"] == "failed" and crashed["failure"]["kind"] == "crashed"
-    assert crashed["failure"]["rank"] == 1
-    assert hung["status"] == "failed" and hung["failure"]["kind"] == "hung"
-    assert hung["failure"]["rank"] == 1, hung["failure"]["message"]
+    rows = load_rows(out)
+    assert [r.scheme for r in rows] == ["data.ddp", "data.ddp", "zero.1", "zero.1", "zero.2"]
+    assert all(rows[i].verdict.equivalent and rows[i].verdict.status == "ok" for i in (0, 2, 4))
+    crashed, hung = rows[1].verdict, rows[3].verdict
+    assert crashed.status == "failed" and crashed.failure.kind == "crashed"
+    assert crashed.failure.rank == 1
+    assert hung.status == "failed" and hung.failure.kind == "hung"
+    assert hung.failure.rank == 1, hung.failure.message
     # ended by the hang detector at the case's hang_timeout_s (5 s), not by the default 60 s,
     # the collective timeout or the subprocess timeout: a fact where a clock would flake
-    assert "no progress for 5 s" in hung["failure"]["message"], hung["failure"]["message"]
-    text = hung["failure"]["traceback"]
+    assert "no progress for 5 s" in hung.failure.message, hung.failure.message
+    text = hung.failure.traceback
     assert "in _inject_failure" in text, text[:3000]  # rank 1's stack, from faulthandler
     assert "rank 0: barrier" in text, text[:3000]  # rank 0 waits in the step's barrier
 
@@ -192,9 +194,9 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
                         f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=180,
                        env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["scheme"] for r in rows] == ["data.ddp", "pipeline.1f1b"]
-    assert all(r["equivalent"] and r["wire_exact"] for r in rows)
+    rows = load_rows(out)
+    assert [r.scheme for r in rows] == ["data.ddp", "pipeline.1f1b"]
+    assert all(r.verdict.equivalent and r.traffic.wire_exact for r in rows)
 
 
 def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):
@@ -209,7 +211,7 @@ def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):
     lines = narrow.stdout.splitlines()
     assert narrow.returncode == 0 and lines
     assert max(len(line) for line in lines) <= 100
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = load_rows(out)
     # one table line per case: the lines between each table's rule and its caption are its
     # rows, none wrapped onto a second line
     body, inside = [], False
@@ -236,5 +238,6 @@ def test_bytes_off_the_closed_form_fail_the_run_with_status_3(tmp_path):
     out = tmp_path / "out"
     p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=120)
     assert p.returncode == 3, p.stdout + p.stderr
-    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert row["equivalent"] and row["wire_exact"] is False and row["calls_exact"] is False
+    (row,) = load_rows(out)
+    assert row.verdict.equivalent and row.traffic.wire_exact is False
+    assert row.traffic.calls_exact is False and not row.passed

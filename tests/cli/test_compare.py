@@ -18,8 +18,9 @@ from parbench.report.compare import (TIME_FLOOR, TIME_K, Options, compare_rows,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def row(scheme="data.ddp", rid=None, **kw) -> Row:
-    """A finished, passing native DDP row on dp=2 with deterministic figures."""
+def flat(scheme="data.ddp", rid=None, **kw) -> dict:
+    """A finished, passing native DDP row on dp=2 with deterministic figures, as the flat JSON
+    object earlier versions wrote (``parbench.results.flat``)."""
     case = {"model": {"name": "tiny"}, "parallel": {"dp": 2},
             "run": {"scheme": scheme, "steps": 2}, "id": ""}
     base = dict(
@@ -34,7 +35,12 @@ def row(scheme="data.ddp", rid=None, **kw) -> Row:
         peak_bytes=[5000, 5000], step_time_s=0.010,
         step_times_s=[[0.010, 0.0102, 0.0098], [0.010, 0.0101, 0.0099]])
     base.update(kw)
-    return Row(**base)
+    return base
+
+
+def row(scheme="data.ddp", rid=None, **kw) -> Row:
+    """``flat``'s row, read as ``load_rows`` reads a file of an earlier version."""
+    return Row.from_dict(flat(scheme, rid, **kw))
 
 
 def only(diffs):
@@ -192,12 +198,13 @@ def test_read_rows_loads_old_files_and_rejects_bad_ones(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     r = row().to_dict()
-    del r["step_times_s"]  # a file written before the field existed
+    del r["time"]["per_rank_s"]  # a file written before the field existed
     r["some_future_field"] = 1
+    r["verdict"]["some_future_field"] = 1
     f = d / "results.jsonl"
     f.write_text(json.dumps(r) + "\n" + json.dumps(r)[:40] + "\n")  # truncated last line
     rows = read_rows(d)
-    assert len(rows) == 1 and rows[0].step_times_s == []
+    assert len(rows) == 1 and rows[0].time.per_rank_s == []
     from parbench.config import ConfigError
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n" + json.dumps(r) + "\n")
@@ -256,6 +263,30 @@ def test_cli_exit_statuses_and_regression_lines(tmp_path):
     assert out[0]["peak"] == {"r0": [5000, 5000], "r1": [5000, 6024]}
     assert {"key", "label", "verdict", "wire", "calls", "states", "peak", "time",
             "regression", "reasons", "improvements", "findings", "gated"} <= set(out[0])
+
+
+def test_cli_compares_a_file_of_the_flat_format_with_one_of_this_format(tmp_path):
+    """OLD written by an earlier version (flat rows), NEW by this one (grouped rows): the
+    same figures compare equal, and a regression in NEW is named as in one format."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "results.jsonl").write_text(
+        "".join(json.dumps(flat(**kw)) + "\n"
+                for kw in ({}, {"scheme": "zero.1", "rid": "zero.1:dp2:1"})))
+    same = _write(tmp_path / "same", [row(), row(scheme="zero.1", rid="zero.1:dp2:1")])
+    assert "format" in json.loads((same / "results.jsonl").read_text().splitlines()[0])
+    p = parbench("compare", str(old), str(same))
+    assert p.returncode == 0 and p.stderr == "", p.stdout + p.stderr
+    worse = _write(tmp_path / "worse", [
+        row(wire_bytes_per_rank=[{"dp": 1000.0}, {"dp": 1008.0}]),
+        row(scheme="zero.1", rid="zero.1:dp2:1")])
+    p = parbench("compare", str(old), str(worse))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "parbench: regression: data.ddp dp2 [data.ddp:dp2:abcd1234]: wire dp: +8 B (+0.8%)"]
+    # and the other way round, NEW in the flat format
+    p = parbench("compare", str(worse), str(old))
+    assert p.returncode == 0 and "better: wire" in p.stdout, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from parbench.launch import free_port
+from parbench.results import load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PER_NODE = 2, 2
@@ -100,29 +101,31 @@ def test_two_torchrun_nodes_make_one_job_and_rank0_writes_every_ranks_records(
     assert not hung, f"hung: killed after {TIMEOUT_S} s\n{both}"
     assert [p.returncode for p, _ in procs] == [0] * NODES, both
 
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in rows] == expected, both
+    rows = load_rows(out)
+    assert [r.id for r in rows] == expected, both
     # global rank 0 (node 0) reports and writes; node 1's ranks only take part
     for case_id in expected:
         assert f"{case_id}: pass" in logs[0], both
         assert case_id not in logs[1], both
     for r in rows:
-        assert r["status"] == "ok" and r["failure"] is None, r["failure"]
-        assert r["equivalent"] and r["golden_ok"] and r["update_ok"], r["id"]
-        assert r["world_size"] == WORLD and r["degrees"]["dp"] == WORLD, r["id"]
+        v, t, states = r.verdict, r.traffic, r.memory.states
+        assert v.status == "ok" and v.failure is None, v.failure
+        assert v.equivalent and v.golden_ok and v.update_ok, r.id
+        assert r.case.world_size == WORLD and r.case.layout.dp == WORLD, r.id
         # every per-rank record reached rank 0: one entry per global rank
-        per_rank = {k: v for k, v in r.items() if k.endswith("_per_rank")}
-        assert {"wire_bytes_per_rank", "calls_per_rank"} <= set(per_rank), sorted(r)
+        per_rank = {"wire": t.wire, "calls": t.calls, "states": states.measured,
+                    "peak": r.memory.peak_bytes, "step times": r.time.per_rank_s,
+                    "wire predicted": t.wire_predicted, "calls predicted": t.calls_predicted,
+                    "states predicted": states.predicted}
         for key, values in per_rank.items():
             if values is None and "predicted" in key:
                 continue  # no closed form for this scheme (a baseline's)
-            assert isinstance(values, list) and len(values) == WORLD, (r["id"], key, values)
+            assert isinstance(values, list) and len(values) == WORLD, (r.id, key, values)
         # each rank's own ledger counted its data-parallel traffic
-        assert all(sum(b.values()) > 0 for b in r["wire_bytes_per_rank"]), r["id"]
-        if r["baseline_of"] is None:  # a native scheme: bytes, calls, states in closed form
-            assert all(r[k] is not False for k in ("wire_exact", "calls_exact",
-                                                   "model_state_exact")), r["id"]
+        assert all(sum(b.values()) > 0 for b in t.wire), r.id
+        if r.case.baseline_of is None:  # a native scheme: bytes, calls, states in closed form
+            assert r.exact, r.id
         # the trace holds the events of all 4 ranks, 2 from each node
-        trace = json.loads(Path(r["trace"]).read_text())
+        trace = json.loads(Path(r.env.trace).read_text())
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
-        assert {e.get("pid") for e in events} >= set(range(WORLD)), r["id"]
+        assert {e.get("pid") for e in events} >= set(range(WORLD)), r.id

@@ -22,6 +22,22 @@ def test_plan_ranks_layouts_that_fit(capsys):
         assert pred["fits"] and pred["memory_per_rank_bytes"] <= pred["device_memory_bytes"]
 
 
+def test_plan_on_a_world_divisible_by_3_ranks_layouts_the_rules_accept(capsys):
+    """``plan model=gpt3-175b world=96`` exited 1 with a traceback: tp=3 was proposed with
+    sequence parallelism although 3 does not divide the 2048-token sequence."""
+    from parbench.analytic.shape import shape_from
+    from parbench.config import model_preset
+    from parbench.layout import Layout
+    rc = main(["plan", "model=gpt3-175b", "world=96", "device=a100-80gb", "top=5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ranked"]
+    shape = shape_from(model_preset("gpt3-175b"))
+    for r in out["ranked"]:
+        lay = Layout(**r["layout"])
+        assert lay.world_size == 96
+        lay.check_model(shape, sp=r["options"]["tensor"]["sp"])
+
+
 def test_plan_verbose_prints_each_layouts_breakdown(capsys):
     args = ["plan", "model=gpt3-175b", "world=64", "device=a100-80gb",
             "global_batch_size=64", "max_cp=1", "top=2"]

@@ -79,7 +79,7 @@ def test_verify_a_users_ddp_then_its_bug(user_dir):
     assert "NOT equivalent" in bad.stdout
     # the failing step, rank, kind and tensor are named, with the difference and tolerance
     line = next(x for x in bad.stdout.splitlines() if "first failure" in x)
-    assert "step 0 rank" in line and "gradient blocks." in line and "> tolerance" in line
+    assert "step 0, rank" in line and "gradient 'blocks." in line and "> tolerance" in line
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -100,17 +100,18 @@ def test_entry_points_register_installed_schemes(monkeypatch, user_dir):
     "mine:MyDDP"`` is found by name; a broken entry point is reported when asked for."""
     import importlib.metadata as md
 
-    from parbench import scheme as registry
+    from parbench import registry, scheme
     from parbench.config import ConfigError
 
     monkeypatch.syspath_prepend(str(user_dir))
+    registry.all_schemes()  # load impls/ first: what the test adds is undone after it
     eps = md.EntryPoints([
         md.EntryPoint("my-ddp", "mine:MyDDP", registry.ENTRY_POINT_GROUP),
         md.EntryPoint("broken-ep", "raises:X", registry.ENTRY_POINT_GROUP)])
     monkeypatch.setattr(md, "entry_points",
                         lambda group=None: eps if group == registry.ENTRY_POINT_GROUP else [])
     monkeypatch.setattr(registry, "_LOADED", False)
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(scheme, "SCHEMES", dict(scheme.SCHEMES))
     monkeypatch.setattr(registry, "_BROKEN_ENTRY_POINTS", {})
     cls = registry.get_scheme("my-ddp")
     assert cls.__name__ == "MyDDP" and cls.family == "data"

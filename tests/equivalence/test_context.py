@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import all_schemes, get_scheme
+from parbench.registry import all_schemes, get_scheme
 from tests.helpers import run_on_pool
 
 # Parameters after AdamW are compared with atol 1e-3 = lr (losses and gradients keep the strict

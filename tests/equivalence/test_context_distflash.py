@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from parbench.analytic import context_distflash as closed
 from parbench.config import ConfigError
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.equivalence.test_context import assert_exact, make_case
 from tests.helpers import run_on_pool
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 # bucket sizes in MiB: ~1 layer per unit, a few layers per unit, the whole model in one unit

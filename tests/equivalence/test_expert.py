@@ -1,7 +1,7 @@
 """The expert-parallel family on real gloo ranks: ``expert.alltoall`` against the golden run of
 the MoE reference model, with every rank's wire bytes, calls and model states equal to
 ``analytic.expert`` on every checked step and the measured all-to-alls per MoE layer equal
-to GShard's count and size; and ``moe_tokens`` against ``parbench.moe.MoE`` on one process.
+to GShard's count and size; and ``moe_tokens`` against ``parbench.model.moe.MoE`` on one process.
 
 Hypothesis draws ep and dp (ep | dp, up to 4 ranks), the experts, top-k, the capacity factor
 (tokens dropped or not), ``moe_every``, the z-loss, the layers, micro-batch size and count.
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, ModelConfig, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import assert_wire_and_calls_per_step, moe_layer_against_reference, run_on_pool
 
 
@@ -69,7 +69,7 @@ def test_expert_alltoall_matches_golden_with_exact_bytes(pools, case):
 @pytest.mark.parametrize("k,cf,groups", [(1, 1.0, 1), (2, 0.5, 3), (2, 0.0, 2), (1, 1.25, 4)])
 def test_moe_tokens_equals_the_reference_layer(k, cf, groups):
     """One process, every expert local: output, input gradient and every parameter gradient
-    of ``moe_tokens`` equal ``parbench.moe.MoE`` on the same tokens and routing groups."""
+    of ``moe_tokens`` equal ``parbench.model.moe.MoE`` on the same tokens and routing groups."""
     # Tolerance: the verdict's rule with RunConfig's rtol/atol, tensor-wise (see
     # tests.helpers.assert_close_by_the_verdict), not torch's elementwise assert_close
     # defaults: the two layers sum the router gradient over tokens in different orders, and

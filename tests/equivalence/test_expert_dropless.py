@@ -1,7 +1,7 @@
 """``expert.dropless`` (MegaBlocks) and ``expert.fastermoe`` (FasterMoE shadow experts) on real
 gloo ranks against the golden run, with every rank's wire bytes and calls per axis equal to
 ``analytic.expert_dropless`` / ``analytic.expert_shadow`` (fed with the reference router's
-counts) on every checked step; their MoE layers against ``parbench.moe.MoE`` on one process;
+counts) on every checked step; their MoE layers against ``parbench.model.moe.MoE`` on one process;
 the checks that refuse bad input before spawning.
 
 CI runs three fixed cases on 2 ranks; under the ``thorough`` profile Hypothesis draws the
@@ -27,7 +27,7 @@ THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 def assert_bytes_exact(case, per_rank) -> None:
     """Every rank's wire bytes and calls per axis equal the closed form's on every checked
     step, and the row's summed ep bytes equal the prediction's."""
-    from parbench.scheme import get_scheme
+    from parbench.registry import get_scheme
     pred = get_scheme(case.run.scheme).predict(case)
     for r in per_rank:
         for step, (wire, calls) in enumerate(zip(r.wire_by_axis_per_step,
@@ -100,7 +100,7 @@ def test_shadowing_cuts_the_all_to_all_on_a_skewed_router(pools):
 @pytest.mark.parametrize("k,skew", [(1, 0.0), (2, 1.0), (2, 3.0)])
 def test_dropless_layer_equals_the_reference_layer(k, skew):
     """One process, every expert local: the sorted, grouped computation of
-    ``DroplessDispatch`` equals ``parbench.moe.MoE`` (output, input and every gradient)."""
+    ``DroplessDispatch`` equals ``parbench.model.moe.MoE`` (output, input and every gradient)."""
     cfg = ModelConfig(num_experts=4, moe_top_k=k, moe_capacity_factor=0.0,
                       moe_z_loss_coef=1e-2, moe_router_skew=skew)
     stats, ref = moe_layer_against_reference(cfg, b=4, s=8,

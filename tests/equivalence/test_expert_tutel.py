@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
 
 

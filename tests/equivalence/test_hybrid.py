@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.equivalence.test_tensor import PARAM_ATOL
 from tests.helpers import run_on_pool
 
@@ -136,7 +136,7 @@ def test_traffic_suite_table_measured_equals_model(pools, tmp_path):
     """The traffic suite's case (UB-Mesh Table 1's structure at small scale, 8 ranks): every
     row of rank 0's measured ledger equals the closed form, and the paper's two printing
     errors are flagged beside the traffic model at the paper's configuration."""
-    from parbench.report import traffic_table as table
+    from parbench.reproduce import ubmesh_measured as table
     from parbench.suites import load_suite
     (case,) = load_suite("traffic").cases
     merged, per_rank = run_on_pool(pools, case)

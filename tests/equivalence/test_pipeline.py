@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from parbench.config import CaseConfig, ConfigError
 from parbench.overrides import apply_overrides
 from parbench.schedules import CONTINUOUS, SCHEDULES, ChunkRule, max_inflight
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from parbench.verdict import figures_equal
 from tests.helpers import run_on_pool
 
@@ -90,8 +90,8 @@ def check_case(pools, case):
             expected = states[step][r] if states else pred.model_state_bytes[r]
             assert figures_equal([res.model_states_per_step[step]], [expected]), \
                 (r, step, res.model_states_per_step[step], expected)
-    metrics = per_rank[0].metrics
-    detail = metrics["bubble_detail"]
+    bubble = per_rank[0].bubble
+    detail = bubble.detail
     # the graphs each rank held (its saved storages alive) are the simulator's count: from
     # the forward to the fused backward or to W
     assert detail["held_graphs_measured"] == detail["held_graphs_simulated"]
@@ -100,8 +100,8 @@ def check_case(pools, case):
         # a fused backward frees the graph: held = the paper's in-flight bound
         assert detail["held_graphs_measured"] == [
             max_inflight(schedule.name, schedule.p, schedule.m, r) for r in range(schedule.p)]
-    assert all(b > 0 for b in detail["activation_peak_bytes"])
-    assert metrics["bubble_replayed"] is not None and 0 <= metrics["bubble_replayed"] < 1
+    assert all(b > 0 for b in bubble.activation_peak_bytes)
+    assert bubble.replayed is not None and 0 <= bubble.replayed < 1
     return merged, per_rank
 
 
@@ -120,7 +120,7 @@ def test_zero_bubble_holds_graphs_until_w(pools):
     """ZB-H1 keeps every graph from F to W: more graphs than 1F1B's in-flight bound on the
     lower ranks (the paper's p M_B counts F to B; W keeps only M_W there)."""
     merged, per_rank = check_case(pools, _case("zb-h1", 4, 8, 1, 1))
-    detail = per_rank[0].metrics["bubble_detail"]
+    detail = per_rank[0].bubble.detail
     assert detail["inflight_paper_bound"] == [4, 3, 2, 1]
     assert detail["held_graphs_measured"] == detail["held_graphs_simulated"]
     assert all(h >= b for h, b in zip(detail["held_graphs_measured"],
@@ -131,10 +131,9 @@ def test_zero_bubble_holds_graphs_until_w(pools):
 def test_closed_forms_match_the_unit_simulation(pools):
     """Where the paper's costs are the unit costs, the closed form is the simulated bubble."""
     merged, per_rank = check_case(pools, _case("zb-h1", 4, 8, 1, 1))
-    metrics = per_rank[0].metrics
-    assert metrics["bubble_closed_form"] == pytest.approx(metrics["bubble_unit"])
-    assert metrics["bubble_detail"]["sim_at_closed_form_costs"] == \
-        pytest.approx(metrics["bubble_closed_form"])
+    bubble = per_rank[0].bubble
+    assert bubble.closed_form == pytest.approx(bubble.unit)
+    assert bubble.detail["sim_at_closed_form_costs"] == pytest.approx(bubble.closed_form)
 
 
 def test_bad_schedule_conditions_fail_before_spawning():

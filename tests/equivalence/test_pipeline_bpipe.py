@@ -14,7 +14,7 @@ from parbench.analytic import pipeline_bpipe as closed
 from parbench.analytic.shape import shape_from
 from parbench.config import CaseConfig
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from parbench.verdict import figures_equal
 from tests.helpers import run_on_pool
 

@@ -38,10 +38,10 @@ def test_seq1f1b_equals_golden_with_less_activation_memory_than_1f1b(pools):
     p, m, k = 2, 3, 2
     _, seq = check_case(pools, _case("seq1f1b", p, m, k, steps=1))
     _, one = check_case(pools, _case("1f1b", p, m, k, steps=1))
-    detail = seq[0].metrics["bubble_detail"]
+    detail = seq[0].bubble.detail
     assert detail["held_graphs_measured"] == detail["inflight_units_closed_form"] == [3, 2]
-    measured = [s / o for s, o in zip(seq[0].metrics["activation_peak_bytes"],
-                                      one[0].metrics["activation_peak_bytes"])]
+    measured = [s / o for s, o in zip(seq[0].bubble.activation_peak_bytes,
+                                      one[0].bubble.activation_peak_bytes)]
     expected = [seq1f1b_memory_ratio(p, m, k, r) for r in range(p)]
     assert expected == detail["activation_ratio_vs_1f1b_closed_form"] == [0.75, 1.0]
     assert measured == pytest.approx(expected, abs=0.03), measured
@@ -54,7 +54,7 @@ def test_terapipe_dp_slices_equal_golden(pools):
     metrics = per_rank[0].metrics
     slices = metrics["token_slices"]
     assert sum(slices) == 24 and len(set(slices)) > 1, slices
-    figures = metrics["bubble_detail"]["terapipe_slicing"]
+    figures = per_rank[0].bubble.detail["terapipe_slicing"]
     assert figures["slices_dp"] == slices
     # Sec. 3.3 latency under the stated slice cost: the DP's slicing beats the uniform one (at 24
     # tokens the per-slice overhead makes one slice cheaper still: the DP with a free count

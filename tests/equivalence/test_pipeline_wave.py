@@ -16,16 +16,15 @@ def test_hanayo_two_waves_on_two_ranks(pools):
     merged, per_rank = check_case(pools, case)
     # two waves over two ranks: every boundary but the three turns crosses ranks
     assert [closed.p2p_sends("wave", 2, 4, r, 4) for r in range(2)] == [(8, 8), (8, 8)]
-    detail = per_rank[0].metrics["bubble_detail"]
-    assert detail["sim_at_closed_form_costs"] == pytest.approx(
-        per_rank[0].metrics["bubble_closed_form"])
+    bubble = per_rank[0].bubble
+    assert bubble.detail["sim_at_closed_form_costs"] == pytest.approx(bubble.closed_form)
 
 
 @pytest.mark.parametrize("name", ["vhalf", "vmin"])
 def test_v_blocks_hold_what_the_simulator_counts(pools, name):
     case = _case(name, 2, 5, 2, 1)
     merged, per_rank = check_case(pools, case)
-    detail = per_rank[0].metrics["bubble_detail"]
+    detail = per_rank[0].bubble.detail
     bound = [max_inflight(name, 2, 5, r) for r in range(2)]
     assert detail["inflight_paper_bound"] == bound
     assert all(s <= b for s, b in zip(detail["inflight_simulated"], bound))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from parbench.selftest import CI_SUBSET, run_selftest
+from parbench.mutation import run_selftest
+from parbench.selftest import CI_SUBSET
 from parbench.selftest.catalogue import load
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
-from parbench.scheme import get_scheme
+from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
 
 # Parameters after AdamW: atol 1e-4 (see tests/equivalence/test_data.py, FP32_PARAM_ATOL);

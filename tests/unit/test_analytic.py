@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parbench.analytic import (FP32_ADAMW, MIXED_ADAM_FP32_GRAD, Shape, estimate,
+from parbench.analytic import (FP32_ADAMW, MIXED_ADAM_FP32_GRAD, Shape, estimate_params,
                                first_stage_activation_bytes, forward_flops, kv_cache_bytes,
                                largest_model_fits, layer_activation_bytes, layer_params, mfu,
                                megatron_eq3_flops, shape_forward_flops, stage_params,
@@ -19,6 +19,7 @@ from parbench.analytic import (FP32_ADAMW, MIXED_ADAM_FP32_GRAD, Shape, estimate
                                training_flops, zero_model_states, zero_model_states_exact)
 from parbench.analytic.memory import round_sig
 from parbench.analytic.shape import GB, GiB
+from parbench.layout import Layout
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -201,8 +202,8 @@ def test_zero_paper_figure_1_and_table_1():
 
 
 def test_estimate_reproduces_the_zero_example():
-    out = estimate(params=7.5e9, dp=64)
-    assert out["memory"]["model_states"]["zero_paper_gb"] == {
+    out = estimate_params(7.5e9, Layout(micro_batch_size=1, dp=64))
+    assert out.memory.model_states.zero_paper_gb == {
         "baseline": 120, "P_os": 31.4, "P_os+g": 16.6, "P_os+g+p": 1.88}
 
 
@@ -275,5 +276,5 @@ def test_first_stage_holds_all_layers_once():
     # 1F1B: p micro-batches of L/p layers = L layers' worth; interleaved x (1 + (p-1)/(pm))
     assert first_stage_activation_bytes(10.0, 32, 4) == 320.0
     assert first_stage_activation_bytes(10.0, 32, 4, vpp=2) == pytest.approx(320 * (1 + 3 / 8))
-    assert first_stage_activation_bytes(10.0, 32, 4, microbatches=2) == 160.0
-    assert first_stage_activation_bytes(10.0, 32, 4, microbatches=6, schedule="gpipe") == 480.0
+    assert first_stage_activation_bytes(10.0, 32, 4, num_microbatches=2) == 160.0
+    assert first_stage_activation_bytes(10.0, 32, 4, num_microbatches=6, schedule="gpipe") == 480.0

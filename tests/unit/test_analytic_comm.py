@@ -9,13 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parbench.analytic import (Shape, UBMeshMoE2T, compare_with_published, ddp_traffic,
-                               estimate, expert_traffic, field_sources, pipeline_p2p_traffic,
-                               pipeline_total_sends, published_ubmesh_table,
+from parbench.analytic import (Counting, Shape, UBMeshMoE2T, compare_with_published,
+                               ddp_traffic, estimate, expert_traffic, field_sources,
+                               pipeline_p2p_traffic, pipeline_total_sends, published_ubmesh_table,
                                ring_attention_traffic, summarize, tp_traffic, traffic_table,
                                ulysses_paper_per_link, ulysses_traffic, wire_bytes, zero_traffic)
 from parbench.analytic.comm import rooted_wire_factor
 from parbench.analytic.shape import GiB, MiB
+from parbench.layout import Layout
 
 
 def test_ring_wire_bytes_by_hand():
@@ -107,12 +108,14 @@ def test_expert_all_to_alls():
 
 def test_estimate_dp_traffic_is_ddp_formula():
     shape = Shape(vocab_size=64, hidden_size=16, num_layers=4, num_heads=4, seq_length=8)
-    out = estimate(shape, micro_batch=2, global_batch=8, dp=4, bytes_per_element=4)
-    psi = out["parameters"]["total"]
-    assert out["communication"]["per_axis"]["dp"]["wire_bytes"] == 2 * 3 * psi * 4 // 4
-    assert out["inputs"]["num_microbatches"] == 1
-    with pytest.raises(ValueError, match="micro_batch\\*dp=6 does not divide global_batch=8"):
-        estimate(shape, micro_batch=2, global_batch=8, dp=3)
+    lay = Layout(micro_batch_size=2, dp=4).with_global_batch(8)
+    out = estimate(shape, lay, counting=Counting(bytes_per_element=4))
+    psi = out.parameters.total
+    assert out.communication.per_axis["dp"]["wire_bytes"] == 2 * 3 * psi * 4 // 4
+    assert out.inputs.num_microbatches == 1
+    with pytest.raises(ValueError, match="global_batch_size=8 is not a positive multiple of "
+                                         "micro_batch_size\\*dp=6"):
+        estimate(shape, Layout(micro_batch_size=2, dp=3).with_global_batch(8))
 
 
 # ---------------------------------------------------------------------------------------

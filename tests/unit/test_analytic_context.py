@@ -88,10 +88,10 @@ def test_gradients_and_states_of_a_replica():
         ("dp_cp", "all_reduce", 4, 4 * psi, 1)
     assert replica_states(shape) == {"params": 4 * psi, "grads": 4 * psi,
                                      "optimizer": 8 * psi + 4 * tensors, "other": 0}
-    pred = context_prediction("ring-attention", shape, cp=2, dp=2, micro_batch=2)
+    pred = context_prediction("ring-attention", shape, cp=2, dp=2, micro_batch_size=2)
     assert pred.calls == {"cp": 3 * 1 * 2, "dp_cp": 1}  # 3 rings of cp-1 hops, 2 layers
     assert pred.wire_bytes["dp_cp"] == 2 * 3 / 4 * 4 * psi
-    alone = context_prediction("ulysses", shape, cp=1, micro_batch=2)
+    alone = context_prediction("ulysses", shape, cp=1, micro_batch_size=2)
     assert alone.calls == {} and alone.wire_bytes == {}
 
 

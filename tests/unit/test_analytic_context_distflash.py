@@ -135,7 +135,7 @@ def test_worker_traffic_by_hand():
 
 def test_rank_predictions_map_global_ranks_to_cp_workers():
     shape = Shape(vocab_size=61, hidden_size=8, num_layers=2, num_heads=2, seq_length=16)
-    preds = rank_predictions(shape, cp=4, dp=2, micro_batch=1)
+    preds = rank_predictions(shape, cp=4, dp=2, micro_batch_size=1)
     cp = [p.wire_bytes["cp"] for p in preds]
     assert cp[:4] == cp[4:] and len(set(cp[:4])) > 1
     one = summarize(worker_transfers(1, 16, 8, 2, 4, 1, layers=2))["cp"]

@@ -79,7 +79,7 @@ def test_grid_rules_name_field_value_and_rule():
 
 def test_prediction_adds_the_gradient_allreduce_and_a_replica():
     shape = Shape(vocab_size=61, hidden_size=8, num_layers=2, num_heads=2, seq_length=16)
-    pred = loongtrain_prediction(shape, cp=4, dp=2, cp_window=2, micro_batch=1)
+    pred = loongtrain_prediction(shape, cp=4, dp=2, cp_window=2, micro_batch_size=1)
     assert set(pred.wire_bytes) == {"cp_inner", "cp_outer", "dp_cp"}
     assert pred.calls["dp_cp"] == 1 and pred.calls["cp_inner"] == 12
 

@@ -11,7 +11,7 @@ from parbench.analytic.expert import (alltoall_traffic, capacity, expert_predict
 from parbench.analytic.shape import Shape
 from parbench.config import ModelConfig, model_preset
 from parbench.model import build_model
-from parbench.moe import capacity as reference_capacity
+from parbench.model.moe import capacity as reference_capacity
 
 # tiny: V 128, h 32, 2 layers, s 16, f 128; 4 experts
 TINY = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, seq_length=16,
@@ -57,19 +57,19 @@ def test_rank_tensors_match_the_reference_model():
 def test_alltoall_traffic_is_gshard_four_per_layer():
     # T = 2 x 16 = 32 tokens, C = 8, buffer E C h e = 4 x 8 x 32 x 4 = 4096 B; 2 MoE layers,
     # 2 micro-batches, 4 all-to-alls each: 16 calls, half of each buffer leaves (ep = 2)
-    tr = alltoall_traffic(tiny(), ep=2, micro_batch=2, microbatches=2)
+    tr = alltoall_traffic(tiny(), ep=2, micro_batch_size=2, num_microbatches=2)
     assert {(t.op, t.message_bytes, t.count) for t in tr} == {("all_to_all", 4096, 4)}
     ep = summarize(tr)["ep"]
     assert (ep["count"], ep["message_bytes"], ep["wire_bytes"]) == (16, 16 * 4096, 16 * 2048)
     # the same volume as the general traffic model at this capacity
-    general = summarize(expert_traffic(32, 32, 2, moe_layers=2, microbatches=2,
+    general = summarize(expert_traffic(32, 32, 2, moe_layers=2, num_microbatches=2,
                                        bytes_per_element=4, capacity_factor=1.0,
                                        num_experts=4))["ep"]
     assert general["wire_bytes"] == ep["wire_bytes"]
     # ep = 4: 3/4 of the buffer leaves; moe_every = 2 on 4 layers: 2 MoE layers
     four = summarize(alltoall_traffic(tiny(num_layers=4, moe_every=2), 4, 2, 1))["ep"]
     assert four["wire_bytes"] == 2 * 4 * 4096 * 3 // 4
-    assert not [t for t in alltoall_traffic(tiny(), ep=1, micro_batch=2) if t.count]
+    assert not [t for t in alltoall_traffic(tiny(), ep=1, micro_batch_size=2) if t.count]
 
 
 def test_gradient_traffic_dense_over_dp_experts_over_edp():
@@ -89,18 +89,18 @@ def test_states_and_prediction_by_hand():
     psi = 17728 + 33408
     assert st == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi + 4 * 39,
                   "other": 0}
-    pred = expert_prediction(ModelConfig(**TINY), ep=2, dp=4, micro_batch=2, microbatches=2)
+    pred = expert_prediction(ModelConfig(**TINY), ep=2, dp=4, micro_batch_size=2, num_microbatches=2)
     assert pred.wire_bytes == {"ep": 16 * 2048, "dp": 106368, "edp": 133632}
     assert pred.calls == {"ep": 16, "dp": 1, "edp": 1}
     f = pred.figures
     assert (f["capacity"], f["a2a_message_bytes"], f["a2a_wire_bytes_per_moe_layer"],
             f["a2a_per_moe_layer_per_microbatch"]) == (8, 4096, 8192, 4)
-    one = expert_prediction(ModelConfig(**TINY), ep=1, dp=1, micro_batch=2)
+    one = expert_prediction(ModelConfig(**TINY), ep=1, dp=1, micro_batch_size=2)
     assert one.wire_bytes == {} and one.calls == {}
 
 
 def test_errors_name_the_field():
     with pytest.raises(ValueError, match="num_experts=0"):
-        expert_prediction(model_preset("tiny"), ep=1, dp=1, micro_batch=1)
+        expert_prediction(model_preset("tiny"), ep=1, dp=1, micro_batch_size=1)
     with pytest.raises(ValueError, match="ep=3 does not divide num_experts=4"):
         rank_tensors(tiny(), ep=3)

@@ -1,7 +1,7 @@
 """Closed forms of dropless expert parallelism (``analytic.expert_dropless``, MegaBlocks) and of
 FasterMoE's shadow experts (``analytic.expert_shadow``) against hand counts on made-up
-routings; the reference router's counts (``parbench.moe_trace``) and the router skew of
-``parbench.moe``."""
+routings; the reference router's counts (``parbench.golden.reference_loads``) and the router skew of
+``parbench.model.moe``."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,8 @@ from parbench.analytic.expert_dropless import (dropless_prediction, dropless_ste
 from parbench.analytic.expert_shadow import choose_shadows, expert_numel, shadow_step
 from parbench.analytic.shape import Shape
 from parbench.config import CaseConfig, ModelConfig
-from parbench.moe import router_logits
-from parbench.moe_trace import reference_loads
+from parbench.golden import reference_loads
+from parbench.model.moe import RoutingGroups, router_logits
 from parbench.overrides import apply_overrides
 
 # tiny: h 32, f 128, 1 MoE layer here; 4 experts
@@ -39,12 +39,12 @@ def test_token_rows_by_hand():
 
 def test_dropless_step_by_hand():
     shape = Shape(**TINY)
-    st = dropless_step(shape, ep=4, dp=4, rank=0, loads=LOADS, microbatches=1)
+    st = dropless_step(shape, ep=4, dp=4, rank=0, loads=LOADS, num_microbatches=1)
     # counts: 3/4 of 4 x 8 B; tokens: 2 (6 + 4) rows of 32 x 4 B, 4 calls
     assert st.wire["ep"] == 24 + 2 * 10 * 128 == 2584 and st.calls["ep"] == 5
     # the dense all-reduce over dp = 4 (edp = 1: no expert all-reduce)
     assert set(st.calls) == {"ep", "dp"} and st.calls["dp"] == 1
-    one = dropless_step(shape, ep=1, dp=4, rank=0, loads=LOADS, microbatches=1)
+    one = dropless_step(shape, ep=1, dp=4, rank=0, loads=LOADS, num_microbatches=1)
     assert "ep" not in one.wire and set(one.calls) == {"dp", "edp"}
 
 
@@ -61,7 +61,7 @@ def test_shadow_step_by_hand():
     assert p == (2 * 32 * 128 + 128 + 32) * 4 == 33408
     # global counts 8, 10, 4, 12: expert 3 (owner: rank 3) is shadowed
     gather = 3 * 4 * 8  # all-gather of 4 ranks x 4 counts, 3/4 leaves
-    wire = {r: shadow_step(shape, ep=4, dp=4, rank=r, loads=LOADS, microbatches=1,
+    wire = {r: shadow_step(shape, ep=4, dp=4, rank=r, loads=LOADS, num_microbatches=1,
                            shadows=1)[0].wire["ep"] for r in range(4)}
     # rank 0: broadcast chain 3 -> 0 -> 1 -> 2 (forwards), reduce (not the root);
     # tokens out 1 + 2, in 0 + 3 + 1
@@ -70,11 +70,11 @@ def test_shadow_step_by_hand():
     assert wire[3] == gather + p + 2 * (3 + 0) * 128
     # rank 2, the chain's last: no broadcast bytes; out 3 + 3, in 2 + 1 + 1
     assert wire[2] == gather + 2 * (6 + 4) * 128 + p
-    step, a2a = shadow_step(shape, ep=4, dp=4, rank=2, loads=LOADS, microbatches=1,
+    step, a2a = shadow_step(shape, ep=4, dp=4, rank=2, loads=LOADS, num_microbatches=1,
                             shadows=1)
     assert step.calls["ep"] == 1 + 1 + 4 + 1 and a2a == 2 * 10 * 128
     # no shadow: the dropless tokens, an all-gather instead of the counts all-to-all
-    none, _ = shadow_step(shape, ep=4, dp=4, rank=0, loads=LOADS, microbatches=1,
+    none, _ = shadow_step(shape, ep=4, dp=4, rank=0, loads=LOADS, num_microbatches=1,
                           shadows=0)
     assert none.wire["ep"] == gather + 2 * 10 * 128
 
@@ -82,12 +82,12 @@ def test_shadow_step_by_hand():
 def test_prediction_and_the_padded_headline():
     shape = Shape(**TINY)
     # micro-batch 2 x 16 tokens: C = T = 32 at cf 0; 4 x 3/4 x 4 x 32 x 32 x 4 B per layer
-    assert padded_a2a_wire(shape, ep=4, micro_batch=2, microbatches=1,
+    assert padded_a2a_wire(shape, ep=4, micro_batch_size=2, num_microbatches=1,
                            capacity_factor=0.0) == 4 * 3 * 4 * 32 * 32 * 4 // 4
-    assert padded_a2a_wire(shape, ep=1, micro_batch=2, microbatches=1,
+    assert padded_a2a_wire(shape, ep=1, micro_batch_size=2, num_microbatches=1,
                            capacity_factor=0.0) == 0
-    pred = dropless_prediction(ModelConfig(**TINY), ep=4, dp=4, micro_batch=2,
-                               microbatches=1, loads=[[LOADS[0]]])
+    pred = dropless_prediction(ModelConfig(**TINY), ep=4, dp=4, micro_batch_size=2,
+                               num_microbatches=1, loads=[[LOADS[0]]])
     assert len(pred.steps) == 1 and len(pred.steps[0]) == 4
     assert pred.states == rank_states(shape, 4)
     f = pred.figures
@@ -104,12 +104,13 @@ def _case(**ov) -> CaseConfig:
 
 
 def test_reference_loads_cover_every_group_and_follow_the_skew():
-    loads = reference_loads(_case(), 2)
+    groups = RoutingGroups(rows=2)  # one group per rank and micro-batch of 2 samples
+    loads = reference_loads(_case(), 2, groups)
     # 2 steps, 2 MoE layers, dp 2 x m 2 = 4 groups of 2 x 16 tokens, top-1
     assert [len(step) for step in loads] == [2, 2]
     assert all(len(layer) == 4 and all(sum(g) == 32 for g in layer)
                for step in loads for layer in step)
-    skewed = reference_loads(_case(moe_router_skew=2), 1)[0]
+    skewed = reference_loads(_case(moe_router_skew=2), 1, groups)[0]
     total = [sum(g[e] for layer in skewed for g in layer) for e in range(4)]
     assert total[0] == max(total) and total[0] > total[3]
 
@@ -127,5 +128,5 @@ def test_router_skew_zero_changes_nothing():
 def test_errors_name_the_field():
     from parbench.analytic.expert_shadow import shadow_prediction
     with pytest.raises(ValueError, match="moe_shadow=5 exceeds num_experts=4"):
-        shadow_prediction(ModelConfig(**TINY), ep=2, dp=2, micro_batch=1, microbatches=1,
+        shadow_prediction(ModelConfig(**TINY), ep=2, dp=2, micro_batch_size=1, num_microbatches=1,
                           loads=[], shadows=5)

@@ -41,12 +41,12 @@ def test_expert_numel_and_phases():
 def test_capacity_is_the_groups_largest_need_capped_by_the_bound():
     # one layer, 2 micro-batches, 4 ranks (groups r*2 + i), 2 experts
     layer = [[3, 1], [2, 2], [5, 0], [1, 1], [0, 4], [2, 7], [1, 1], [1, 1]]
-    assert tutel.capacities([layer], rank=0, ep=2, microbatches=2, bound=None) == [5, 2]
-    assert tutel.capacities([layer], rank=1, ep=2, microbatches=2, bound=None) == [5, 2]
-    assert tutel.capacities([layer], rank=2, ep=2, microbatches=2, bound=None) == [4, 7]
-    assert tutel.capacities([layer], rank=3, ep=4, microbatches=2, bound=None) == [5, 7]
-    assert tutel.capacities([layer], rank=2, ep=2, microbatches=2, bound=6) == [4, 6]
-    assert tutel.local_needs([layer], rank=1, microbatches=2, bound=None) == [5, 1]
+    assert tutel.capacities([layer], rank=0, ep=2, num_microbatches=2, bound=None) == [5, 2]
+    assert tutel.capacities([layer], rank=1, ep=2, num_microbatches=2, bound=None) == [5, 2]
+    assert tutel.capacities([layer], rank=2, ep=2, num_microbatches=2, bound=None) == [4, 7]
+    assert tutel.capacities([layer], rank=3, ep=4, num_microbatches=2, bound=None) == [5, 7]
+    assert tutel.capacities([layer], rank=2, ep=2, num_microbatches=2, bound=6) == [4, 6]
+    assert tutel.local_needs([layer], rank=1, num_microbatches=2, bound=None) == [5, 1]
 
 
 def test_layer_bytes_by_hand():
@@ -97,14 +97,14 @@ def test_step_prediction_per_rank():
     # ranks 0, 1 (ep group 0): C = 10, 12 per layer; all <= 12: ep
     assert pred.figures["capacity_per_step_rank0"] == [[10, 12, 10, 12]]
     assert pred.figures["mode_per_step_rank0"] == [["ep"] * 4]
-    w0 = pred.wire_at(0)[0]["ep"]
+    w0 = pred.wire[0][0]["ep"]
     assert w0 == 4 * 8 + sum(4 * e * cap * h * 4 // 2 for cap in (10, 12, 10, 12))
     # ranks 2, 3 (ep group 1): C = 16 (dp), 9 (ep) per layer
-    w2 = pred.wire_at(0)[2]["ep"]
+    w2 = pred.wire[0][2]["ep"]
     dp_bytes = 2 * e * 812 * 4 // 2
     assert w2 == 4 * 8 + 2 * dp_bytes + 2 * (4 * e * 9 * h * 4 // 2)
-    assert pred.calls_at(0)[2] == {"ep": 4 + 2 * 2 + 2 * 4, "dp": 1, "edp": 1}
-    assert pred.calls_at(0)[0] == {"ep": 4 + 4 * 4, "dp": 1, "edp": 1}
+    assert pred.calls[0][2] == {"ep": 4 + 2 * 2 + 2 * 4, "dp": 1, "edp": 1}
+    assert pred.calls[0][0] == {"ep": 4 + 4 * 4, "dp": 1, "edp": 1}
     by_mode = pred.figures["moe_wire_bytes_rank0_by_mode"]
     assert by_mode["adaptive"] == by_mode["ep"] == w0 < by_mode["dp"]
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from parbench.analytic import Shape, estimate, shape_from
+from parbench.analytic import Counting, Shape, estimate, shape_from
 from parbench.analytic.activations import (korthikanti_layer_bytes, layer_activation_bytes,
                                            logits_bytes)
 from parbench.analytic.flops import shape_forward_flops, shape_training_flops
@@ -22,6 +22,8 @@ from parbench.analytic.traffic import published_ubmesh_table
 from parbench.cli import main
 from parbench.config import (LOCAL_PRESETS, CaseConfig, ConfigError, ModelConfig, PRESETS,
                              model_preset, validate_case, with_changes)
+from parbench.layout import Layout
+from parbench.options import Options
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -86,17 +88,17 @@ def test_llama2_cli_counts_and_vocab_padding(capsys):
 def test_vocab_padding_leaves_local_presets_and_pads_like_the_reference_model():
     for name in LOCAL_PRESETS:
         V = PRESETS[name]["vocab_size"]  # noqa: N806
-        out = estimate(model_preset(name), tp=2)
-        assert out["inputs"]["padded_vocab_size"] == V
-        assert "total_unpadded_vocab" not in out["parameters"]
+        out = estimate(model_preset(name), Layout(micro_batch_size=1, tp=2))
+        assert out.inputs.padded_vocab_size == V
+        assert out.parameters.total_unpadded_vocab is None
     # the reference model's TP schemes pad V to a multiple of tp (divisor 1): 61 -> 62 at tp=2
     shp = Shape(vocab_size=61, hidden_size=16, num_layers=1, num_heads=2, seq_length=8)
-    out = estimate(shp, tp=2)
-    assert out["inputs"]["padded_vocab_size"] == 62
+    out = estimate(shp, Layout(micro_batch_size=1, tp=2))
+    assert out.inputs.padded_vocab_size == 62
     # stage: 62*16/2 embedding + 8*16 positions + layer + final LN 32 + head 62*16/2
     h = 16
     layer = 2 * h + (3 * h * h + 3 * h) // 2 + h * h // 2 + h + 2 * h + (8 * h * h + 4 * h) // 2 + h
-    assert out["parameters"]["stages"][0]["total"] == 496 + 128 + layer + 32 + 496
+    assert out.parameters.stages[0].total == 496 + 128 + layer + 32 + 496
 
 
 def test_gqa_swiglu_flops_and_causal_halving():
@@ -114,15 +116,15 @@ def test_gqa_swiglu_flops_and_causal_halving():
     assert shape_training_flops(shp, b, causal="half") == \
         3 * l * (b * s * per_token + scores_full // 2) + 3 * logits
     # through estimate: the default is the full count (the behaviour before the option)
-    full = estimate(shp, micro_batch=b)["flops"]
-    half = estimate(shp, micro_batch=b, causal_flops="half")["flops"]
-    assert full["causal_flops"] == "full" and half["causal_flops"] == "half"
-    assert full["training_per_iteration"] - half["training_per_iteration"] == \
+    full = estimate(shp, Layout(micro_batch_size=b)).flops
+    half = estimate(shp, Layout(micro_batch_size=b), counting=Counting(causal_flops="half")).flops
+    assert full.causal_flops == "full" and half.causal_flops == "half"
+    assert full.training_per_iteration - half.training_per_iteration == \
         3 * l * scores_full // 2
     # Megatron's Eq. 3 is only reported for the GPT shape it was written for
-    assert full["megatron_eq3"] is None
+    assert full.megatron_eq3 is None
     with pytest.raises(ValueError, match="causal_flops='quarter' must be one of"):
-        estimate(shp, causal_flops="quarter")
+        estimate(shp, Layout(micro_batch_size=1), counting=Counting(causal_flops="quarter"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,37 +167,37 @@ def test_gpt3_175b_megatron_accounting_matches_megatron_formula():
     n = gpt3_most_loaded_stage_params()
     assert n == 2_822_731_776
     want = megatron_weight_and_optimizer_bytes(8, 8, 16)  # 18,877,227,552 bytes
-    out = estimate(model_preset("gpt3-175b"), tp=8, pp=8, dp=16, zero_stage=1,
-                   accounting="megatron")
-    ms = out["memory"]["model_states"]
-    assert ms["per_rank_params"] == n
+    lay = Layout(micro_batch_size=1, tp=8, pp=8, dp=16)
+    zero1, zero0 = (Options().with_values(zero_stage=z) for z in (1, 0))
+    megatron = Counting(accounting="megatron")
+    out = estimate(model_preset("gpt3-175b"), lay, zero1, megatron)
+    ms = out.memory.model_states
+    assert ms.per_rank_params == n
     # bf16 param 2 + fp32 main grad 4 replicated, fp32 master + Adam 12 over dp = 16
-    got = ms["selected"]["padded"]
-    assert got == {"param": 2 * n, "grad": 4 * n, "optim": 12 * -(-n // 16),
-                   "total": 6 * n + 12 * -(-n // 16)}
+    got = ms.selected.padded
+    assert got.as_dict() == {"param": 2 * n, "grad": 4 * n, "optim": 12 * -(-n // 16),
+                             "total": 6 * n + 12 * -(-n // 16)}
     # within 1%: parbench also counts the learned positions (s h, replicated) and biases
-    assert 0 < got["total"] / want - 1 < 0.01
+    assert 0 < got.total / want - 1 < 0.01
     # without them the two counts differ only by the LayerNorms, which parbench replicates
     # over tp and Megatron's formula divides by tp, and the last stage's final LayerNorm:
     # 12 layers x 4h (1 - 1/8) + 2h - 2h/(8 x 8) = 540,288 parameters (2e-4)
     shp = replace_shape(model_preset("gpt3-175b"), position_embeddings=False, bias=False)
     n0 = gpt3_most_loaded_stage_params(pos=False, bias=False)
-    ms0 = estimate(shp, tp=8, pp=8, dp=16, zero_stage=1,
-                   accounting="megatron")["memory"]["model_states"]
-    assert ms0["per_rank_params"] == n0
+    ms0 = estimate(shp, lay, zero1, megatron).memory.model_states
+    assert ms0.per_rank_params == n0
     megatron_shard = want / (6 + 12 / 16)
     assert n0 - megatron_shard == 12 * 4 * H * 7 / 8 + 2 * H - 2 * H / 64 == 540_288
-    assert abs(ms0["selected"]["padded"]["total"] / want - 1) < 3e-4
+    assert abs(ms0.selected.padded.total / want - 1) < 3e-4
     # without the distributed optimizer: 18 bytes
-    ms18 = estimate(shp, tp=8, pp=8, dp=16, zero_stage=0,
-                    accounting="megatron")["memory"]["model_states"]
-    assert ms18["selected"]["padded"]["total"] == 18 * n0
+    ms18 = estimate(shp, lay, zero0, megatron).memory.model_states
+    assert ms18.selected.padded.total == 18 * n0
     assert 18 * n0 == pytest.approx(megatron_weight_and_optimizer_bytes(8, 8, 16, False)
                                     + 18 * 540_288, rel=1e-12)
     # the default (ZeRO's 2 + 2 + 12) is 29% below Megatron's: the figure
-    default = estimate(model_preset("gpt3-175b"), tp=8, pp=8, dp=16, zero_stage=1)
-    low = 1 - default["memory"]["model_states"]["selected"]["padded"]["total"] / want
-    assert default["memory"]["model_states"]["selected"]["accounting"] == "mixed_adam"
+    default = estimate(model_preset("gpt3-175b"), lay, zero1)
+    low = 1 - default.memory.model_states.selected.padded.total / want
+    assert default.memory.model_states.selected.accounting == "mixed_adam"
     assert 0.28 < low < 0.30
 
 
@@ -234,17 +236,18 @@ def test_deepspeed18_zero3_adds_the_largest_layer_buffer():
     n = 2 * (12 * 32 * 32 + 13 * 32) + 128 * 32 + 16 * 32 + 64 + 128 * 32
     largest = 4 * 32 * 32 + 4 * 32
     assert largest_module_params(shp) == largest == 4224
-    out = estimate(shp, dp=8, zero_stage=3, accounting="deepspeed18")
-    sel = out["memory"]["model_states"]["selected"]
-    assert out["memory"]["model_states"]["per_rank_params"] == n == 34_176
+    dp8 = Layout(micro_batch_size=1, dp=8)
+    zero2, zero3 = (Options().with_values(zero_stage=z) for z in (2, 3))
+    ds18 = Counting(accounting="deepspeed18")
+    out = estimate(shp, dp8, zero3, ds18)
+    sel = out.memory.model_states.selected
+    assert out.memory.model_states.per_rank_params == n == 34_176
     # DeepSpeed: 4 * largest_layer_params + 18 * total_params / total_gpus (n divides by 8)
-    assert sel["padded"]["total"] == 4 * largest + 18 * n // 8
-    assert sel["layer_buffer"]["bytes"] == sel["padded"]["buffer"] == 4 * largest
+    assert sel.padded.total == 4 * largest + 18 * n // 8
+    assert sel.layer_buffer.bytes == sel.padded.buffer == 4 * largest
     # no buffer below stage 3, none for the other accountings
-    assert "buffer" not in estimate(shp, dp=8, zero_stage=2, accounting="deepspeed18")[
-        "memory"]["model_states"]["selected"]["padded"]
-    assert "buffer" not in estimate(shp, dp=8, zero_stage=3)["memory"]["model_states"][
-        "selected"]["padded"]
+    assert estimate(shp, dp8, zero2, ds18).memory.model_states.selected.padded.buffer is None
+    assert estimate(shp, dp8, zero3).memory.model_states.selected.padded.buffer is None
 
 
 def test_expert_states_sharded_over_ep_and_reduced_over_edp():
@@ -253,31 +256,32 @@ def test_expert_states_sharded_over_ep_and_reduced_over_edp():
     h, f, E, V, s = 16, 64, 4, 64, 8  # noqa: N806
     shp = Shape(vocab_size=V, hidden_size=h, num_layers=2, num_heads=2, seq_length=s,
                 ffn_hidden_size=f, num_experts=E)
-    out = estimate(shp, tp=2, dp=4, ep=2, etp=1, zero_stage=1, accounting="megatron")
-    ms = out["memory"]["model_states"]
+    zero1, megatron = Options().with_values(zero_stage=1), Counting(accounting="megatron")
+    out = estimate(shp, Layout(micro_batch_size=1, tp=2, dp=4, ep=2, etp=1), zero1, megatron)
+    ms = out.memory.model_states
     # experts: E/ep = 2 per rank, each whole (etp = 1): 2hf + f + h = 2,128 -> 2 * 2 * 2128
     n_exp = 2 * (E // 2) * (2 * h * f + f + h)
     # dense per rank: per layer LN 4h + QKV (3h^2 + 3h)/2 + proj h^2/2 + h + router h E;
     # first stage (pp = 1) also embedding V h / 2 + s h, final LN 2h, head V h / 2
     layer = 4 * h + (3 * h * h + 3 * h) // 2 + h * h // 2 + h + h * E
     n_dense = 2 * layer + V * h // 2 + s * h + 2 * h + V * h // 2
-    g = ms["groups"]
-    assert (g["expert"]["group_size"], g["dense"]["group_size"]) == (4, 4)
-    assert (g["expert"]["per_rank_params"], g["dense"]["per_rank_params"]) == (n_exp, n_dense)
+    g = ms.groups
+    assert (g["expert"].group_size, g["dense"].group_size) == (4, 4)
+    assert (g["expert"].per_rank_params, g["dense"].per_rank_params) == (n_exp, n_dense)
     # Megatron's distributed optimizer in each group: 6 + 12 / group
-    assert g["expert"]["padded"]["total"] == 6 * n_exp + 12 * -(-n_exp // 4)
-    assert g["dense"]["padded"]["total"] == 6 * n_dense + 12 * -(-n_dense // 4)
+    assert g["expert"].padded.total == 6 * n_exp + 12 * -(-n_exp // 4)
+    assert g["dense"].padded.total == 6 * n_dense + 12 * -(-n_dense // 4)
     # gradients: dense reduced over dp (4 ranks), expert over edp (4 ranks), ZeRO-1 padded
     by_axis = {}
-    for t in out["communication"]["transfers"]:
-        by_axis.setdefault(t["axis"], []).append(t)
-    assert {t["group_size"] for t in by_axis["edp"]} == {4}
-    rs = [t for t in by_axis["edp"] if t["op"] == "reduce_scatter"]
-    assert rs[0]["message_bytes"] == 4 * -(-n_exp // 4) * 2
+    for t in out.communication.transfers:
+        by_axis.setdefault(t.axis, []).append(t)
+    assert {t.group_size for t in by_axis["edp"]} == {4}
+    rs = [t for t in by_axis["edp"] if t.op == "reduce_scatter"]
+    assert rs[0].message_bytes == 4 * -(-n_exp // 4) * 2
     # with ep = 4 each rank holds one expert and edp = 8 / 4 = 2
-    out4 = estimate(shp, tp=2, dp=4, ep=4, etp=1, zero_stage=1, accounting="megatron")
-    g4 = out4["memory"]["model_states"]["groups"]["expert"]
-    assert (g4["group_size"], g4["per_rank_params"]) == (2, 2 * (2 * h * f + f + h))
+    out4 = estimate(shp, Layout(micro_batch_size=1, tp=2, dp=4, ep=4, etp=1), zero1, megatron)
+    g4 = out4.memory.model_states.groups["expert"]
+    assert (g4.group_size, g4.per_rank_params) == (2, 2 * (2 * h * f + f + h))
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,10 +298,11 @@ def test_flash_attention_drops_the_score_term():
     assert flash == sbh * (10 + 24 / t) + (2 * sbh + 4 * a * s * b) / t
     # through estimate: the default stays eager, flash is a stated option
     shp = Shape(vocab_size=128, hidden_size=h, num_layers=2, num_heads=a, seq_length=s)
-    e_act = estimate(shp, micro_batch=b, tp=t)["memory"]["activations"]
-    f_act = estimate(shp, micro_batch=b, tp=t, attention="flash")["memory"]["activations"]
-    assert e_act["attention"] == "eager" and f_act["attention"] == "flash"
-    assert e_act["per_layer_korthikanti"] - f_act["per_layer_korthikanti"] == \
+    lay = Layout(micro_batch_size=b, tp=t)
+    e_act = estimate(shp, lay).memory.activations
+    f_act = estimate(shp, lay, counting=Counting(attention="flash")).memory.activations
+    assert e_act.attention == "eager" and f_act.attention == "flash"
+    assert e_act.per_layer_korthikanti - f_act.per_layer_korthikanti == \
         (5 * a * s * s * b - 2 * sbh - 4 * a * s * b) / t
 
 
@@ -354,7 +359,7 @@ def test_runnable_case_rejects_analytic_only_fields(field, value):
                                           "model is GPT-2-style"):
         validate_case(case)
     # the estimate reads them
-    estimate(case.model)
+    estimate(case.model, Layout(micro_batch_size=1))
 
 
 def test_presets_runnable_or_analytic():

@@ -6,12 +6,14 @@ not by the functions under test.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from parbench.analytic import Shape, estimate
+from parbench.analytic import Counting, Shape, estimate
 from parbench.analytic import pipeline as closed_pipeline
 from parbench.analytic.activations import moe_layer_activation_bytes
 from parbench.analytic.flops import shape_forward_flops, shape_training_flops
@@ -20,6 +22,8 @@ from parbench.analytic.params import (active_params, expert_layout, layer_split,
 from parbench.analytic.shape import expert_capacity, moe_layer_count, shape_from
 from parbench.cli import main
 from parbench.config import ModelConfig
+from parbench.layout import Layout
+from parbench.options import Options
 from parbench.model import build_stage
 
 # h = 8, f = 32, V = 16, s = 4, E = 4, two layers, an MoE layer every other layer:
@@ -102,71 +106,80 @@ def test_capacity_by_hand():
     assert expert_capacity(40, 4, 1, 1.1) == 11  # 1.1 * 40 / 4 = 11 exactly, not 11.000...02
 
 
+LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
+FP32 = Counting(bytes_per_element=4)
+
+
 def _small_estimate(**kw):
-    args = dict(micro_batch=2, dp=4, ep=2, zero_stage=1, bytes_per_element=4)
-    return estimate(small(), **(args | kw))
+    lay = dict(micro_batch_size=2, dp=4, ep=2) | {k: v for k, v in kw.items()
+                                                  if k in LAYOUT_FIELDS}
+    opts = {"zero_stage": 1} | {k: v for k, v in kw.items() if k not in LAYOUT_FIELDS}
+    return estimate(small(), Layout(**lay), Options().with_values(**opts), FP32)
 
 
 def test_estimate_model_states_per_group_by_hand():
-    ms = _small_estimate()["memory"]["model_states"]
+    ms = _small_estimate().memory.model_states
     # fp32_adamw (4, 4, 8 bytes), ZeRO-1: optimizer states partitioned over each group.
     # dense 1528 over dp*cp = 4: 4*1528 + 4*1528 + 8*382 = 15280
     # expert 1104 over edp = 4/2 = 2: 4*1104 + 4*1104 + 8*552 = 13248
-    dense, expert = ms["groups"]["dense"], ms["groups"]["expert"]
-    assert (dense["group_size"], expert["group_size"]) == (4, 2)
-    assert dense["group"].startswith("dp x cp") and expert["group"].startswith("edp")
-    assert (dense["per_rank_params"], expert["per_rank_params"]) == (1528, 1104)
-    assert dense["padded"] == {"param": 6112, "grad": 6112, "optim": 3056, "total": 15280}
-    assert expert["padded"] == {"param": 4416, "grad": 4416, "optim": 4416, "total": 13248}
-    assert ms["selected"]["padded"]["total"] == 15280 + 13248
-    assert ms["per_rank_params"] == 2632
+    dense, expert = ms.groups["dense"], ms.groups["expert"]
+    assert (dense.group_size, expert.group_size) == (4, 2)
+    assert dense.group.startswith("dp x cp") and expert.group.startswith("edp")
+    assert (dense.per_rank_params, expert.per_rank_params) == (1528, 1104)
+    assert dense.padded.as_dict() == {"param": 6112, "grad": 6112, "optim": 3056,
+                                      "total": 15280}
+    assert expert.padded.as_dict() == {"param": 4416, "grad": 4416, "optim": 4416,
+                                       "total": 13248}
+    assert ms.selected.padded.total == 15280 + 13248
+    assert ms.per_rank_params == 2632
     # ZeRO-3 partitions the parameters too: dense ceil(1528/4) = 382, expert 552 per rank
-    ms3 = _small_estimate(zero_stage=3)["memory"]["model_states"]
-    assert ms3["selected"]["padded"]["total"] == 16 * 382 + 16 * 552
+    ms3 = _small_estimate(zero_stage=3).memory.model_states
+    assert ms3.selected.padded.total == 16 * 382 + 16 * 552
 
 
 def test_estimate_all_to_all_bytes_by_hand():
     out = _small_estimate()
-    ep = out["communication"]["per_axis"]["ep"]
+    ep = out.communication.per_axis["ep"]
     # T = b s = 8 tokens, top-1, cf 1: C = 2, E C = 8 rows of h = 8 fp32: 256 bytes per a2a;
     # 4 a2as (2 forward, 2 backward) on the one MoE layer of the rank, one micro-batch;
     # ep = 2 sends half of each: 128 bytes
     assert ep == {"count": 4, "message_bytes": 4 * 256, "wire_bytes": 4 * 128}
-    info = out["communication"]["expert"]
-    assert (info["tokens_per_rank"], info["capacity_per_expert"], info["moe_layers_on_rank"]) \
+    info = out.communication.expert
+    assert (info.tokens_per_rank, info.capacity_per_expert, info.moe_layers_on_rank) \
         == (8, 2, 1)
     # full recomputation: 6 a2as; 3 micro-batches: x3
-    ep = _small_estimate(recompute="full", num_microbatches=3)["communication"]["per_axis"]["ep"]
+    ep = _small_estimate(recompute="full", num_microbatches=3).communication.per_axis["ep"]
     assert ep["count"] == 18 and ep["message_bytes"] == 18 * 256
     # top-2, cf 1.5: C = 6, 24 rows = 768 bytes; no capacity: k T = 16 rows = 512 bytes
     top2 = small(moe_top_k=2)
-    got = estimate(top2, micro_batch=2, dp=4, ep=2, bytes_per_element=4, capacity_factor=1.5)
-    assert got["communication"]["transfers"][0]["message_bytes"] == 768
-    assert got["inputs"]["moe_capacity_factor"] == 1.5
-    got = estimate(top2, micro_batch=2, dp=4, ep=2, bytes_per_element=4, capacity_factor=0)
-    assert got["communication"]["per_axis"]["ep"]["message_bytes"] == 4 * 512
+    lay = Layout(micro_batch_size=2, dp=4, ep=2)
+    got = estimate(replace(top2, moe_capacity_factor=1.5), lay, counting=FP32)
+    assert got.communication.transfers[0].message_bytes == 768
+    assert got.inputs.moe_capacity_factor == 1.5
+    got = estimate(replace(top2, moe_capacity_factor=0), lay, counting=FP32)
+    assert got.communication.per_axis["ep"]["message_bytes"] == 4 * 512
     # every layer MoE (moe_every = 1): two MoE layers, twice the a2as
-    every = estimate(small(moe_every=1), micro_batch=2, dp=4, ep=2, bytes_per_element=4)
-    assert every["communication"]["per_axis"]["ep"]["count"] == 8
+    every = estimate(small(moe_every=1), lay, counting=FP32)
+    assert every.communication.per_axis["ep"]["count"] == 8
 
 
 def test_estimate_gradient_traffic_per_group_by_hand():
-    axes = _small_estimate()["communication"]["per_axis"]
+    axes = _small_estimate().communication.per_axis
     # ZeRO-1: reduce-scatter + all-gather of each group's flat buffer (fp32)
     # dense: 1528 params = 6112 bytes over 4 ranks, 3/4 on the wire, twice
     assert axes["dp"] == {"count": 2, "message_bytes": 2 * 6112, "wire_bytes": 2 * 4584}
     # expert: 1104 params = 4416 bytes over edp = 2, 1/2 on the wire, twice
     assert axes["edp"] == {"count": 2, "message_bytes": 2 * 4416, "wire_bytes": 2 * 2208}
     # edp = 1 (dp = ep = 2): the expert gradients need no reduction
-    assert "edp" not in _small_estimate(dp=2)["communication"]["per_axis"]
+    assert "edp" not in _small_estimate(dp=2).communication.per_axis
 
 
 def test_estimate_flops_count_moe_layers_only():
-    out = estimate(small(), micro_batch=2, dp=4, ep=2)
+    out = estimate(small(), Layout(micro_batch_size=2, dp=4, ep=2))
     B, s, h, f, V, E = 8, 4, 8, 32, 16, 4  # noqa: N806
     moe_layer = B * s * (8 * h * h + 4 * h * f + 2 * h * E) + 4 * B * s * s * h
     dense_layer = B * s * (8 * h * h + 4 * h * f) + 4 * B * s * s * h
-    assert out["flops"]["forward_per_iteration"] == moe_layer + dense_layer + 2 * B * s * h * V
+    assert out.flops.forward_per_iteration == moe_layer + dense_layer + 2 * B * s * h * V
 
 
 def test_shape_flops_count_experts_on_moe_layers_only():
@@ -199,8 +212,8 @@ def test_shape_flops_count_experts_on_moe_layers_only():
     assert shape_training_flops(every2, b) == 3 * 72704
     assert shape_training_flops(every2, b, recompute=True) == 4 * (72704 - 2048) + 3 * 2048
     # the estimate reports the same counts
-    fl = estimate(every2, micro_batch=2, dp=1)["flops"]
-    assert fl["forward_per_iteration"] == 72704
+    fl = estimate(every2, Layout(micro_batch_size=2, dp=1)).flops
+    assert fl.forward_per_iteration == 72704
 
 
 def test_pipeline_stages_count_moe_layers_only():
@@ -235,11 +248,11 @@ def test_pipeline_stages_are_the_moe_models(layers, stages, every):
 def test_moe_layer_activations_by_hand():
     # the estimate's defaults: b = 1, s = 4, h = 8, f = 32, E = 4, top-1, cf 1, 2-byte
     # activations, tp = 1: T = 4 tokens, C = ceil(4 / 4) = 1, E C = 4 rows
-    act = estimate(small(), dp=2, ep=2)["memory"]["activations"]
+    act = estimate(small(), Layout(micro_batch_size=1, dp=2, ep=2)).memory.activations
     s, b, h, a, f, E, e = 4, 1, 8, 2, 32, 4, 2  # noqa: N806
     # Korthikanti Eq. 1 (f = 4h here): sbh (34 + 5as/h) = 32 x 39
     dense = s * b * h * (34 + 5 * a * s // h)
-    assert dense == 1248 and act["per_layer_korthikanti"] == dense
+    assert dense == 1248 and act.per_layer_korthikanti == dense
     rows = 4
     router = 2 * 4 * 4 * E  # logits and probabilities, 4 tokens x E, fp32: 128
     dispatch = combine = rows * h * e  # 64 each
@@ -247,22 +260,23 @@ def test_moe_layer_activations_by_hand():
     replaced = 2 * s * b * f * e  # the dense MLP's: 512
     moe = dense - replaced + router + dispatch + experts + combine
     assert moe == 1504
-    terms = act["moe_layer_terms_korthikanti"]
+    terms = act.moe_layer_terms_korthikanti
     assert terms == {"dense_layer": dense, "dense_mlp_replaced": -replaced, "router": router,
                      "dispatch": dispatch, "expert_mlp": experts, "combine": combine,
                      "total": moe}
-    assert act["per_moe_layer_korthikanti"] == moe
+    assert act.per_moe_layer_korthikanti == moe
     # layer 0 MoE, layer 1 dense; one micro-batch, no pipeline: both layers once
-    assert (act["first_stage_moe_layers"], act["first_stage_dense_layers"]) == (1, 1)
-    assert act["first_stage_korthikanti"] == moe + dense
+    assert (act.first_stage_moe_layers, act.first_stage_dense_layers) == (1, 1)
+    assert act.first_stage_korthikanti == moe + dense
     # every layer MoE: twice the MoE layer
-    every = estimate(small(moe_every=1), dp=2, ep=2)["memory"]["activations"]
-    assert every["first_stage_korthikanti"] == 2 * moe
+    every = estimate(small(moe_every=1),
+                     Layout(micro_batch_size=1, dp=2, ep=2)).memory.activations
+    assert every.first_stage_korthikanti == 2 * moe
     # the reference model's count changes by the same terms
-    ref = act["per_layer_reference_model"]
-    assert act["per_moe_layer_reference_model"] == ref + moe - dense
+    ref = act.per_layer_reference_model
+    assert act.per_moe_layer_reference_model == ref + moe - dense
     # full recomputation keeps only the layer input, MoE or not: 2 sbh = 64
-    by = act["per_layer_by_recompute"]
+    by = act.per_layer_by_recompute
     assert by["full"]["korthikanti_moe"] == by["full"]["korthikanti"] == 2 * s * b * h
     # selective recomputation drops the score matrices, keeps the routed path
     assert by["selective"]["korthikanti_moe"] == by["selective"]["korthikanti"] + moe - dense
@@ -272,25 +286,25 @@ def test_moe_layer_activations_capacity_pipeline_and_split():
     # top-2, no capacity limit: k T = 8 of the 4 tokens' copies; tp = etp = 2 with
     # sequence parallelism: T = b s / tp = 2 * 4 / 2 = 4 tokens, 8 rows; the experts' f over 2
     shp = small(num_layers=4, moe_top_k=2, moe_capacity_factor=0)
-    out = estimate(shp, micro_batch=2, tp=2, sp=True, pp=2, dp=2, ep=2,
-                   num_microbatches=3, bytes_per_element=4)
-    terms = out["memory"]["activations"]["moe_layer_terms_korthikanti"]
+    lay = Layout(micro_batch_size=2, tp=2, pp=2, dp=2, ep=2, num_microbatches=3)
+    sp = Options().with_values(sp=True)
+    out = estimate(shp, lay, sp, FP32)
+    terms = out.memory.activations.moe_layer_terms_korthikanti
     h, f, E, e = 8, 32, 4, 4  # noqa: N806
     assert terms["router"] == 2 * 4 * 4 * E
     assert terms["dispatch"] == terms["combine"] == 8 * h * e
     assert terms["expert_mlp"] == 2 * 8 * f * e / 2
     assert terms["dense_mlp_replaced"] == -2 * 4 * 2 * f * e / 2  # s b f e / t, twice
     # capacity 1.5: C = ceil(1.5 * 2 * 4 / 4) = 3, E C = 12 padded rows
-    cap = estimate(replace_cf(shp, 1.5), micro_batch=2, tp=2, sp=True, pp=2, dp=2, ep=2,
-                   num_microbatches=3, bytes_per_element=4)
-    assert cap["memory"]["activations"]["moe_layer_terms_korthikanti"]["dispatch"] == \
+    cap = estimate(replace_cf(shp, 1.5), lay, sp, FP32)
+    assert cap.memory.activations.moe_layer_terms_korthikanti["dispatch"] == \
         12 * h * e
     # pp = 2: the first rank holds layers 0 (MoE) and 1 (dense), 1F1B keeps min(pp, m) = 2
     # micro-batches in flight
-    act = out["memory"]["activations"]
-    assert (act["first_stage_moe_layers"], act["first_stage_dense_layers"]) == (1, 1)
-    assert act["first_stage_korthikanti"] == 2 * (act["per_layer_korthikanti"]
-                                                  + act["per_moe_layer_korthikanti"])
+    act = out.memory.activations
+    assert (act.first_stage_moe_layers, act.first_stage_dense_layers) == (1, 1)
+    assert act.first_stage_korthikanti == 2 * (act.per_layer_korthikanti
+                                               + act.per_moe_layer_korthikanti)
     # a direct call: the function only adds the routed terms to the dense layer's count
     got = moe_layer_activation_bytes(100.0, s=4, b=1, h=8, f=32, tp=1, tokens=4, rows=4,
                                      num_experts=4, etp=1, bytes_per_element=2)
@@ -304,33 +318,38 @@ def replace_cf(shape: Shape, cf: float) -> Shape:
 
 def test_dense_model_estimate_is_unchanged():
     dense = dict(SMALL, num_experts=0)
-    kw = dict(micro_batch=2, dp=2, cp=2, tp=2, pp=2, zero_stage=2, bytes_per_element=4)
-    base = estimate(Shape(**{k: v for k, v in dense.items() if k != "moe_every"}), **kw)
+    kw = dict(micro_batch_size=2, dp=2, cp=2, tp=2, pp=2)
+    rest = (Options().with_values(zero_stage=2), FP32)
+    base = estimate(Shape(**{k: v for k, v in dense.items() if k != "moe_every"}),
+                    Layout(**kw), *rest)
     # the MoE-only fields mean nothing without experts
     assert estimate(Shape(**dense | {"moe_every": 3, "moe_capacity_factor": 2.0}),
-                    **kw) == base
-    assert estimate(Shape(**dense), etp=0, **kw) == base
-    assert "groups" not in base["memory"]["model_states"]
-    assert "edp" not in base["communication"]["per_axis"]
-    assert "etp" not in base["inputs"] and "moe_layers" not in base["parameters"]
+                    Layout(**kw), *rest) == base
+    assert estimate(Shape(**dense), Layout(etp=0, **kw), *rest) == base
+    assert base.memory.model_states.groups is None
+    assert "edp" not in base.communication.per_axis
+    assert base.inputs.etp is None and base.parameters.moe_layers is None
 
 
+# the layout states each rule once (parbench.layout): the expert grid when the layout is built,
+# the experts when it meets the model
 @pytest.mark.parametrize("kw, message", [
-    (dict(ep=3), "ep=3 does not divide num_experts=4"),
-    (dict(ep=4, dp=2), r"ep\*etp=4 \(ep=4, etp=1\) does not divide tp\*cp\*dp=2"),
-    (dict(ep=2, tp=2, etp=2), r"ep\*etp=4 \(ep=2, etp=2\) does not divide tp\*cp\*dp=2"),
-    (dict(etp=3), "etp=3 does not divide ffn_hidden_size=32"),
+    (dict(ep=3, dp=3), "ep=3 does not divide num_experts=4"),
+    (dict(ep=4, dp=2), r"ep=4 does not divide cp\*dp=2"),
+    (dict(ep=2, tp=2, etp=2), r"ep=2 does not divide cp\*dp=1"),
+    (dict(etp=3), r"etp\*ep=3\*1 does not divide tp\*cp\*dp=1"),
+    (dict(etp=3, dp=3), "etp=3 does not divide ffn_hidden_size=32"),
 ])
 def test_bad_expert_layouts_name_field_value_and_rule(kw, message):
     with pytest.raises(ValueError, match=message):
-        estimate(small(), **kw)
+        estimate(small(), Layout(micro_batch_size=1, **kw))
 
 
 def test_bad_moe_inputs():
-    with pytest.raises(ValueError, match="ep=2 needs num_experts > 0"):
-        estimate(small(num_experts=0), ep=2, dp=2)
+    with pytest.raises(ValueError, match="ep=2 needs an MoE model"):
+        estimate(small(num_experts=0), Layout(micro_batch_size=1, ep=2, dp=2))
     with pytest.raises(ValueError, match="etp=2 needs num_experts > 0"):
-        estimate(small(num_experts=0), etp=2)
+        estimate(small(num_experts=0), Layout(micro_batch_size=1, etp=2, dp=2))
     with pytest.raises(ValueError, match="moe_every=0 must be a positive integer"):
         small(moe_every=0)
     with pytest.raises(ValueError, match="moe_capacity_factor=-1 must be"):
@@ -379,11 +398,11 @@ def test_cli_moe_every_and_errors(capsys):
     assert [r["moe_layers"] for r in out["parameters"]["stages"]] == [16, 16, 16]
     assert out["communication"]["per_axis"]["ep"]["count"] == 6 * 16 * 26
     assert main(["estimate", "model=ubmesh-moe-2t", "tp=16", "cp=16", "dp=4", "ep=3"]) == 2
-    assert "ep=3 does not divide num_experts=16" in capsys.readouterr().err
+    assert "ep=3 does not divide cp*dp=64" in capsys.readouterr().err
     assert main(["estimate", "model=ubmesh-moe-2t", "tp=16", "dp=4", "ep=8"]) == 2
-    assert "does not divide tp*cp*dp=64" in capsys.readouterr().err
+    assert "ep=8 does not divide cp*dp=4" in capsys.readouterr().err
     assert main(["estimate", "model=gpt3-175b", "ep=2", "dp=2"]) == 2
-    assert "ep=2 needs num_experts > 0" in capsys.readouterr().err
+    assert "ep=2 needs an MoE model" in capsys.readouterr().err
 
 
 def test_cli_prints_expert_states(capsys):

@@ -13,6 +13,8 @@ from parbench.analytic.activations import (korthikanti_layer_bytes, layer_activa
                                            reference_layer_activation_bytes)
 from parbench.analytic.comm import tp_traffic
 from parbench.analytic.params import embedding_params, head_params, layer_params
+from parbench.layout import Layout
+from parbench.options import Options
 
 
 def shape(**kw) -> Shape:
@@ -156,11 +158,11 @@ def test_grid_activation_forms_give_the_measured_bytes():
 
 
 def test_estimate_prints_per_layer_traffic_and_activations():
-    est = estimate(shape(seq_length=64), tp=4, cp=2, sp=True, recompute="selective",
-                   micro_batch=1)
-    per = est["communication"]["per_layer"]
+    est = estimate(shape(seq_length=64), Layout(tp=4, cp=2, micro_batch_size=1),
+                   Options().with_values(sp=True, recompute="selective"))
+    per = est.communication.per_layer
     assert {"tp", "tp_sp", "paper_tp_sp", "cp_ring", "ulysses", "cp_allgather"} <= set(per)
     assert per["tp"]["tp"]["wire_bytes"] == per["paper_tp_sp"]["tp"]["wire_bytes"]
-    acts = est["memory"]["activations"]["per_layer_by_recompute"]
+    acts = est.memory.activations.per_layer_by_recompute
     assert acts["full"]["korthikanti"] < acts["selective"]["korthikanti"] < \
         acts["none"]["korthikanti"]

@@ -19,8 +19,8 @@ def test_stored_golden_is_used_and_equals_the_live_run(tmp_path):
     case = tiny_case()
     (entry,) = golden.record([case, case], str(tmp_path))  # one file per distinct reference
     key = golden.golden_key(case, 2)
-    stored = golden._stored(key, str(tmp_path))
-    live = golden._train(case, 2)
+    stored = golden.stored(key, str(tmp_path))
+    live = golden.train(case, 2)
     assert stored is not None and stored.source == f"stored:{entry['file']}"
     assert stored.losses == live.losses
     for s in range(2):
@@ -36,14 +36,14 @@ def test_a_tampered_or_foreign_golden_is_not_used(tmp_path):
     data = json.loads(manifest.read_text())
     data[entry["name"]]["torch"] = "0.0.0"  # recorded with another torch
     manifest.write_text(json.dumps(data))
-    assert golden._stored(key, str(tmp_path)) is None
+    assert golden.stored(key, str(tmp_path)) is None
     data[entry["name"]]["torch"] = torch.__version__
     manifest.write_text(json.dumps(data))
     f = tmp_path / entry["file"]
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(bytes(raw))
-    assert golden._stored(key, str(tmp_path)) is None  # sha256 no longer matches
+    assert golden.stored(key, str(tmp_path)) is None  # sha256 no longer matches
 
 
 def test_check_flags_stale_tensors_and_a_torch_upgrade(tmp_path):
@@ -56,7 +56,7 @@ def test_check_flags_stale_tensors_and_a_torch_upgrade(tmp_path):
     save_file(tensors, str(f))
     manifest = tmp_path / "manifest.json"
     data = json.loads(manifest.read_text())
-    data[entry["name"]]["sha256"] = golden._sha256(str(f))
+    data[entry["name"]]["sha256"] = golden.sha256(str(f))
     data[entry["name"]]["torch"] = "2.0.0"
     manifest.write_text(json.dumps(data))
     (row,) = golden.check(str(tmp_path))

@@ -21,8 +21,9 @@ def test_axis_typo_lists_the_valid_axes():
 
 
 @pytest.mark.parametrize("fields, msg", [
-    ({"tp": 0}, "tp=0 must be an integer >= 1"),
-    ({"etp": -1}, "etp=-1 must be an integer >= 0 (0 = tp)"),
+    ({"tp": 0}, "tp=0 must be >= 1"),
+    ({"etp": -1}, "etp=-1 must be >= 0 (0 = tp)"),
+    ({"dp": 1.5}, "dp=1.5 must be an integer"),
     ({"dp": 4, "ep": 3}, "ep=3 does not divide cp*dp=4"),
     ({"tp": 4, "ep": 4, "etp": 2}, "etp*ep=2*4 does not divide tp*cp*dp=4"),
     ({"schedule": ""}, "schedule='' must be a schedule name"),

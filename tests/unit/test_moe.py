@@ -1,4 +1,4 @@
-"""The reference MoE layer (parbench.moe): capacity, deterministic dropping, per-group routing
+"""The reference MoE layer (parbench.model.moe): capacity, deterministic dropping, per-group routing
 and the auxiliary losses, each against an independent computation."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from parbench.config import ModelConfig, RunConfig
 from parbench.model import build_model, synthetic_batch
-from parbench.moe import AttachAux, RoutingGroups, capacity, route
+from parbench.model.moe import AttachAux, RoutingGroups, capacity, route
 
 
 def close_by_the_verdict(ours: float, ref: float) -> bool:

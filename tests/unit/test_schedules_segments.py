@@ -193,7 +193,7 @@ def test_granularity_and_slicing_options():
 def test_case_errors_before_spawning():
     from parbench.config import CaseConfig
     from parbench.overrides import apply_overrides
-    from parbench.scheme import get_scheme
+    from parbench.registry import get_scheme
 
     def case(**kw):
         return apply_overrides(CaseConfig(), {"model": "tiny-4l", "pp": "2",

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from parbench.config import ConfigError
-from parbench.results import Row, append_row, load_rows
+from parbench.layout import Layout
+from parbench.results import Row, RowCase, Timing, append_row, load_rows
 from parbench.suites import available_suites, check_suite, expand, load_suite
 
 
@@ -38,15 +39,17 @@ def test_unknown_suite_and_bad_world():
         check_suite(load_suite("smoke"), world_size=3)
 
 
-def test_results_are_appended_and_a_torn_line_is_skipped(tmp_path):
+def test_results_are_appended_and_a_torn_line_is_skipped(tmp_path, capsys):
     p = tmp_path / "results.jsonl"
     def row(i, t):
-        return Row(id=i, suite="s", scheme="data.ddp", family="data", baseline_of=None,
-                   world_size=2, degrees={"dp": 2}, model="tiny", case={}, step_time_s=t)
+        return Row(case=RowCase(id=i, suite="s", scheme="data.ddp", family="data",
+                                model="tiny", layout=Layout(dp=2)), time=Timing(step_s=t))
     append_row(p, row("a", 1.0))
     append_row(p, row("b", 2.0))
     with open(p, "a") as fh:
         fh.write('{"id": "c", "x"')  # a run killed mid-write
     rows = load_rows(p)
-    assert [r.id for r in rows] == ["a", "b"] and rows[1].step_time_s == 2.0
-    assert json.loads(p.read_text().splitlines()[0])["step_time_s"] == 1.0
+    assert [r.id for r in rows] == ["a", "b"] and rows[1].time.step_s == 2.0
+    assert rows[0] == row("a", 1.0)  # every group read back as written
+    assert json.loads(p.read_text().splitlines()[0])["time"]["step_s"] == 1.0
+    assert "left out 1 line(s) that are not results rows: line 3" in capsys.readouterr().err

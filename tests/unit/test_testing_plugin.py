@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parbench.config import ConfigError, validate_case
-from parbench.results import RankResult, StepCheck
-from parbench.scheme import get_scheme
+from parbench.results import FirstFailure, RankResult, StepCheck
+from parbench.registry import get_scheme
 from parbench.testing import (FAMILIES, BytesDiffer, NotEquivalent, SchemeRun, _figure_diffs,
                               assert_equivalent, bytes_report, cases, equivalence_report,
                               make_case, native_scheme, scheme_spec)
@@ -113,8 +113,7 @@ def _run(per_rank):
 
 
 def test_not_equivalent_names_step_rank_tensor_and_tolerance():
-    failure = {"what": "gradient", "tensor": "blocks.0.ln1.weight", "max_abs": 0.01,
-               "tolerance": 1.01e-6}
+    failure = FirstFailure("gradient", "blocks.0.ln1.weight", max_abs=0.01, tolerance=1.01e-6)
     per_rank = [_rank(0, [_check(0), _check(1)]),
                 _rank(1, [_check(0), _check(1, grad=0.01, grad_ok=False, failure=failure)])]
     result = _run(per_rank)

@@ -16,7 +16,7 @@ from parbench.cli import main
 from parbench.config import ConfigError
 from parbench.timemodel import (PRESETS, Fit, Training, Link, Profile, StepTime, load_profile,
                                 predict_step)
-from parbench.timemodel.calibrate import fit_alpha_beta
+from parbench.calibration import fit_alpha_beta
 
 GPT3 = Shape(vocab_size=51200, hidden_size=12288, num_layers=96, num_heads=96,
              seq_length=2048, tie_embeddings=True)
@@ -357,7 +357,7 @@ def test_estimate_bad_device(capsys):
 
 def test_quick_calibration_on_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("PARBENCH_PROFILE_DIR", str(tmp_path))
-    from parbench.timemodel.calibrate import Plan, calibrate
+    from parbench.calibration import Plan, calibrate
     from parbench.analytic.shape import shape_from
     from parbench.config import model_preset
     plan = Plan(shape=shape_from(model_preset("tiny")), micro_batch_sizes=(2,), tp_splits=(1,),

@@ -1,4 +1,9 @@
-"""The checks one rank makes after each checked step (merged by ``parbench.verdict``).
+"""The checks one rank makes after each checked step (merged by ``verdict.merge``).
+
+Every comparison is tensor-wise (``compare``): ``max|ours - golden| <= atol + rtol *
+max|golden|``. fp32 reduction-order noise scales with the magnitude of the summed terms, i.e.
+with the tensor's scale rather than each element's (an element where terms cancel to ~0
+carries the noise of its large addends), so an elementwise rtol would reject correct runs.
 
 - the golden comparison: loss, gradients and parameters against the golden run;
 - the stepwise golden (``StepwiseGolden``): loss and gradients against the golden model loaded
@@ -12,9 +17,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .results import StepCheck
-from .verdict import compare
+from .. import comm
+from ..results import FirstFailure, StepCheck
+
+
+def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float,
+            atol: float) -> dict:
+    """Max |difference| and pass/fail over the names in ``ours``; ``worst``: the failing
+    tensor furthest outside its tolerance (name, max_abs, tolerance), or None."""
+    max_abs, ok, missing = 0.0, True, []
+    worst, worst_ratio = None, 0.0
+    for name, t in ours.items():
+        if name not in ref:
+            missing.append(name)
+            ok = False
+            continue
+        a = t.detach().to(torch.float64).cpu()
+        b = ref[name].detach().to(torch.float64).cpu()
+        if a.shape != b.shape:
+            raise ValueError(f"{name}: shape {tuple(a.shape)} != golden {tuple(b.shape)}")
+        if not a.numel():
+            continue
+        d = float((a - b).abs().max())
+        max_abs = max(max_abs, d)
+        tol = atol + rtol * float(b.abs().max())
+        if not d <= tol:
+            ok = False
+            ratio = d / tol if tol > 0 else float("inf")
+            if worst is None or ratio > worst_ratio:
+                worst, worst_ratio = {"tensor": name, "max_abs": d, "tolerance": tol}, ratio
+    return {"max_abs": max_abs, "ok": ok, "missing": missing, "names": sorted(ours),
+            "worst": worst}
 
 
 #: the update check's tolerance, elementwise: |ours - expected| <= UPDATE_RTOL |expected| +
@@ -39,7 +72,7 @@ class UpdateCheck:
     """
 
     def __init__(self, params: dict[str, torch.Tensor], run):
-        from .model import make_optimizer
+        from ..model import make_optimizer
         self.run = run
         self.shadow = {n: t.detach().float().clone() for n, t in params.items()}
         self.opt = make_optimizer(list(self.shadow.values()), run)
@@ -96,10 +129,11 @@ class StepwiseGolden:
     the golden trajectory itself remains, reported as drift.
     """
 
-    def __init__(self, case):
-        from .golden import routing_groups
-        from .model import build_model
-        self.model = build_model(case.model, case.run.seed, routing_groups(case))
+    def __init__(self, case, routing):
+        """``routing``: the MoE routing groups of the scheme (``Scheme.routing_groups``)."""
+        from ..model import build_model
+        self.model = build_model(case.model, case.run.seed,
+                                 routing if case.model.num_experts else None)
         self.params = dict(self.model.named_parameters())
 
     @property
@@ -153,24 +187,23 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
     return out
 
 
-def _first_failure(out: StepCheck, g: dict, p: dict, run, ref_loss: float) -> dict | None:
+def _first_failure(out: StepCheck, g: dict, p: dict, run, ref_loss: float
+                   ) -> FirstFailure | None:
     """What failed first, in the order a reader debugs: loss, gradients, parameters, the
     update, tensors the golden run lacks."""
     if out.loss_ok is False:
-        return {"what": "loss", "tensor": "loss", "max_abs": out.loss_abs,
-                "tolerance": run.atol + run.rtol * abs(ref_loss)}
+        return FirstFailure("loss", "loss", out.loss_abs, run.atol + run.rtol * abs(ref_loss))
     if not out.grad_ok and g["worst"]:
-        return {"what": "gradient", **g["worst"]}
+        return FirstFailure("gradient", **g["worst"])
     if not out.param_ok and p["worst"]:
-        return {"what": "parameter", **p["worst"]}
+        return FirstFailure("parameter", **p["worst"])
     if out.update_ok is False:
-        return {"what": "update", "tensor": "(optimizer step)",
-                "max_abs": out.update_excess, "tolerance": 1.0,
-                "detail": "the step differs from the run's optimizer applied to the reported "
-                          "gradients (max_abs in units of the update tolerance)"}
+        return FirstFailure("update", "(optimizer step)", out.update_excess, 1.0,
+                            "the step differs from the run's optimizer applied to the "
+                            "reported gradients (max_abs in units of the update tolerance)")
     if out.missing:
-        return {"what": "missing", "tensor": out.missing[0],
-                "detail": "reported by the scheme, absent from the golden run"}
+        return FirstFailure("missing", out.missing[0],
+                            detail="reported by the scheme, absent from the golden run")
     return None
 
 
@@ -197,7 +230,7 @@ class RankChecker:
             with comm.unrecorded():
                 start = scheme.full_params()
             self.update = UpdateCheck(start, case.run)
-            self.stepwise = StepwiseGolden(case)
+            self.stepwise = StepwiseGolden(case, type(scheme).routing_groups(case))
             self.init_max_abs = check_initial(start, self.stepwise)
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
@@ -228,8 +261,8 @@ class RankChecker:
             out.init_max_abs = self.init_max_abs
             out.init_ok = self.init_max_abs == 0.0
             if not out.init_ok and out.failure is None:
-                out.failure = {"what": "init", "tensor": "(initial parameters)",
-                               "max_abs": self.init_max_abs, "tolerance": 0.0,
-                               "detail": "the parameters before step 0 differ from the "
-                                         "golden initialisation"}
+                out.failure = FirstFailure("init", "(initial parameters)",
+                                           self.init_max_abs, 0.0,
+                                           "the parameters before step 0 differ from the "
+                                           "golden initialisation")
         return out

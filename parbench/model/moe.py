@@ -42,6 +42,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..analytic.shape import expert_capacity
+from .blocks import MLP
+
 
 def is_moe_layer(cfg, i: int) -> bool:
     """Layer ``i`` is an MoE layer (Megatron-Core's ``moe_layer_freq`` = ``moe_every``)."""
@@ -52,7 +55,6 @@ def capacity(capacity_factor: float, k: int, tokens: int, num_experts: int) -> i
     """Slots per expert in a group of ``tokens`` (Switch Eq. 3, the factor read as the decimal
     it prints as: ``analytic.shape.expert_capacity``); no limit (``tokens``) when the factor
     is 0."""
-    from .analytic.shape import expert_capacity
     c = expert_capacity(tokens, num_experts, k, capacity_factor)
     return tokens if c is None else c
 
@@ -77,6 +79,12 @@ class RoutingGroups:
 
     def key(self) -> list:
         return [self.rows, list(self.chunks) if self.chunks else None]
+
+    @classmethod
+    def from_key(cls, key: list) -> "RoutingGroups":
+        """The groups whose ``key()`` is ``key`` (as a golden file's manifest stores it)."""
+        rows, chunks = key
+        return cls(rows, tuple(chunks) if chunks else None)
 
 
 @dataclass
@@ -194,7 +202,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg, routing: RoutingGroups | None = None):
         super().__init__()
-        from .model import MLP
         self.cfg = cfg
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.num_experts)])

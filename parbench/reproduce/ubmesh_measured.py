@@ -1,5 +1,5 @@
-"""UB-Mesh Table 1 (arXiv 2503.20377) with four figures per cell: measured on local ranks (one
-rank's ledger), the hybrid's closed form at that small configuration
+"""UB-Mesh Table 1 (arXiv 2503.20377) with a run's measurements: four figures per cell,
+measured on local ranks (one rank's ledger, handed in by the ``hybrid`` scheme's figures), the hybrid's closed form at that small configuration
 (``parbench.analytic.hybrid``), the traffic model at the paper's configuration
 (``parbench.analytic.traffic``) and the paper's printed value, its two printing errors
 flagged (``compare_with_published``).

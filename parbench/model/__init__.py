@@ -1,0 +1,17 @@
+"""The reference model: the GPT decoder every scheme partitions and the golden run trains
+whole, its deterministic initialisation and synthetic data.
+
+``blocks`` (embeddings, attention, MLP, norms and the LM head), ``moe`` (the mixture of
+experts: router, capacity, dropping, auxiliary losses), ``gpt`` (the assembly: pre-LN layers,
+stages), ``init`` (seeded per-parameter initialisation), ``data`` (synthetic batches) and
+``training`` (the optimizer and compute dtype every scheme and the golden run use).
+"""
+from .blocks import MLP, Attention, Embedding, Head
+from .data import synthetic_batch
+from .gpt import Block, GPTStage, build_model, build_stage, stage_layers
+from .init import init_parameters, param_seed
+from .training import compute_dtype, make_optimizer
+
+__all__ = ["Attention", "Block", "Embedding", "GPTStage", "Head", "MLP", "build_model",
+           "build_stage", "compute_dtype", "init_parameters", "make_optimizer", "param_seed",
+           "stage_layers", "synthetic_batch"]

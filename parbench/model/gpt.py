@@ -1,0 +1,83 @@
+"""The reference GPT decoder assembled: pre-LN layers (Radford et al. 2019): LN -> causal
+multi-head attention -> residual, LN -> MLP -> residual; embeddings first, final LN and an LM
+head (untied by default) last. With ``num_experts > 0`` every ``moe_every``-th MLP is a
+mixture of experts (``parbench.model.moe``).
+
+Parameter names are the same in every scheme: ``embed.tok.weight``, ``embed.pos.weight``,
+``blocks.{i}.attn.qkv.weight``, ..., ``head.ln.weight``, ``head.out.weight``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .blocks import MLP, Attention, Embedding, Head
+from .init import init_parameters
+from .moe import MoE, RoutingGroups, is_moe_layer
+
+
+class Block(nn.Module):
+    """A pre-LN layer; layer ``index`` is an MoE layer when ``moe.is_moe_layer`` says so."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, routing: RoutingGroups | None = None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden_size)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size)
+        self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTStage(nn.Module):
+    """A contiguous slice of the GPT: optional embedding, layers [lo, hi), optional head.
+
+    With ``first`` and ``last`` and all layers it is the whole model. Block ``i`` keeps its
+    global name ``blocks.{i}`` so parameter names match the full model.
+    """
+
+    def __init__(self, cfg: ModelConfig, lo: int = 0, hi: int | None = None,
+                 first: bool = True, last: bool = True, seed: int = 0,
+                 routing: RoutingGroups | None = None):
+        super().__init__()
+        hi = cfg.num_layers if hi is None else hi
+        self.cfg, self.lo, self.hi, self.first, self.last = cfg, lo, hi, first, last
+        self.embed = Embedding(cfg) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, routing) for i in range(lo, hi)})
+        self.head = Head(cfg) if last else None
+        init_parameters(self, seed, cfg.init_std)
+        if cfg.tie_embeddings and first and last:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (first stage) or hidden states in; hidden states or the loss (last) out."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for blk in self.blocks.values():
+            x = blk(x)
+        if self.head is not None:
+            return self.head(x, targets)
+        return x
+
+
+def build_model(cfg: ModelConfig, seed: int, routing: RoutingGroups | None = None
+                ) -> GPTStage:
+    """The whole reference model (``routing``: the MoE routing groups,
+    ``parbench.model.moe``)."""
+    return GPTStage(cfg, seed=seed, routing=routing)
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Even split of layers over stages: layers [lo, hi) of ``stage``."""
+    if num_layers % num_stages:
+        raise ValueError(f"num_stages={num_stages} does not divide num_layers={num_layers}")
+    per = num_layers // num_stages
+    return stage * per, (stage + 1) * per
+
+
+def build_stage(cfg: ModelConfig, seed: int, stage: int, num_stages: int) -> GPTStage:
+    lo, hi = stage_layers(cfg.num_layers, num_stages, stage)
+    return GPTStage(cfg, lo, hi, first=stage == 0, last=stage == num_stages - 1, seed=seed)

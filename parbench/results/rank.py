@@ -1,0 +1,149 @@
+"""What one rank returns for a case (``RankResult``), and the figures that travel from the
+rank to the row: a check's ``FirstFailure`` and a pipeline's ``BubbleFigures``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: ``RankResult.metrics`` and ``Row.scheme_figures``: a scheme's own figures
+#: (``Scheme.metrics()``, the bubble figures apart; in the row, each key as the lowest rank
+#: reporting it gives it): name -> number, string or list, e.g. ``moe_load_imbalance``,
+#: ``bpipe``. The report shows each scalar as a column of the wide table; no module of
+#: parbench reads a key.
+SchemeFigures = dict[str, Any]
+#: ``BubbleFigures.detail``: makespans, per-rank ratios, held graphs and in-flight counts,
+#: p2p latency, the closed form's formula and costs, and schedule-specific figures
+#: (``impls/pipeline/metrics.py`` documents each key); tests read it, the report does not.
+BubbleDetail = dict[str, Any]
+
+
+# ---- what failed -------------------------------------------------------------------------
+
+
+@dataclass
+class FirstFailure:
+    """The earliest failing check of a case: where (step, rank; None before the ranks are
+    merged), what (loss, gradient, parameter, update, init, missing, uncovered), the tensor,
+    its largest difference and the tolerance it broke. ``str()`` is the one line users read."""
+
+    what: str
+    tensor: str = ""
+    max_abs: float | None = None
+    tolerance: float | None = None
+    detail: str = ""
+    step: int | None = None
+    rank: int | None = None
+
+    def at(self, step: int, rank: int) -> "FirstFailure":
+        return replace(self, step=step, rank=rank)
+
+    def __str__(self) -> str:
+        where = f"step {self.step}, rank {self.rank}: " if self.step is not None else ""
+        tensor, what = self.tensor, self.what
+        text = f"{what} {tensor!r}" if tensor and tensor != what else what
+        if what == "update" and self.max_abs is not None:
+            text += (f": the step is {self.max_abs:.3g} x its tolerance off the run's "
+                     "optimizer applied to the reported gradients")
+        elif self.max_abs is not None:
+            text += f": max|ours - golden| = {self.max_abs:.3g}"
+            if self.tolerance is not None:
+                text += f" > tolerance {self.tolerance:.3g}"
+        if what in ("gradient", "parameter") and not tensor:
+            text += " (this parbench version does not record which tensor)"
+        if self.detail and what != "update":
+            text += f" ({self.detail})"
+        return where + text
+
+
+@dataclass
+class Failure:
+    """Why a case has no verdict: the rank that failed and its traceback."""
+
+    kind: str  # "crashed" | "hung" | "timeout"
+    rank: int
+    message: str
+    traceback: str = ""
+
+
+# ---- one rank ----------------------------------------------------------------------------
+
+
+@dataclass
+class StepCheck:
+    """One checked step on one rank: what it holds against the golden run."""
+
+    step: int
+    grad_max_abs: float
+    grad_ok: bool
+    param_max_abs: float
+    param_ok: bool
+    names: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    loss: float | None = None
+    golden_loss: float | None = None
+    loss_abs: float | None = None
+    loss_ok: bool | None = None
+    #: the update check (``verdict.checks.UpdateCheck``): largest error in units of its
+    #: tolerance
+    update_excess: float | None = None
+    update_ok: bool | None = None
+    #: loss and gradients held against the stepwise golden (the golden model at the scheme's
+    #: own weights); param_max_abs is then the drift from the golden trajectory
+    stepwise: bool = False
+    #: step 0 only: the scheme's initial parameters equal the golden initialisation
+    init_ok: bool | None = None
+    init_max_abs: float | None = None
+    #: the first failing check of this step on this rank (no step or rank yet); None when
+    #: every check passed
+    failure: FirstFailure | None = None
+
+
+@dataclass
+class BubbleFigures:
+    """A pipeline case's bubble ratios side by side (DESIGN.md, "Timeline"): ``measured``
+    (wall clock), ``replayed`` (the simulator with every action's measured cost),
+    ``sim_mean_costs`` (the simulator with one mean cost per kind and stage), ``unit`` (the
+    simulator with unit costs) and ``closed_form`` (the paper's formula, where it is exact for
+    the schedule). ``schedule`` and ``held_graphs`` are the report's lines for the schedule
+    and the graphs each rank held; ``activation_peak_bytes`` is per rank."""
+
+    schedule: str = ""
+    measured: float | None = None
+    replayed: float | None = None
+    sim_mean_costs: float | None = None
+    unit: float | None = None
+    closed_form: float | None = None
+    held_graphs: str = ""
+    activation_peak_bytes: list[int] = field(default_factory=list)
+    detail: BubbleDetail = field(default_factory=dict)
+
+    def ratios(self) -> tuple[float | None, ...]:
+        """Measured, replayed, simulated (mean costs), unit, closed form: the report's order."""
+        return (self.measured, self.replayed, self.sim_mean_costs, self.unit, self.closed_form)
+
+
+@dataclass
+class RankResult:
+    """Everything one rank measured for one case."""
+
+    rank: int
+    losses: list[float | None]
+    checks: list[StepCheck]
+    step_times: list[float]
+    peak_bytes: int | None
+    #: model states live after each checked step, attributed by the tracker
+    #: (``memory.live_model_states``); ``model_state_bytes`` is the last checked step's
+    model_states_per_step: list[dict[str, int]]
+    #: per step (checked and timed), this rank's wire bytes and byte-carrying calls per axis
+    wire_by_axis_per_step: list[dict[str, float]]
+    calls_by_axis_per_step: list[dict[str, int]]
+    #: the ledger records and timeline events of the last checked step
+    ledger: list[dict]
+    timeline: list[dict]
+    #: the scheme's own figures (``SchemeFigures``), its bubble figures apart
+    metrics: SchemeFigures = field(default_factory=dict)
+    bubble: BubbleFigures | None = None
+
+    @property
+    def model_state_bytes(self) -> dict[str, int] | None:
+        return self.model_states_per_step[-1] if self.model_states_per_step else None

@@ -1,0 +1,111 @@
+"""The ranks of one case merged: equivalence over every rank and step, and the measured
+figures side by side (``Merged``)."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from ..results import FirstFailure, RankResult
+
+
+@dataclass
+class Merged:
+    """The ranks of one case, merged: equivalence and the measured figures."""
+
+    #: golden_ok (losses, gradients, parameters within tolerance of the golden run, every
+    #: parameter covered) and update_ok (the update check on every rank and step)
+    equivalent: bool
+    golden_ok: bool
+    update_ok: bool
+    max_loss_abs: float
+    max_grad_abs: float
+    max_param_abs: float
+    #: the update check's largest error in units of its tolerance (None: not checked)
+    max_update_excess: float | None
+    uncovered: list[str]
+    losses: list
+    step_time_s: float | None
+    #: the earliest failing check (with its step and rank), or None
+    first_failure: FirstFailure | None
+    peak_bytes: list
+    model_state_bytes: list
+    #: per rank, wire bytes per axis of the last checked step
+    wire_by_axis: list[dict[str, float]]
+    #: per checked step, per rank
+    wire_by_step: list[list[dict[str, float]]] = field(default_factory=list)
+    calls_by_step: list[list[dict[str, int]]] = field(default_factory=list)
+    states_by_step: list[list[dict[str, int]]] = field(default_factory=list)
+
+    @property
+    def wire_measured(self) -> dict[str, float]:
+        """Largest rank's bytes per axis (last checked step)."""
+        axes = sorted({a for w in self.wire_by_axis for a in w})
+        return {a: max(w.get(a, 0.0) for w in self.wire_by_axis) for a in axes}
+
+
+@dataclass
+class _Tally:
+    """The checks of every rank and step, folded."""
+
+    loss_abs: float = 0.0
+    grad_abs: float = 0.0
+    param_abs: float = 0.0
+    update: float = 0.0
+    ok: bool = True
+    update_ok: bool = True
+    checked_update: bool = False
+    covered: set = field(default_factory=set)
+    losses: list = field(default_factory=list)
+    first: FirstFailure | None = None
+
+    def add(self, c, rank: int, step: int) -> None:
+        if self.first is None and c.failure is not None:
+            self.first = c.failure.at(step, rank)
+        self.grad_abs = max(self.grad_abs, c.grad_max_abs)
+        self.param_abs = max(self.param_abs, c.param_max_abs)
+        self.ok = self.ok and c.grad_ok and c.param_ok and not c.missing \
+            and c.init_ok is not False
+        self.update_ok = self.update_ok and c.update_ok is not False
+        self.checked_update = self.checked_update or c.update_ok is not None
+        self.update = max(self.update, c.update_excess or 0.0)
+        self.covered |= set(c.names)
+        if c.loss_abs is not None:
+            self.loss_abs = max(self.loss_abs, c.loss_abs)
+            self.ok = self.ok and bool(c.loss_ok)
+
+
+def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = None) -> Merged:
+    """Combine the per-rank results of one case. Equivalent means: every step's loss (on the
+    ranks that hold it), gradients and parameters within tolerance on every rank, and every
+    golden parameter covered by some rank."""
+    steps = len(per_rank[0].checks)
+    t = _Tally()
+    for s in range(steps):
+        step_loss = None
+        for r in per_rank:
+            c = r.checks[s]
+            t.add(c, r.rank, s)
+            if c.loss_abs is not None:
+                step_loss = c.loss
+        if step_loss is None:
+            t.ok = False  # no rank reported the loss
+        t.losses.append(step_loss)
+    uncovered = sorted(set(golden_names or []) - t.covered)
+    if uncovered:
+        t.ok = False
+        t.first = t.first or FirstFailure(
+            "uncovered", uncovered[0],
+            detail=f"{len(uncovered)} golden parameter(s) reported by no rank")
+    times = [statistics.median(r.step_times) for r in per_rank if r.step_times]
+    return Merged(
+        equivalent=t.ok and t.update_ok, golden_ok=t.ok, update_ok=t.update_ok,
+        max_loss_abs=t.loss_abs, max_grad_abs=t.grad_abs, max_param_abs=t.param_abs,
+        max_update_excess=t.update if t.checked_update else None,
+        uncovered=uncovered, losses=t.losses, step_time_s=max(times) if times else None,
+        first_failure=t.first,
+        peak_bytes=[r.peak_bytes for r in per_rank],
+        model_state_bytes=[r.model_state_bytes for r in per_rank],
+        wire_by_axis=[r.wire_by_axis_per_step[steps - 1] for r in per_rank],
+        wire_by_step=[[r.wire_by_axis_per_step[s] for r in per_rank] for s in range(steps)],
+        calls_by_step=[[r.calls_by_axis_per_step[s] for r in per_rank] for s in range(steps)],
+        states_by_step=[[r.model_states_per_step[s] for r in per_rank] for s in range(steps)])
