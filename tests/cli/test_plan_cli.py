@@ -28,7 +28,8 @@ def test_plan_on_a_world_divisible_by_3_ranks_layouts_the_rules_accept(capsys):
     from parbench.analytic.shape import shape_from
     from parbench.config import model_preset
     from parbench.layout import Layout
-    rc = main(["plan", "model=gpt3-175b", "world=96", "device=a100-80gb", "top=5", "--json"])
+    rc = main(["plan", "model=gpt3-175b", "world=96", "device=a100-80gb", "top=5", "max_cp=1",
+               "schedules=1f1b,interleaved", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["ranked"]
     shape = shape_from(model_preset("gpt3-175b"))

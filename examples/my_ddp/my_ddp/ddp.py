@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parbench import (Scheme, SchemeContext, build_model, dp_slice, make_optimizer,
-                      num_microbatches, unrecorded)
+                      microbatches, unrecorded)
 
 
 class MyDDP(Scheme):
