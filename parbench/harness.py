@@ -7,7 +7,11 @@ compared with the golden run and its update with a shadow optimizer on this rank
 checks what it holds; ``parbench.verdict`` merges the ranks). The memory peak is taken on
 step 1 (optimizer states exist by then). The ``timed_steps`` after the checked ones are timed
 between barriers, the first ``warmup_steps`` of them discarded: checked steps carry the
-checking and the baselines' capture work and are never timed.
+checking and the baselines' capture work and are never timed. The timed steps are verified
+too (issue 20): their ledgers are recorded like the checked steps' (``parbench.verdict.timed``
+holds them to the closed form or the checked steps), and after the last one the final
+parameters are checked against the golden rule over every step (``verdict.final``; its
+golden work runs after the timed steps, never inside one).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from .scheme import SchemeContext
 from .registry import get_scheme
 from .timeline import Timeline
 from .verdict.checks import RankChecker
+from .verdict.final import final_check
 
 _MESHES: dict[tuple, Mesh] = {}
 
@@ -45,6 +50,7 @@ class _Steps:
     """What the steps of one case leave on this rank."""
 
     step_times: list[float] = field(default_factory=list)
+    step_cpu_times: list[float] = field(default_factory=list)
     losses: list = field(default_factory=list)
     checks: list = field(default_factory=list)
     wire: list[dict[str, float]] = field(default_factory=list)
@@ -78,18 +84,25 @@ def run_case(wctx, case_dict: dict) -> RankResult:
     timeline = Timeline(wctx.rank, enabled=run.instrument)
     scheme = cls(SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
                                timeline=timeline))
-    me = _Rank(wctx, case, scheme, RankChecker(scheme, case, cls.reference(case, run.steps)),
-               mesh, timeline)
+    with wctx.working("golden run"):  # local work: progress for the hang detector
+        golden = cls.reference(case, run.steps)
+    me = _Rank(wctx, case, scheme, RankChecker(scheme, case, golden), mesh, timeline)
     wctx.progress("built")
     out = _Steps()
-    for step in range(run.steps + run.timed_steps):
+    total = run.steps + run.timed_steps
+    for step in range(total):
         _step(me, step, out)
+    final = None
+    if run.timed_steps:
+        with wctx.working("checking the final state"):
+            final = final_check(me.checker, case, total, global_batch)
     figures, bubble = split_figures(scheme.metrics())
     return RankResult(rank=wctx.rank, losses=out.losses, checks=out.checks,
-                      step_times=out.step_times, peak_bytes=out.peak,
+                      step_times=out.step_times, step_cpu_times=out.step_cpu_times,
+                      peak_bytes=out.peak,
                       model_states_per_step=out.states, wire_by_axis_per_step=out.wire,
                       calls_by_axis_per_step=out.calls, ledger=out.ledger,
-                      timeline=out.timeline, metrics=figures, bubble=bubble)
+                      timeline=out.timeline, metrics=figures, bubble=bubble, final=final)
 
 
 def split_figures(metrics: dict) -> tuple[SchemeFigures, BubbleFigures | None]:
@@ -136,13 +149,14 @@ def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):
             loss = me.scheme.train_step(x, y, step)
         out.peak = pm.peak
         return loss
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with ledger:
         loss = me.scheme.train_step(x, y, step)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     if step >= run.steps + run.warmup_steps:
         out.step_times.append(time.perf_counter() - t0)
+        out.step_cpu_times.append(time.process_time() - c0)
     return loss
 
 

@@ -11,26 +11,28 @@ Failures end the task promptly, never as a silent wait:
   blocked in a collective) and the caller gets ``RankError`` within seconds;
 - a rank that dies without a word (signal, hard exit) is noticed by polling;
 - a rank that makes no progress for ``hang_timeout_s`` (progress: ``ctx.progress(...)``, which
-  the harness calls at every step boundary) is a hang: every rank's Python stack is dumped by
+  the harness calls at every step boundary, and a heartbeat during local work such as the
+  golden run, ``ctx.working(...)``, silent while the rank waits in a collective; a rank
+  waiting in a collective is excused while another rank still makes progress) is a hang:
+  every rank's Python stack is dumped by
   ``faulthandler`` (all threads), each rank's current collective is read from shared memory
   (the ledger's wrappers post it), and the caller gets ``RankHang`` naming the rank that is
   not waiting in a collective.
 
-Under ``torchrun`` or Slurm (``WORLD_SIZE`` and ``RANK`` set) ``init_from_env`` joins the job
+Under ``torchrun`` or Slurm (``WORLD_SIZE`` and ``RANK`` set) ``worker.init_from_env`` joins the job
 as one rank instead (hangs there end at the backend's collective timeout).
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+
+from .worker import free_port, init_process_group
 
 
 class RankError(RuntimeError):
@@ -63,69 +65,6 @@ class RankHang(RankError):
         RuntimeError.__init__(self, f"hung: {who}, no progress for {timeout_s:g} s")
         self.rank = rank
         self.traceback_text = text
-
-
-@dataclass
-class WorkerContext:
-    rank: int
-    world_size: int
-    device: str  # "cpu" or "cuda:N"
-    backend: str
-    #: ``progress(text)``: this rank is alive and moving (a step began, a step ended, ...)
-    progress: object = field(default=lambda text: None, repr=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def in_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and \
-        "PARBENCH_POOL_WORKER" not in os.environ
-
-
-def _setup_env(threads: int, device: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("MKL_NUM_THREADS", str(threads))
-    if device == "cpu":  # DeepSpeed would otherwise look for an accelerator
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def init_process_group(rank: int, world_size: int, device: str, timeout_s: float,
-                       threads: int = 1) -> WorkerContext:
-    """Initialise torch.distributed for this rank (env:// rendezvous) and the ledger hooks."""
-    _setup_env(threads, device)
-    # torch (and comm, which wraps torch.distributed) only now: the thread settings above must
-    # be in the environment before torch is first imported in this process
-    import torch
-    import torch.distributed as dist
-
-    from . import comm
-
-    torch.set_num_threads(threads)
-    comm.install()
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local)
-        dev, backend = f"cuda:{local}", "nccl"
-    else:
-        dev, backend = "cpu", "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return WorkerContext(rank, world_size, dev, backend)
-
-
-def init_from_env(device: str = "cpu", timeout_s: float = 600.0) -> WorkerContext:
-    """Join a torchrun / Slurm job as one rank."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    return init_process_group(rank, world, device, timeout_s)
 
 
 # ---- the shared memory a rank reports its state through ---------------------------------------
@@ -177,6 +116,7 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
     from . import comm  # after init_process_group set up torch (above)
     comm.set_status_sink(lambda text: _Board.write(board.status[rank], text))
     ctx.progress = lambda text: board.touch(rank, text)
+    ctx.in_collective = lambda: bool(_Board.read(board.status[rank]))
     results.put((rank, -1, "ready", None))
     while True:
         item = tasks.get()
@@ -315,12 +255,21 @@ class WorkerPool:
         if deadline is not None and time.time() > deadline:
             self.close(force=True)
             raise RankError(-1, f"task timed out after {timeout_s} s")
-        if hang_s is not None:
-            now = time.time()
-            stale = [r for r in range(self.world_size)
-                     if not done[r] and now - self._board.when[r] > hang_s]
-            if stale:
-                raise self._hang(hang_s, done)
+        if hang_s is not None and self._stale(hang_s, done):
+            raise self._hang(hang_s, done)
+
+    def _stale(self, hang_s: float, done: list[bool]) -> list[int]:
+        """The ranks without progress for ``hang_s``. A rank that waits in a collective is
+        excused while another rank still makes progress (it waits for that rank: a fast rank
+        at the first step's barrier while a slow one trains its golden run); when no rank
+        has progressed for ``hang_s``, or a rank is silent outside any collective, it is a
+        hang."""
+        now = time.time()
+        running = [r for r in range(self.world_size) if not done[r]]
+        latest = max((self._board.when[r] for r in running), default=now)
+        someone_moves = now - latest <= hang_s
+        return [r for r in running if now - self._board.when[r] > hang_s
+                and not (someone_moves and _Board.read(self._board.status[r]))]
 
     def _hang(self, hang_s: float, done: list[bool]) -> RankHang:
         """Dump every rank's stack, read where each rank is, end the pool."""

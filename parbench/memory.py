@@ -3,11 +3,17 @@
 On CPU a ``TorchDispatchMode`` sees every tensor an op creates; each new storage is counted
 until Python frees it (a weak reference's callback). The peak is the model states alive at
 the start plus the highest sum of storages created during the tracked region. Model-state
-bytes (parameters, gradients, optimizer state) are counted exactly from the tensors a scheme
-reports, each storage once.
+bytes (parameters, gradients, optimizer state, other) are counted exactly, each storage once,
+from every storage reachable from the scheme object (``live_model_states``): attributes,
+containers, modules, optimizers, partials, bound methods, closures and class attributes.
+Module globals are not followed (they are shared by every case a process runs, and hold the
+golden runs' caches): a scheme keeps its state on itself, and what it keeps only for the
+verdict in a ``KeptForChecks``.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import types
 import weakref
 
@@ -108,11 +114,25 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 # ---- model states, measured from what the rank holds ----------------------------------------
 
-#: the categories the tracker attributes live storages to
-CATEGORIES = ("params", "grads", "optimizer", "other")
+#: the categories the tracker attributes live storages to, in the order a storage is claimed:
+#: ``checks`` holds what a scheme keeps only for the verdict to read (``KeptForChecks``) and
+#: nothing else reaches; it is reported, and no closed form predicts it (``MODEL_STATES`` are
+#: the compared categories)
+CATEGORIES = ("params", "grads", "optimizer", "other", "checks")
+MODEL_STATES = ("params", "grads", "optimizer", "other")
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType,
-          types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-          types.CodeType, types.FrameType, weakref.ref, torch.dtype, torch.device)
+          types.CodeType, types.FrameType, weakref.ref,
+          weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet,
+          torch.dtype, torch.device)
+
+
+class KeptForChecks(dict):
+    """Tensors a scheme keeps only so that the verdict can read them after its step (e.g. the
+    gradients DeepSpeed's engine frees in ``step()``, read back by ``full_grads``). The
+    tracker attributes their storages to ``checks`` -- measured and shown in the row, not
+    compared with a closed form -- unless a parameter, gradient or optimizer state claims them
+    first (issue 20, sec. 7: state the tracker is told about explicitly, not hidden in a module
+    global)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -121,43 +141,99 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
-def reachable_tensors(root) -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
-    """Every tensor and optimizer reachable from ``root`` through containers, modules,
-    optimizers and instance attributes (not through functions, modules or C++ objects)."""
-    seen: set[int] = set()
-    tensors, optimizers = [], []
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMS):
+def _callable_parts(obj) -> list | None:
+    """What a callable holds on to, or None for anything else: a ``functools.partial``'s
+    function and arguments, a bound method's object and function, a function's closure cells,
+    defaults and attributes (not its module globals: those are shared by every case; issue 20,
+    sec. 7: a full copy held in a partial, a closure or a bound method is the rank's)."""
+    if isinstance(obj, (functools.partial, functools.partialmethod)):
+        return [obj.func, obj.args, obj.keywords, getattr(obj, "__dict__", None)]
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__, obj.__func__]
+    if isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        return [*cells, obj.__defaults__, obj.__kwdefaults__, obj.__dict__]
+    if isinstance(obj, types.BuiltinMethodType) or type(obj).__name__ == "method-wrapper":
+        owner = getattr(obj, "__self__", None)  # a tensor's bound builtin (t.add_): the tensor
+        return [] if isinstance(owner, types.ModuleType) else [owner]
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name bound later in the enclosing function)
+        return False
+    return True
+
+
+def _class_state(cls: type) -> list:
+    """The class attributes of ``cls`` and its bases that may hold tensors (containers,
+    tensors, callables), parbench's contract and ``object`` left out: state a scheme keeps on
+    its class is the rank's as much as state on the instance."""
+    out = []
+    for klass in cls.__mro__:
+        if klass.__module__ in ("builtins", "parbench.scheme", "abc"):
             continue
-        seen.add(id(obj))
+        for name, value in vars(klass).items():
+            if name.startswith("__") or isinstance(value, (type, property, staticmethod,
+                                                           classmethod, types.FunctionType)):
+                continue
+            out.append(value)
+    return out
+
+
+def _children(obj) -> list:
+    """The objects the walk goes on to from ``obj`` (a tensor and an optimizer aside)."""
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return list(obj)
+    parts = _callable_parts(obj)
+    if parts is not None:
+        return parts
+    out = []
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        out.append(attrs)
+    for klass in type(obj).__mro__:
+        for slot in vars(klass).get("__slots__", ()):
+            if isinstance(slot, str) and hasattr(obj, slot):
+                out.append(getattr(obj, slot))
+    return out
+
+
+def reachable_tensors(root) -> tuple[list[torch.Tensor], list[torch.optim.Optimizer],
+                                     list[torch.Tensor]]:
+    """Every tensor and optimizer reachable from ``root`` through containers, modules,
+    optimizers (and their hooks), instance attributes, partials, bound methods, closures and
+    the class attributes of ``root``'s classes (not through module globals or C++ objects);
+    and the tensors reached through a ``KeptForChecks``."""
+    seen: set[tuple[int, bool]] = set()
+    tensors, optimizers, kept = [], [], []
+    stack = [(root, False), *((v, False) for v in _class_state(type(root)))]
+    while stack:
+        obj, in_kept = stack.pop()
+        if (id(obj), in_kept) in seen or isinstance(obj, _ATOMS):
+            continue
+        seen.add((id(obj), in_kept))
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
+            (kept if in_kept else tensors).append(obj)
+            more = list(getattr(obj, "__dict__", {}).values())
             if obj.is_leaf and obj.grad is not None:
-                stack.append(obj.grad)
-            stack.extend(getattr(obj, "__dict__", {}).values())
+                more.append(obj.grad)
             inner = getattr(obj, "_local_tensor", None)
             if inner is not None:
-                stack.append(inner)
-            continue
-        if isinstance(obj, torch.optim.Optimizer):
-            optimizers.append(obj)
-            stack.extend([obj.state, obj.param_groups])
-            continue
-        if isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
+                more.append(inner)
+        elif isinstance(obj, torch.optim.Optimizer):
+            if not in_kept:
+                optimizers.append(obj)
+            more = list(vars(obj).values())  # state, param_groups, and its hooks
         else:
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict):
-                stack.append(attrs)
-            for slot in getattr(type(obj), "__slots__", ()):
-                if isinstance(slot, str) and hasattr(obj, slot):
-                    stack.append(getattr(obj, slot))
-    return tensors, optimizers
+            more = _children(obj)
+        in_kept = in_kept or isinstance(obj, KeptForChecks)
+        stack.extend((o, in_kept) for o in more)
+    return tensors, optimizers, kept
 
 
 def _storage_key(t: torch.Tensor):
@@ -165,7 +241,40 @@ def _storage_key(t: torch.Tensor):
     return (st.device.type, st.data_ptr() or id(st)), st.nbytes()
 
 
-def live_model_states(root, compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+class _Claims:
+    """Storages claimed by category: each counted once, in the first category of
+    ``CATEGORIES`` that claims it (``fixed``: claims that a later one does not move)."""
+
+    def __init__(self):
+        self.category: dict = {}
+        self.size: dict = {}
+        self.fixed: set = set()
+
+    def claim(self, t, category: str, fixed: bool = False) -> None:
+        if t is None or t.device.type == "meta":
+            return
+        key, nbytes = _storage_key(t)
+        if nbytes == 0 or key in self.fixed:
+            return
+        self.size[key] = nbytes
+        prev = self.category.get(key)
+        if fixed or prev is None or CATEGORIES.index(category) < CATEGORIES.index(prev):
+            self.category[key] = category
+        if fixed:
+            self.fixed.add(key)
+
+    def totals(self) -> dict[str, int]:
+        """Bytes per category (``checks`` only when some storage is kept for the checks)."""
+        out = {c: 0 for c in CATEGORIES}
+        for key, category in self.category.items():
+            out[category] += self.size[key]
+        if not out["checks"]:
+            del out["checks"]
+        return out
+
+
+def live_model_states(root, compute_dtype: torch.dtype = torch.float32,
+                      declared: dict | None = None) -> dict[str, int]:
     """Bytes of the storages live on this rank and reachable from ``root`` (a scheme), by
     category, attributed here and not by the scheme:
 
@@ -178,79 +287,69 @@ def live_model_states(root, compute_dtype: torch.dtype = torch.float32) -> dict[
     - optimizer: every tensor of an optimizer's state (moments, step counters) and, when the
       model computes in a lower precision than fp32, the fp32 tensors the optimizer steps
       (the master weights; the ZeRO paper's K = 12 counts them);
-    - other: every other reachable storage -- a leaked full copy shows here.
+    - other: every other reachable storage -- a leaked full copy shows here, be it held in
+      an attribute, a container, a partial, a closure, a bound method or a class attribute;
+    - checks: storages reached only through a ``KeptForChecks`` (absent when none).
 
     A storage is counted once, in the first category of that order that claims it.
+    ``declared`` (``Scheme.state_tensors``: category -> tensors) attributes the storages it
+    lists first; every other reachable storage is still counted (a list cannot hide one).
     """
-    tensors, optimizers = reachable_tensors(root)
-    claims: dict = {}
-    sizes: dict = {}
-
-    def claim(t, category):
-        if t is None or t.device.type == "meta":
-            return
-        key, nbytes = _storage_key(t)
-        if nbytes == 0:
-            return
-        sizes[key] = nbytes
-        prev = claims.get(key)
-        if prev is None or CATEGORIES.index(category) < CATEGORIES.index(prev):
-            claims[key] = category
-
+    tensors, optimizers, kept = reachable_tensors(root)
+    claims = _Claims()
+    _claim_declared(claims, declared or {})
     mixed = compute_dtype != torch.float32
     stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
     weights: set = set()  # storages of parameters (and of optimizer-stepped tensors)
-    for t in tensors:
+    for t in tensors + kept:
         if id(t) in stepped:
             is_master = mixed and t.dtype == torch.float32
-            claim(t, "optimizer" if is_master else "params")
+            claims.claim(t, "optimizer" if is_master else "params")
             weights.add(_storage_key(t)[0])
         elif isinstance(t, torch.nn.Parameter):
-            claim(t, "params")
+            claims.claim(t, "params")
             weights.add(_storage_key(t)[0])
     for t in tensors:
         # a gradient is the .grad of a weight: of a tensor that is, or views, a parameter's
         # storage (a receive buffer's .grad is an activation gradient: "other")
         if t.is_leaf and t.grad is not None and _storage_key(t)[0] in weights:
-            claim(_local(t.grad), "grads")
+            claims.claim(_local(t.grad), "grads")
     for o in optimizers:
         for state in o.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    claim(v, "optimizer")
+                    claims.claim(v, "optimizer")
     for t in tensors:
-        claim(t, "other")
-    out = {c: 0 for c in CATEGORIES}
-    for key, category in claims.items():
-        out[category] += sizes[key]
-    return out
+        claims.claim(t, "other")
+    for t in kept:
+        claims.claim(t, "checks")
+    return claims.totals()
+
+
+def _claim_declared(claims: _Claims, declared: dict) -> None:
+    bad = sorted(set(declared) - set(CATEGORIES))
+    if bad:
+        raise ValueError(f"state_tensors() categories {bad} are not among {CATEGORIES}")
+    for category in CATEGORIES:
+        for t in declared.get(category, ()):
+            if _storage_key(t)[0] not in claims.fixed:
+                claims.claim(t, category, fixed=True)
 
 
 def declared_model_states(declared: dict) -> dict[str, int]:
     """Bytes of the tensors a scheme lists itself (``Scheme.state_tensors``: category ->
     tensors), each storage counted once, in the first category of ``CATEGORIES`` that lists
     it; unknown categories are an error."""
-    bad = sorted(set(declared) - set(CATEGORIES))
-    if bad:
-        raise ValueError(f"state_tensors() categories {bad} are not among {CATEGORIES}")
-    out = {c: 0 for c in CATEGORIES}
-    seen: set = set()
-    for category in CATEGORIES:
-        for t in declared.get(category, ()):
-            key, nbytes = _storage_key(t)
-            if key not in seen:
-                seen.add(key)
-                out[category] += nbytes
-    return out
+    claims = _Claims()
+    _claim_declared(claims, declared)
+    return claims.totals()
 
 
 def model_states(scheme, compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
-    """The scheme's model states: what it declares (``state_tensors``), else what the
-    tracker finds reachable from it (:func:`live_model_states`)."""
-    declared = scheme.state_tensors()
-    if declared is not None:
-        return declared_model_states(declared)
-    return live_model_states(scheme, compute_dtype)
+    """The scheme's model states: every storage reachable from it, attributed by the tracker
+    (:func:`live_model_states`), those the scheme lists itself (``state_tensors``) in the
+    category it lists them in."""
+    return live_model_states(scheme, compute_dtype, scheme.state_tensors())
 
 
 class SavedActivations:

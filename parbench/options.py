@@ -13,7 +13,7 @@ module but :mod:`.layout`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .layout import ConfigError
@@ -153,14 +153,9 @@ class Options:
 
     def with_values(self, **values: Any) -> "Options":
         """A copy with bare option names changed: ``with_values(sp=True, zero_stage=1)``."""
-        from dataclasses import replace
         changes: dict[str, dict] = {}
         for name, v in values.items():
-            fam = option_family(name)
-            if fam is None:
-                changes.setdefault("", {})[name] = v
-            else:
-                changes.setdefault(fam, {})[name] = v
+            changes.setdefault(option_family(name) or "", {})[name] = v
         parts = {fam: replace(getattr(self, fam), **kw) for fam, kw in changes.items() if fam}
         return replace(self, **parts, **changes.get("", {}))
 

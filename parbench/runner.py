@@ -10,6 +10,7 @@ rank 0 and builds the same row.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,11 +18,12 @@ from typing import Callable
 
 from .config import CaseConfig
 from .launch import RankError, WorkerPool
-from .results import (Environment, Failure, Memory, RankResult, Row, RowCase, SchemeFigures,
-                      Timing, append_row, load_rows)
+from .results import (Divergence, Environment, Failure, Memory, RankResult, Row, RowCase,
+                      SchemeFigures, Timing, append_row, load_rows)
 from .registry import get_scheme
 from .timeline import chrome_trace
-from .verdict import Merged, merge_ranks, states_of, traffic_of, verdict_of
+from .verdict import (Merged, merge_ranks, states_of, timed_ledger, traffic_of,
+                      verdict_of)
 
 Progress = Callable[[str, int, int, CaseConfig, "Row | None"], None]
 
@@ -31,19 +33,54 @@ def _run_case_task(wctx, case_dict):
     return run_case(wctx, case_dict)
 
 
+def _probe_task(wctx, task):
+    from .localise import probe_case
+    return probe_case(wctx, task)
+
+
 def run_per_rank(case: CaseConfig, pool: WorkerPool | None = None) -> list[RankResult]:
     """Every rank's result of ``case`` (on ``pool``, or a fresh pool when the scheme is
     ``isolated`` or no pool is given)."""
-    cls = get_scheme(case.run.scheme)
+    return _on_ranks(case, pool, _run_case_task, case.to_dict())
+
+
+#: the checks of a checked step whose failure a module can explain (``localise``)
+_LOCALISED = ("loss", "gradient")
+
+
+def localise(case: CaseConfig, row: Row, pool: WorkerPool | None = None) -> None:
+    """A failing row's first diverging module (issue 20, sec. 5): when its first failure is
+    a checked step's loss or gradient and its scheme maps modules (``Scheme.module_probes``)
+    and passes the update check (its golden model runs at its weights), rerun steps 0 to the
+    failing one with probes (``parbench.localise``) and keep the earliest divergence over the
+    ranks in ``row.verdict.first_divergence`` and in the first failure's line. A rerun that
+    fails leaves the row as it is."""
+    from .probes import reference_order
+    from .scheme import Scheme
+    from .verdict.divergence import earliest
+    first, cls = row.verdict.first_failure, get_scheme(case.run.scheme)
+    if row.passed or first is None or first.what not in _LOCALISED or first.step is None \
+            or not cls.checks_update or cls.module_probes is Scheme.module_probes:
+        return
+    task = {"case": case.to_dict(), "last": first.step}
+    try:
+        found = _on_ranks(case, pool, _probe_task, task)
+    except RankError:
+        return
+    div = earliest(found, reference_order(case.model.num_layers)) or Divergence("none")
+    row.verdict.first_divergence = div
+    first.divergence = str(div)
+
+
+def _on_ranks(case: CaseConfig, pool: WorkerPool | None, fn, arg) -> list:
+    """``fn(wctx, arg)`` on every rank of ``pool`` (a fresh pool for isolated schemes)."""
     run = case.run
-    limit = run.timeout_s * 4
-    if cls.isolated or pool is None:
+    if get_scheme(run.scheme).isolated or pool is None:
         with WorkerPool(case.layout.world_size, device=run.device, timeout_s=run.timeout_s,
                         threads=run.threads_per_rank) as fresh:
-            return fresh.run(_run_case_task, case.to_dict(), timeout_s=limit,
+            return fresh.run(fn, arg, timeout_s=run.timeout_s * 4,
                              hang_timeout_s=run.hang_timeout_s)
-    return pool.run(_run_case_task, case.to_dict(), timeout_s=limit,
-                    hang_timeout_s=run.hang_timeout_s)
+    return pool.run(fn, arg, timeout_s=run.timeout_s * 4, hang_timeout_s=run.hang_timeout_s)
 
 
 def case_row(case: CaseConfig, pool: WorkerPool | None = None, suite: str = "",
@@ -63,7 +100,8 @@ def make_row(suite: str, case: CaseConfig, per_rank: list[RankResult],
     if out_dir is not None:
         env.trace = _write_trace(case, per_rank, Path(out_dir))
         env.figures = [str(f) for f in cls.figures(case, per_rank, Path(out_dir))]
-    return Row(case=row_case(suite, case, cls), verdict=verdict_of(case, cls, merged, golden),
+    verdict = verdict_of(case, cls, merged, golden, timed_ledger(case, merged, pred))
+    return Row(case=row_case(suite, case, cls), verdict=verdict,
                time=timing(case, merged, per_rank), memory=memory(case, cls, merged, pred),
                traffic=traffic_of(case, merged, pred, per_rank[0].ledger),
                pipeline=next((r.bubble for r in per_rank if r.bubble is not None), None),
@@ -81,8 +119,9 @@ def timing(case: CaseConfig, merged: Merged, per_rank: list[RankResult]) -> Timi
     """The slowest rank's median step, every rank's timed steps, and tokens per second."""
     step = merged.step_time_s
     tokens = case.layout.global_batch_size * case.model.seq_length
+    cpu = [statistics.median(r.step_cpu_times) for r in per_rank if r.step_cpu_times]
     return Timing(step_s=step, per_rank_s=[list(r.step_times) for r in per_rank],
-                  tokens_per_s=tokens / step if step else None)
+                  tokens_per_s=tokens / step if step else None, cpu_s=max(cpu) if cpu else None)
 
 
 def memory(case: CaseConfig, cls, merged: Merged, pred) -> Memory:
@@ -180,11 +219,13 @@ def run_cases(suite: str, cases: list[CaseConfig], out_dir: Path, resume: bool =
             if progress:
                 progress("start", i, len(todo), case, None)
             cls = get_scheme(case.run.scheme)
+            pool = None if cls.isolated else pools.get(case)
             try:
-                row = case_row(case, None if cls.isolated else pools.get(case), suite,
-                               out_dir)
+                row = case_row(case, pool, suite, out_dir)
             except RankError as e:
                 row = failed_row(suite, case, e)
+            else:
+                localise(case, row, None if cls.isolated else pools.get(case))
             append_row(path, row)
             rows.append(row)
             if progress:

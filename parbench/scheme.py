@@ -6,8 +6,8 @@ global batch, and hands back what it holds, unsharded, for comparison with the g
 Process groups come from ``ctx.mesh`` explicitly; there is no global parallel state.
 
 Optional behaviour is a method of the base class with a neutral default (``check``,
-``predict``, ``reference``, ``metrics``, ``figures``), never an attribute probed with
-``hasattr``.
+``predict``, ``reference``, ``module_probes``, ``metrics``, ``figures``), never an attribute
+probed with ``hasattr``.
 
 ``register`` fills the table of schemes by name as their modules are imported; finding them
 (loading ``impls/``, entry points, a user's module, the mutants) is ``parbench.registry``'s
@@ -29,6 +29,7 @@ from .golden import GoldenRun, reference_run
 from .mesh import Mesh
 from .model.moe import RoutingGroups
 from .options import option_names
+from .probes import ModuleProbe
 from .timeline import Timeline
 
 
@@ -207,9 +208,18 @@ class Scheme(ABC):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]] | None:
         """The tensors this rank keeps between steps, by category (``params``, ``grads``,
-        ``optimizer``, ``other``), each storage counted once. None (the default): the memory
-        tracker finds them itself, walking everything reachable from the scheme object
-        (``parbench.memory.live_model_states``)."""
+        ``optimizer``, ``other``), each storage counted once. The memory tracker walks
+        everything reachable from the scheme object either way
+        (``parbench.memory.live_model_states``): what is listed here is attributed to the
+        category named, every other reachable storage as the tracker finds it. None (the
+        default): nothing listed."""
+        return None
+
+    def module_probes(self) -> list[ModuleProbe] | None:
+        """This rank's modules that compute modules of the reference model, and on which part
+        of the global batch (``parbench.probes``): when a case fails, the verdict reruns its
+        checked steps with them to name the first module whose forward output or input
+        gradient diverges from the golden run. None (the default): not mapped."""
         return None
 
     def metrics(self) -> dict:

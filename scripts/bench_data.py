@@ -1,5 +1,5 @@
 """Step time of native ZeRO-3 against DeepSpeed ZeRO-3 and FSDP2, and of native DDP against
-torch DDP (timed stock), on the same case; prints medians and the ratio ours / baseline
+torch DDP (its stock all-reduce hook, every step), on the same case; prints medians and the ratio ours / baseline
 (< 1: ours faster).
 
     python scripts/bench_data.py [model=small] [dp=2] [timed_steps=12] [repeats=3] [key=value ...]

@@ -36,9 +36,11 @@ therefore which cases are comparable (``check``):
 - k in {1, 2} (k > 2 is ``topkgating`` with other rules); ``top2_2nd_expert_sampling`` off
   (its default adds Gumbel noise to the second choice).
 
-Checked steps read the reduced gradients before ``engine.step()`` (outside the ledger) into a
-module-level slot; the other ep ranks' experts are gathered for the verdict outside the
-ledger. Each case gets fresh ranks (``isolated``: DeepSpeed keeps process-global groups).
+Checked steps read the reduced gradients before ``engine.step()`` (outside the ledger) into
+``self.captured``, a ``KeptForChecks`` (the tracker attributes it to ``checks``, beside
+DeepSpeed's own states: it frees the gradients after the step); the other ep ranks' experts
+are gathered for the verdict outside the ledger. Each case gets fresh ranks (``isolated``:
+DeepSpeed keeps process-global groups).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import torch.nn as nn
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
+from parbench.memory import KeptForChecks
 from parbench.model import MLP, build_model
 from parbench.model.moe import MoE as ReferenceMoE
 from parbench.scheme import Scheme, register
@@ -56,9 +59,6 @@ from impls.baselines.deepspeed_zero import _import_deepspeed, _MeshMPU
 from impls.baselines.moe_checks import no_drop_capacity
 from impls.expert.scheme import ExpertAllToAll
 
-#: the gradients a checked step read, per scheme object (kept outside the scheme so that the
-#: live-state tracker measures DeepSpeed's states only)
-_CAPTURED: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def ds_capacity_factor(cfg) -> float:
@@ -147,7 +147,6 @@ class DeepSpeedMoE(ExpertAllToAll):
 
     def __init__(self, ctx):
         Scheme.__init__(self, ctx)  # not the native __init__: the engine owns grads, optimizer
-        _CAPTURED.clear()
         ds = _import_deepspeed()
         from deepspeed.moe.layer import MoE as DeepSpeedMoELayer
         from deepspeed.utils import groups
@@ -165,6 +164,7 @@ class DeepSpeedMoE(ExpertAllToAll):
                 self.blocks.append(blk.mlp)
                 self._names.update(blk.mlp.names(f"blocks.{i}.mlp."))
         self.engine = stage0_engine(ds, model.to(ctx.device), ctx, _MeshMPU(mesh))
+        self.captured = KeptForChecks()  # the gradients a checked step used (full_grads)
 
     def _named(self):
         return [(self._names.get(n, n), p) for n, p in self.engine.module.named_parameters()]
@@ -186,7 +186,8 @@ class DeepSpeedMoE(ExpertAllToAll):
             total += float(ce.detach()) / m
             if i == m - 1 and step < self.ctx.run.steps:
                 with comm.unrecorded():
-                    _CAPTURED[id(self)] = {n: p.grad.detach().clone() for n, p in self._named()}
+                    self.captured = KeptForChecks(
+                        (n, p.grad.detach().clone()) for n, p in self._named())
             with tl.span("optim" if i == m - 1 else "step", mb=i):
                 self.engine.step()
         return self.reduce_loss(total / self.dp, self.ctx.mesh.group("dp"))
@@ -195,7 +196,7 @@ class DeepSpeedMoE(ExpertAllToAll):
         return self._gathered({n: p.detach().clone() for n, p in self._named()})
 
     def full_grads(self):
-        return self._gathered(_CAPTURED.get(id(self), {}))
+        return self._gathered(self.captured)
 
     def metrics(self):
         return {}

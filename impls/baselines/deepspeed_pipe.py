@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from parbench.analytic.comm import rooted_wire_factor
 from parbench.config import CaseConfig, ConfigError
+from parbench.memory import KeptForChecks
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Scheme, register, registered
 
@@ -93,7 +94,7 @@ class DeepSpeedPipe(Scheme):
         self.opt = make_optimizer(params, run)
         # DeepSpeed clears .grad after its step: keep the gradients the step used (checked
         # steps only: the capture stays out of the timed steps)
-        self._grads: dict[int, torch.Tensor] = {}
+        self._grads = KeptForChecks()  # the tracker's ``checks``: kept for full_grads only
         self._capture = True
         self.opt.register_step_pre_hook(self._keep_grads)
         config = {"train_batch_size": par.micro_batch_size * par.num_microbatches,
@@ -109,8 +110,8 @@ class DeepSpeedPipe(Scheme):
 
     def _keep_grads(self, _opt, _args, _kwargs):
         if self._capture:
-            self._grads = {id(p): p.grad.detach().clone() for _, p in self._names
-                           if p.grad is not None}
+            self._grads = KeptForChecks((id(p), p.grad.detach().clone()) for _, p in self._names
+                                        if p.grad is not None)
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.layout.num_microbatches

@@ -11,20 +11,21 @@ mesh's cp group and whose sequence-data-parallel group is ``dp_cp``: DeepSpeed a
 the gradients over dp x cp and divides by dp only (it sums the sequence shards), so each
 rank's loss is its token mean divided by cp -- the client's side of DeepSpeed's contract.
 
-Checked steps read the reduced gradients before ``engine.step()`` (outside the ledger) into a
-module-level slot, not an attribute, so that the model states measured on the rank are
-DeepSpeed's own (it frees the gradients after the step: 0 gradient bytes between steps);
+Checked steps read the reduced gradients before ``engine.step()`` (outside the ledger) into
+``self.captured``, a ``KeptForChecks``: the tracker attributes it to ``checks``, so that the
+model states measured on the rank are DeepSpeed's own (it frees the gradients after the step:
+0 gradient bytes between steps) and the copy is still measured;
 timed steps run the engine untouched. Each case gets fresh ranks (``isolated``: DeepSpeed
 keeps process-global groups). Its traffic is in the ledger (``deepspeed.comm`` calls
 ``torch.distributed``); beside the native Ulysses prediction, a difference is a finding.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
+from parbench.memory import KeptForChecks
 from parbench.model import build_model
 from parbench.scheme import Scheme, register
 
@@ -35,9 +36,6 @@ from impls.context.schemes import UlyssesScheme
 from impls.context.shard import ShardedGPT
 
 
-#: the gradients a checked step read, per scheme object (the harness's capture, kept outside
-#: the scheme so that the live-state tracker measures DeepSpeed's states only)
-_CAPTURED: dict[int, dict[str, torch.Tensor]] = {}
 
 
 class _SequenceMPU(_MeshMPU):
@@ -99,7 +97,6 @@ class DeepSpeedUlysses(UlyssesScheme):
 
     def __init__(self, ctx):
         Scheme.__init__(self, ctx)  # not the native __init__: the engine owns grads and optimizer
-        _CAPTURED.clear()
         ds = _import_deepspeed()
         from deepspeed.sequence.layer import DistributedAttention
         mesh = ctx.mesh
@@ -111,6 +108,7 @@ class DeepSpeedUlysses(UlyssesScheme):
                                     gather_idx=1)
         module = ShardedGPT(gpt, _DistributedAttentionCore(attn))
         self.engine = stage0_engine(ds, module, ctx, _SequenceMPU(mesh))
+        self.captured = KeptForChecks()  # the gradients a checked step used (full_grads)
 
     def _named(self):
         return [(n.removeprefix("gpt."), p) for n, p in self.engine.module.named_parameters()]
@@ -131,7 +129,8 @@ class DeepSpeedUlysses(UlyssesScheme):
             total += float(loss.detach()) * self.cp / m
             if i == m - 1 and step < self.ctx.run.steps:
                 with comm.unrecorded():
-                    _CAPTURED[id(self)] = {n: p.grad.detach().clone() for n, p in self._named()}
+                    self.captured = KeptForChecks(
+                        (n, p.grad.detach().clone()) for n, p in self._named())
             with tl.span("optim" if i == m - 1 else "step", mb=i):
                 self.engine.step()
         return self.reduce_loss(total / (self.cp * self.dp), self.grad_group)
@@ -140,7 +139,7 @@ class DeepSpeedUlysses(UlyssesScheme):
         return {n: p.detach().clone() for n, p in self._named()}
 
     def full_grads(self):
-        return _CAPTURED.get(id(self), {})
+        return self.captured
 
     def metrics(self):
         return {}

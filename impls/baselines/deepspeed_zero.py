@@ -22,6 +22,7 @@ import torch
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
+from parbench.memory import KeptForChecks
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import register
 
@@ -149,7 +150,7 @@ class _DeepSpeedZero(DataParallelScheme):
             self.engine, self.opt, _, _ = ds.initialize(
                 model=model, optimizer=opt, config=deepspeed_config(ctx.case, self.stage),
                 mpu=_MeshMPU(ctx.mesh), dist_init_required=False)
-        self._grads: dict[str, torch.Tensor] = {}
+        self._grads = KeptForChecks()  # the tracker's ``checks``: kept for full_grads only
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.layout.num_microbatches
@@ -170,7 +171,7 @@ class _DeepSpeedZero(DataParallelScheme):
 
     def _capture_grads(self) -> None:
         with comm.unrecorded():
-            self._grads = {}
+            self._grads = KeptForChecks()
             for n, p in zip(self.names, self.engine.module.parameters()):
                 g = self._ds.utils.safe_get_full_grad(p)
                 self._grads[n] = g.detach().float().clone().view(_shape(p))

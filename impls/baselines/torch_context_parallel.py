@@ -18,10 +18,11 @@ the algorithm, rotation (torch's default: one all-gather of K/V per attention) a
 torch's; only the dispatch entry is added. CUDA needs no such entry.
 
 Gradients: DDP over the ``dp_cp`` group averages over cp x dp ranks; each rank's loss is its
-token mean. As in ``baseline.torch.ddp``, checked steps route DDP's buckets through
-``dist.all_reduce`` (the stock all-reduce hook) so the ledger sees them, and the timed steps
-run a stock DDP. Traffic differs from the native ring attention's closed form (torch gathers
-K/V and rotates dK/dV with all-to-alls): a finding, shown beside it.
+token mean. As in ``baseline.torch.ddp``, every step routes DDP's buckets through
+``dist.all_reduce`` (the stock all-reduce hook) so the ledger sees them, the timed steps
+included (issue 20: their ledgers are verified too). Traffic differs from the native ring
+attention's closed form (torch gathers K/V and rotates dK/dV with all-to-alls): a finding,
+shown beside it.
 """
 from __future__ import annotations
 
@@ -146,9 +147,8 @@ class TorchContextParallel(RingAttentionScheme):
 
     def train_step(self, inputs, targets, step):
         from torch.distributed.tensor.experimental import context_parallel
-        checked = step < self.ctx.run.steps
-        if checked != self.accounted:
-            self._wrap(accounted=checked)
+        # every step, timed ones included, keeps the stock all-reduce hook: the timed steps'
+        # ledgers are verified too (issue 20), and the C++ path would pass the ledger by
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp).to(dev).clone()
         y = dp_slice(targets, self.dp_rank, self.dp).to(dev).clone()

@@ -150,6 +150,8 @@ class TorchPipelining(Scheme):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
+        if case.run.dtype != "fp32":  # its stages train the fp32 reference model
+            raise ConfigError(f"dtype={case.run.dtype!r}: {cls.name} runs fp32")
         par = case.layout
         if par.dp != 1:
             raise ConfigError(f"dp={par.dp}: pipeline baselines run one pipeline (set dp=1)")

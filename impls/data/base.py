@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from parbench.batching import dp_slice, microbatches
+from parbench.config import ConfigError
+from parbench.probes import ModuleProbe, microbatch_rows, reference_probes
 from parbench.scheme import Scheme
 
 
@@ -26,6 +28,15 @@ class DataParallelScheme(Scheme):
         y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
         return microbatches(x, y, self.ctx.layout.num_microbatches)
 
+    def probes_of(self, model: torch.nn.Module) -> list[ModuleProbe]:
+        """``model``'s modules (the whole reference GPT, parameter names kept) as probes
+        (``Scheme.module_probes``): each micro-batch's call computes that micro-batch's rows
+        of this rank's slice of the global batch; its loss is its own rows' mean, so its
+        input gradients are dp times the golden run's (``grad_scale`` 1/dp)."""
+        rows = self.ctx.layout.global_batch_size // self.dp_size
+        calls = microbatch_rows(self.dp_rank * rows, rows, self.ctx.layout.num_microbatches)
+        return reference_probes(model, calls, grad_scale=1.0 / self.dp_size)
+
     def forward_backward(self, model, xm: torch.Tensor, ym: torch.Tensor, mb: int) -> float:
         """Forward and backward of micro-batch ``mb`` with its loss scaled by 1/m, so that the
         accumulated gradients are the mean over the rank's batch (timeline spans F and B);
@@ -43,6 +54,16 @@ class ReplicaScheme(DataParallelScheme):
     ``.grad``s: the full parameters and gradients are its own."""
 
     model: torch.nn.Module
+
+    @classmethod
+    def check(cls, case) -> None:
+        super().check(case)
+        if case.run.dtype != "fp32":  # issue 20, sec. 8: a field a scheme ignores is refused
+            raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name}: its "
+                              "replicas train fp32 (mixed precision: zero.1, zero.2, zero.3)")
+
+    def module_probes(self):
+        return self.probes_of(self.model)
 
     def full_params(self):
         return {n: p.detach() for n, p in self.model.named_parameters()}

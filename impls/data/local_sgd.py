@@ -124,9 +124,11 @@ class LocalSGD(DataParallelScheme):
         shape, d = shape_from(case.model), case.layout.dp
         period = case.options.data.local_sgd_period
         pred = data_parallel.local_sgd(shape, d, case.run.optimizer)
+        # every step, the timed ones included (issue 20: ``parbench.verdict.timed``)
         per_step = [data_parallel.local_sgd_wire(shape, d, period, s)
-                    for s in range(case.run.steps)]
-        out = Prediction.uniform(d, {"dp": per_step[-1]}, pred.states, **pred.figures,
+                    for s in range(case.run.steps + case.run.timed_steps)]
+        last = per_step[case.run.steps - 1]
+        out = Prediction.uniform(d, {"dp": last}, pred.states, **pred.figures,
                                  wire_bytes_per_sync={"dp": max(per_step + [0.0])})
         out.wire_bytes_by_step = [[{"dp": w} for _ in range(d)] for w in per_step]
         out.calls_by_step = [[{"dp": int(w > 0)} for _ in range(d)] for w in per_step]

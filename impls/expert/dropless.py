@@ -192,12 +192,20 @@ def routed_prediction(case: CaseConfig, closed_form, routing: RoutingGroups,
     """``closed_form`` (``dropless_prediction``, ``shadow_prediction``) on the case's degrees
     and the reference run's per-step expert loads (routed in the scheme's groups
     ``routing``), as a by-step ``Prediction``; ``extra`` goes to ``closed_form`` as it is."""
-    p = case.layout
-    pred = closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch_size=p.micro_batch_size,
-                       num_microbatches=p.num_microbatches,
-                       loads=reference_loads(case, case.run.steps, routing),
-                       optimizer=case.run.optimizer, **extra)
-    return by_step_prediction(p.world_size, pred.steps, pred.states, pred.figures)
+    p, run = case.layout, case.run
+    loads = reference_loads(case, run.steps + run.timed_steps, routing)
+
+    def over(steps):
+        return closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch_size=p.micro_batch_size,
+                           num_microbatches=p.num_microbatches, loads=steps,
+                           optimizer=run.optimizer, **extra)
+    # figures and states of the checked steps; bytes and calls of every step, the timed ones
+    # included (issue 20: ``parbench.verdict.timed`` holds each timed step to its own loads)
+    checked, every = over(loads[:run.steps]), over(loads)
+    out = by_step_prediction(p.world_size, checked.steps, checked.states, checked.figures)
+    out.wire_bytes_by_step = [[s.wire_floats() for s in st] for st in every.steps]
+    out.calls_by_step = [[dict(s.calls) for s in st] for st in every.steps]
+    return out
 
 
 class EpStepStats(StepStats):

@@ -81,11 +81,14 @@ class ExpertTutel(ExpertAllToAll):
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:
-        """The closed form (``analytic.expert_tutel``) on the reference router's counts of the
-        checked steps, routed in this scheme's groups."""
-        counts = reference_loads(case, case.run.steps, cls.routing_groups(case))
-        t = tutel_prediction(case, counts)
-        return Prediction(wire_bytes_by_step=t.wire, calls_by_step=t.calls,
+        """The closed form (``analytic.expert_tutel``) on the reference router's counts of
+        every step, routed in this scheme's groups: bytes and calls of every step (the timed
+        ones included, issue 20), figures of the checked steps."""
+        run = case.run
+        counts = reference_loads(case, run.steps + run.timed_steps, cls.routing_groups(case))
+        t = tutel_prediction(case, counts[:run.steps])
+        every = tutel_prediction(case, counts) if run.timed_steps else t
+        return Prediction(wire_bytes_by_step=every.wire, calls_by_step=every.calls,
                           model_state_bytes=[dict(t.states) for _ in range(case.layout.dp)],
                           figures=t.figures)
 

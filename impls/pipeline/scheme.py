@@ -16,10 +16,14 @@ exchange of each rank's flat gradients over the pp group (S bytes sent per rank 
 2(n-1)/n * S at n = 2, the ring all-reduce volume) and summed in the same order on both
 ranks, so the replicas stay bit-identical. PipeDream and PipeDream-2BW follow their own
 delayed-update rules and are checked against a single-device run of the same rule
-(``asynchronous``), running without a flush between steps. The per-rank traffic and model
-states a case must measure are closed forms (``parbench.analytic.pipeline``, adapted in
-``prediction``); the graphs and activation bytes a rank really holds are measured in the
-executor (``activations``) and shown beside the simulator's and the paper's counts.
+(``asynchronous``), running without a flush between steps. With ``tie_embeddings`` the
+synchronous schedules keep the first stage's embedding and the last stage's output layer as
+two equal copies whose gradients are summed over the embedding group before the optimizer
+step, as Megatron-LM does (``tied``); the asynchronous ones refuse tied embeddings. The
+per-rank traffic and model states a case must measure are closed forms
+(``parbench.analytic.pipeline``, adapted in ``prediction``); the graphs and activation bytes
+a rank really holds are measured in the executor (``activations``) and shown beside the
+simulator's and the paper's counts.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from . import replicas
 from .executor import Executor
 from .metrics import bubble_metrics
 from .prediction import pipeline_prediction
+from .tied import EMBD_AXIS, TiedEmbeddings, init_head_copy, reported_name
 from .weights import StageSlot, SyncWeights, WeightRule
 
 
@@ -90,6 +95,7 @@ class PipelineScheme(Scheme):
         self.slots = {key: StageSlot(key[0], key[1],
                                      build_stage(cfg, run.seed, key[1], num_stages).to(ctx.device))
                       for key in self.schedule.stages_of(self.pp_rank)}
+        self.tied = self.make_tied() if cfg.tie_embeddings else None
         self.weights = self.make_weights()
         self.executor = self.make_executor()
         # compute events of the last checked step and every timed step after it
@@ -102,6 +108,13 @@ class PipelineScheme(Scheme):
     def case_schedule(cls, case: CaseConfig) -> Schedule:
         """The validated schedule this scheme runs for ``case`` (a mutant may swap it)."""
         return schedule_for(case, cls.schedule_name)
+
+    def make_tied(self) -> TiedEmbeddings:
+        """The tied word embedding's copies on this rank (``tied``): the last stage's copy
+        initialised as the embedding; the embedding group created (collectively)."""
+        init_head_copy(list(self.slots.values()), self.ctx.run.seed, self.ctx.model.init_std)
+        return TiedEmbeddings(list(self.slots.values()), self.schedule, self.pp_rank,
+                              self.ctx.mesh)
 
     def make_weights(self) -> WeightRule:
         """The weight rule of this scheme (synchronous; the asynchronous schemes override)."""
@@ -135,6 +148,9 @@ class PipelineScheme(Scheme):
         if len(self.schedule.pipes) > 1:
             with timeline.span("sync"):
                 self._sync_replicas()
+        if self.tied is not None:
+            with timeline.span(EMBD_AXIS):
+                self._sync_tied()
         with timeline.span("optim"):
             self.weights.step_end()
         if step >= self.ctx.run.steps - 1:
@@ -159,6 +175,10 @@ class PipelineScheme(Scheme):
         """Add the two replicas' gradients of every stage (``replicas.sync_gradients``)."""
         replicas.sync_gradients(self.slots, self.group, self._peer())
 
+    def _sync_tied(self):
+        """Sum the tied embedding copies' gradients over the embedding group (``tied``)."""
+        self.tied.sync_gradients()
+
     # ---- results -----------------------------------------------------------------------
     def _reported_slots(self, check_replicas: bool) -> list[StageSlot]:
         """The slots compared with the reference: all of them, or the pipe-0 copy of a
@@ -168,11 +188,15 @@ class PipelineScheme(Scheme):
         return replicas.reported(self.slots, self.group, self._peer(), check_replicas)
 
     def full_params(self):
-        return {n: p.detach() for s in self._reported_slots(check_replicas=True)
+        tied = self.tied is not None
+        return {reported_name(n, tied): p.detach()
+                for s in self._reported_slots(check_replicas=True)
                 for n, p in zip(s.names, self.weights.reported_params(s))}
 
     def full_grads(self):
-        return {n: g.detach() for s in self._reported_slots(check_replicas=False)
+        tied = self.tied is not None
+        return {reported_name(n, tied): g.detach()
+                for s in self._reported_slots(check_replicas=False)
                 for n, g in zip(s.names, self.weights.reported_grads(s))}
 
     def metrics(self):
@@ -210,9 +234,10 @@ class PipelineScheme(Scheme):
             raise ConfigError(f"dp={par.dp}: pipeline schemes run one pipeline (set dp=1)")
         if case.run.dtype != "fp32":
             raise ConfigError(f"dtype={case.run.dtype!r}: pipeline schemes run fp32")
-        if model.tie_embeddings:
-            raise ConfigError("tie_embeddings=true: pipeline stages do not share the "
-                              "embedding with the head (set tie_embeddings=false)")
+        if model.tie_embeddings and get_spec(cls.schedule_name).asynchronous:
+            raise ConfigError(f"tie_embeddings=true: {cls.name} updates weights "
+                              "asynchronously (weight stashing), whose reference run keeps "
+                              "the output layer apart (set tie_embeddings=false)")
         if model.num_experts:
             raise ConfigError(f"num_experts={model.num_experts}: pipeline schemes run the "
                               "dense model")

@@ -60,6 +60,10 @@ class ZeroScheme(DataParallelScheme):
         self._pending: list[tuple] = []
         self._mb = 0
 
+    def module_probes(self):
+        """The model's modules: ZeRO computes on whole (gathered) parameters."""
+        return self.probes_of(self.model)
+
     def own_slice(self, flat: torch.Tensor, unit) -> torch.Tensor:
         """This rank's slice of a unit's padded flat buffer."""
         return flat[self.dp_rank * unit.shard:(self.dp_rank + 1) * unit.shard]

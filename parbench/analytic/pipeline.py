@@ -28,7 +28,9 @@ boundary once forward (its activation) and once backward (the activation's gradi
 one send of b s h elements; a boundary whose two stages share a rank is a local hand-off.
 The two-replica schedules then add the two copies of every stage's gradient: one exchange
 of each rank's flat gradients with its partner rank p-1-r (one send of both stages'
-gradients, S = 2(n-1)/n S bytes at n = 2, the ring all-reduce volume).
+gradients, S = 2(n-1)/n S bytes at n = 2, the ring all-reduce volume). With tied
+embeddings the first and last stages' copies of the word embedding add their gradients
+over the embedding group (``tied_embedding_traffic``, on its own axis).
 
 **Model states** (the tracker's categories, fp32): the parameters of the stages a rank
 holds (``stage_numel``: embedding on stage 0, final LN and head on stage S-1, L/S layers
@@ -194,6 +196,38 @@ def replica_exchange_numel(shape: Shape, p: int, rank: int) -> int:
     """Elements a rank of a two-replica schedule sends to synchronise gradients: the flat
     gradients of both stages it holds (stage r of the down pipe, p-1-r of the up pipe)."""
     return rank_numel(shape, "bidirectional", p, rank)
+
+
+def tied_embedding_holder(placement: str, p: int, rank: int, v: int = 1) -> tuple[bool, bool]:
+    """(holds a first stage, holds a last stage): what ``rank`` holds of a tied word
+    embedding -- the embedding on stage 0, its copy as the output layer on stage S-1 -- over
+    every pipe of the placement (``stages_on_rank``)."""
+    stages = num_stages(placement, p, v)
+    held = [s for _, s in stages_on_rank(placement, p, rank, v)]
+    return 0 in held, stages - 1 in held
+
+
+def tied_embedding_traffic(shape: Shape, placement: str, p: int, rank: int, v: int = 1, *,
+                           bytes_per_element: int = FP32) -> tuple[int, int]:
+    """(wire bytes, calls) of the tied word embedding's gradient synchronisation on one rank
+    in one step (Megatron-LM's ``_allreduce_word_embedding_grads`` over the embedding group;
+    Narayanan et al. 2021).
+
+    With ``tie_embeddings`` and more than one stage, the first stage's embedding and the last
+    stage's output layer are two copies of one V x h weight; their gradients are all-reduced
+    over the embedding group -- the n = 2 ranks that hold exactly one of the two copies --
+    once per step: 2(n-1)/n V h = V h elements sent per rank, one call. A rank that holds
+    both copies (V: stages 0 and 2p-1 on rank 0; wave with even v; bidirectional: stage 0
+    of one pipe beside stage p-1 of the other) adds them locally, and a rank that holds
+    neither takes no part: 0 bytes, 0 calls."""
+    if not shape.tie_embeddings or num_stages(placement, p, v) == 1:
+        return 0, 0
+    first, last = tied_embedding_holder(placement, p, rank, v)
+    if first == last:
+        return 0, 0
+    n = 2
+    numel = shape.V * shape.h
+    return bytes_per_element * numel * 2 * (n - 1) // n, 1
 
 
 def step_traffic(shape: Shape, placement: str, p: int, m: int, rank: int, v: int = 1, *,

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ..analytic.shape import shape_from
 from ..config import model_preset
-from ..launch import WorkerPool, in_torchrun, init_from_env
+from ..launch import WorkerPool
+from ..worker import in_torchrun, init_from_env
 from ..timemodel import Training, predict_step
 from ..timemodel.profile import COLLECTIVE_OPS, Profile
 from .collectives import collective_task, overlap_task

@@ -40,7 +40,8 @@ VERBS_HELP: dict[str, VerbHelp] = {
         "verify scheme=pkg.module:Class|file.py:Class [suite=NAME] [key=value ...]",
         "your own scheme against the golden run, its family's native scheme and the closed "
         "forms (exit 0 equivalent, 3 not, 2 bad input)",
-        {"scheme": "pkg.module:Class or path/file.py:Class", "suite": "cases to run it on",
+        {"scheme": "pkg.module:Class or path/file.py:Class",
+         "suite": "cases to run it on (no suite, no field: the family's default case set)",
          "strict_bytes": "true: bytes that differ from the native scheme fail too"},
         SECTIONS, "parbench verify scheme=examples/my_ddp/my_ddp/ddp.py:MyDDP"),
     "compare": VerbHelp(
@@ -107,13 +108,21 @@ VERBS_HELP: dict[str, VerbHelp] = {
                       "ep": "expert-parallel degree", "etp": "expert tensor-parallel degree",
                       "dp": "data-parallel degree", "pp": "pipeline degree"},
                      example="parbench mesh tp=2 pp=2 dp=2"),
-    "golden": VerbHelp("golden record|check [dir=golden] [suite=a,b]",
-                       "write or verify the golden files",
-                       {"dir": "golden directory", "suite": "suites to record"},
-                       example="parbench golden check"),
+    "golden": VerbHelp(
+        "golden record|check [dir=golden] [suite=a,b] [keys=main|all]",
+        "record: write the golden runs of the suites' keys (the directory then holds exactly "
+        "those); check: recompute each stored run and hold it to the verdict's noise rule "
+        "(exit 1 when a file fails)",
+        {"dir": "golden directory (default: the repository's golden/)",
+         "suite": "record: the suites whose keys to record (default: all)",
+         "keys": "record: main (each suite's most shared key, the default) | all"},
+        example="parbench golden check"),
     "selftest": VerbHelp("selftest [profile=ci|full] [seeds=5] [only=ID,...] [--json]",
-                         "inject the catalogue of bugs: every one must be caught",
-                         {"profile": "ci | full", "seeds": "seeds per mutant",
+                         "inject the catalogue of bugs: every one must be caught by a check "
+                         "(exit 3: one survived or a correct scheme failed; 1: one only "
+                         "crashed or was refused before running)",
+                         {"profile": "ci (a sample: every scheme's mutants at least once) "
+                                     "| full", "seeds": "seeds per mutant",
                           "only": "mutant ids"}, SECTIONS, "parbench selftest only=ddp-no-divide"),
 }
 

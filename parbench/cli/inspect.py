@@ -98,50 +98,86 @@ def uses_golden_run(case) -> bool:
     return get_scheme(case.run.scheme).reference.__func__ is Scheme.reference.__func__
 
 
-def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
-    """``golden record [suite=a,b] [dir=]``: the golden files of the suites' cases;
-    ``golden check [dir=]``: hashes, stale tensors, a fresh run, the torch version."""
-    from .. import golden
-    from ..registry import routing_of
+def golden_cases(names: list[str] | None = None) -> dict[str, list]:
+    """suite -> its cases checked against the standard golden run (all suites by default)."""
     from ..suites import available_suites, load_suite
+    return {n: [c for c in load_suite(n).cases if uses_golden_run(c)]
+            for n in (names or list(available_suites()))}
+
+
+def cmd_golden(args, as_json: bool = False, wide: bool = False) -> int:
+    """``golden record [suite=a,b] [keys=main|all] [dir=]``: the golden files of the suites'
+    keys (``parbench.golden.select``); ``golden check [dir=]``: each file recomputed under
+    the verdict's noise rule (``parbench.golden.check``), and the suite cases it serves."""
+    from .. import golden
 
     if not args or args[0] not in ("record", "check"):
         raise UsageError("golden needs record or check: parbench golden record|check "
-                         "[dir=golden] [suite=NAME,...]")
+                         "[dir=golden] [suite=NAME,...] [keys=main|all]")
     ov = parse_overrides(args[1:])
     directory = ov.pop("dir", golden.GOLDEN_DIR)
+    allowed = ("suite", "keys") if args[0] == "record" else ()
+    for k in ov:
+        if k not in allowed:
+            raise ConfigError(f"unknown key {k!r} for golden {args[0]} (use "
+                              f"{', '.join(f'{a}=' for a in (*allowed, 'dir'))})")
     if args[0] == "record":
-        names = [n for n in ov.pop("suite", ",".join(available_suites())).split(",") if n]
-        if ov:
-            raise ConfigError(f"unknown key {next(iter(ov))!r} for golden record (use suite=, "
-                              "dir=)")
-        cases = [c for n in names for c in load_suite(n).cases if uses_golden_run(c)]
-        written = golden.record(cases, directory, routing_of)
-        emit(written, as_json,
-             lambda d: print(f"recorded {len(d)} golden file(s) for {len(cases)} case(s) of "
-                             f"{', '.join(names)} in {directory}"))
-        return 0
-    if ov:
-        raise ConfigError(f"unknown key {next(iter(ov))!r} for golden check (use dir=)")
+        return _golden_record(directory, ov, as_json)
     if not Path(directory, "manifest.json").exists():
         raise ConfigError(f"dir={directory} has no manifest.json (run `parbench golden record`)")
     rows = golden.check(directory)
-
-    def render(rs):
-        for r in rs:
-            notes = []
-            if r.get("stale"):
-                notes.append(f"{len(r['stale'])} stored tensor(s) no longer produced, e.g. "
-                             f"{r['stale'][0]}")
-            if r.get("new"):
-                notes.append(f"{len(r['new'])} tensor(s) produced but not stored")
-            if r.get("torch_changed_numbers"):
-                notes.append(f"torch {r['torch_recorded']} -> {r['torch_now']} changes the "
-                             "numbers")
-            diff = "—" if r.get("max_abs") is None else f"{r['max_abs']:.1e}"
-            print(f"{r['name']}  sha256 {'ok' if r['sha256_ok'] else 'MISMATCH'}  "
-                  f"rerun max|d| {diff}  {'ok' if r['ok'] else 'FAIL'}"
-                  + (f"  ({'; '.join(notes)})" if notes else ""))
-
-    emit(rows, as_json, render)
+    serves = _served_cases(golden_cases()) if rows else {}
+    for r in rows:
+        r["serves"] = serves.get(r["name"], [])
+    emit(rows, as_json, _render_check)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _golden_record(directory: str, ov: dict, as_json: bool) -> int:
+    from .. import golden
+    from ..registry import routing_of
+    names = [n for n in str(ov.get("suite", "")).split(",") if n] or None
+    keys = str(ov.get("keys", "main"))
+    if keys not in golden.SELECTIONS:
+        raise ConfigError(f"keys={keys} must be main (each suite's most shared key) or all")
+    by_suite = golden_cases(names)
+    written = golden.record(golden.select_runs(by_suite, routing_of, keys), directory)
+    total = sum(len(c) for c in by_suite.values())
+    served = len({c for w in written for c in w["cases"]})
+    emit(written, as_json, lambda d: print(
+        f"recorded {len(d)} golden file(s), {sum(w['bytes'] for w in d) / 2**20:.2f} MiB, "
+        f"serving {served} of {total} case(s) of {', '.join(by_suite)} in {directory}"))
+    return 0
+
+
+def _served_cases(by_suite: dict[str, list]) -> dict[str, list[str]]:
+    """golden file name -> the suite cases (``suite/id``) whose key it holds."""
+    from .. import golden
+    from ..registry import routing_of
+    out: dict[str, list[str]] = {}
+    for w in golden.select_runs(by_suite, routing_of, "all"):
+        out[golden.golden_name(w.key)] = w.cases
+    return out
+
+
+def _render_check(rows: list[dict]) -> None:
+    for r in rows:
+        notes = []
+        if r["stale"]:
+            notes.append(f"{len(r['stale'])} stored tensor(s) no longer produced, e.g. "
+                         f"{r['stale'][0]}")
+        if r["new"]:
+            notes.append(f"{len(r['new'])} tensor(s) produced but not stored")
+        if r.get("torch_changed_numbers"):
+            notes.append(f"torch {r['torch_recorded']} -> {r['torch_now']} changes the numbers")
+        if not r["serves"]:
+            notes.append("serves no suite case")
+        w = r["worst"] or max(r.get("quantities", {}).values(), default=None,
+                              key=lambda q: q["excess"])
+        diff = ("bitwise equal" if r["bitwise"] else
+                f"{w['what']} {w['max_abs']:.1e} (tolerance {w['tolerance']:.1e})"
+                if w and w["tolerance"] else "not compared")
+        print(f"{r['name']}  {r['steps']} steps  sha256 "
+              f"{'ok' if r['sha256_ok'] else 'MISMATCH'}  rerun: {diff}  "
+              f"serves {len(r['serves'])} case(s)  {'ok' if r['ok'] else 'FAIL'}"
+              + (f"  ({'; '.join(notes)})" if notes else ""))

@@ -72,7 +72,7 @@ def skip_unavailable(suite) -> None:
 def load_checked_suite(args: list[str]):
     """The suite named by ``args`` with its overrides applied and every case checked."""
     from ..imports import deepspeed_overrides
-    from ..launch import in_torchrun
+    from ..worker import in_torchrun
     from ..suites import check_suite, load_suite
 
     ov = parse_overrides(args)
@@ -85,15 +85,33 @@ def load_checked_suite(args: list[str]):
     world = opts["world_size"]
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        suite.cases = [c for c in suite.cases if c.layout.world_size == world] or suite.cases
+        keep_world_size(suite, world)
     check_suite(suite, world)
     return suite, opts
+
+
+def keep_world_size(suite, world: int) -> None:
+    """Under torchrun: keep the cases of this job's world size (rank 0 says which others it
+    leaves out); none is bad input naming the world size and the cases' (issue 20, sec. 8:
+    every case ran instead)."""
+    sizes = sorted({c.layout.world_size for c in suite.cases})
+    kept = [c for c in suite.cases if c.layout.world_size == world]
+    if not kept:
+        raise ConfigError(f"WORLD_SIZE={world} (this torchrun job) matches no case of suite "
+                          f"{suite.name}: its cases need world sizes "
+                          f"{', '.join(map(str, sizes))}")
+    left = len(suite.cases) - len(kept)
+    if left and os.environ.get("RANK", "0") == "0":
+        others = ", ".join(str(w) for w in sizes if w != world)
+        sys.stderr.write(f"parbench: running the {len(kept)} case(s) of world size {world}; "
+                         f"leaving out {left} of world size {others}\n")
+    suite.cases = kept
 
 
 def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from rich.markup import escape
 
-    from ..launch import in_torchrun
+    from ..worker import in_torchrun
     from ..report import print_tables, write_report
     from ..report.cells import verdict
     from ..runner import results_dir, run_cases
@@ -154,7 +172,8 @@ def _run_torchrun(suite, out) -> int:
     """This process is one rank of a torchrun / Slurm job; rank 0 writes the rows."""
     import torch.distributed as dist
 
-    from ..launch import init_from_env
+    from ..worker import init_from_env
+    from ..report import write_report
     from ..results import append_row
     from ..runner import results_dir, torchrun_case_row
 
@@ -163,22 +182,30 @@ def _run_torchrun(suite, out) -> int:
     out_dir = results_dir(suite.name, out, False)
     if wctx.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    rows = []
     for case in suite.cases:
         row = torchrun_case_row(wctx, case, suite.name, out_dir)
         if row is not None:
             append_row(out_dir / "results.jsonl", row)
-            failed += not row.passed
+            rows.append(row)
             print(f"{case.id}: {'pass' if row.passed else 'FAIL'} "
                   f"{(row.time.step_s or 0) * 1e3:.2f} ms/step", flush=True)
+    if wctx.rank == 0:  # the report, as a local run writes it
+        paths = write_report(rows, out_dir)
+        print(f"wrote {out_dir / 'results.jsonl'}, " + ", ".join(str(p) for p in paths),
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    return 3 if failed else 0
+    return 3 if any(not r.passed for r in rows) else 0
 
 
 def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    """The mutation catalogue: exit 0 when every mutant is killed and no control fails."""
-    from ..mutation import run_selftest
+    """The mutation catalogue: exit 0 when every mutant is killed by a check and no control
+    fails; 3 when a mutant survives or a control fails; 1 when a mutant was only killed by a
+    crash or refused before running (``parbench.mutation.exit_status``)."""
+    from ..mutation import exit_status, outcome, run_selftest, summary_line, why_failed
+
+    from rich.markup import escape
 
     ov = parse_overrides(args)
     profile = ov.pop("profile", "full")
@@ -192,24 +219,22 @@ def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> 
         raise ConfigError(f"unknown key {next(iter(ov))!r} for selftest (profile=, seeds=, "
                           "only=)")
     out = console(stderr=as_json)
+    tags = {"check": "[green]killed[/]", "crash": "[yellow]crashed (not a check)[/]",
+            "refused": "[yellow]refused before running (not a check)[/]",
+            "survived": "[red]SURVIVED[/]"}
 
     def progress(kind, mutant, row):
         if kind == "mutant":
-            tag = "[green]killed[/]" if not row.passed else "[red]SURVIVED[/]"
-            out.print(f"  {mutant.id:32s} {tag}  ({mutant.bug})")
+            out.print(f"  {mutant.id:32s} {tags[outcome(row)]}  ({mutant.bug})")
         elif not row.passed:
             out.print(f"  [red]false alarm[/]: unmodified {row.scheme} seed "
-                      f"{row.case.config['run']['seed']}")
+                      f"{row.case.config['run']['seed']}: {escape(why_failed(row))}")
 
-    out.print("[bold]parbench selftest[/]: every injected bug must be caught")
+    out.print("[bold]parbench selftest[/]: every injected bug must be caught by a check")
     result = run_selftest(profile, seeds, only, progress)
     if as_json:
         print(json.dumps(result, indent=2, default=str))
-    else:
-        out.print(f"{result['killed']} of {result['mutants']} mutants killed; "
-                  f"{result['false_alarms']} false alarm(s) over {result['controls']} "
-                  f"unmodified runs ({result['seeds']} seeds)")
+    out.print(summary_line(result))  # on stderr with --json
     if only is not None and not result["mutants"]:
         raise ConfigError(f"only={','.join(only)} names no mutant of profile {profile}")
-    ok = result["killed"] == result["mutants"] and not result["false_alarms"]
-    return 0 if ok else 3
+    return exit_status(result)

@@ -3,13 +3,17 @@ native scheme of its family and the closed-form bytes.
 
 Cases: ``suite=NAME`` takes that suite's cases of the scheme's family (the scheme swapped in,
 duplicates and cases its ``check`` rejects left out, saying why); ``key=value`` fields alone
-make one case; neither gives the family's small default case (the self-test's base case).
+make one case; neither gives the family's default case set (``parbench.testing.defaults``:
+micro-batches, odd shapes, odd dp, tied embeddings, every declared option's values -- the
+set ``assert_equivalent`` and ``cases`` use too).
 
-Each case runs twice on the same ranks' pool: the user's scheme and the native one it stands
-beside (``baseline_of`` if the class names one, else :data:`NATIVE`). Bytes: when the class
-states its own ``predict``, its measured traffic must equal it (part of the verdict, as for
-native schemes); otherwise the measured bytes are shown beside the native scheme's closed
-form and fail the run only with ``strict_bytes=true``.
+Each case stands beside a native scheme (``baseline_of`` if the class names one, else
+``NATIVE``, else a further native of the family that accepts the case, ``ALTERNATES``; both
+in ``parbench.testing.defaults``); where the case has timed steps past warm-up, that native
+scheme runs it too on the same ranks' pool, for the time ratio. Bytes: when the class states its own
+``predict``, its measured traffic must equal it (part of the verdict, as for native
+schemes); otherwise the measured bytes are shown beside the native scheme's closed form and
+fail the run only with ``strict_bytes=true``.
 
 Exit: 0 every case equivalent (and exact where bytes count), 3 not (the first failing step,
 rank, tensor and difference are printed), 1 a rank crashed or hung, 2 bad input.
@@ -25,12 +29,10 @@ from rich.markup import escape
 
 from ..config import ConfigError
 from ..overrides import apply_overrides, coerce, parse_overrides
+# the native scheme each family's users compare with, and further ones for the cases the
+# first rejects: beside the default case sets, which ``parbench.testing`` reads too
+from ..testing.defaults import ALTERNATES, NATIVE
 from .output import UsageError, console
-
-#: the native scheme each family's users compare with
-NATIVE = {"data": "data.ddp", "pipeline": "pipeline.1f1b", "tensor": "tensor.megatron",
-          "context": "context.ring-attention", "expert": "expert.alltoall",
-          "hybrid": "hybrid"}
 
 
 def _absolute_spec(spec: str) -> str:
@@ -49,11 +51,11 @@ def _with_scheme(case, scheme: str):
 
 
 def _cases(cls, spec: str, suite_name: str | None, ov: dict) -> tuple[list, list[str]]:
-    """(the cases the scheme runs, why others were left out)."""
-    from ..config import CaseConfig
+    """(the cases the scheme runs, why others were left out). With neither a suite nor a
+    case field: the family's default case set (``parbench.testing.defaults``)."""
     from ..registry import get_scheme
-    from ..selftest import FAMILY_CASES
     from ..suites import check_suite, expand, load_suite
+    from ..testing.defaults import default_cases
     skipped: list[str] = []
     if suite_name:
         suite = load_suite(suite_name, ov)
@@ -64,11 +66,7 @@ def _cases(cls, spec: str, suite_name: str | None, ov: dict) -> tuple[list, list
     elif ov:
         pool = expand({}, {**ov, "scheme": spec}, default_name="verify").cases
     else:
-        if cls.family not in FAMILY_CASES:
-            raise ConfigError(f"family={cls.family!r} of scheme {spec} has no default case; "
-                              "give suite=NAME or the case's fields")
-        # the self-test's small base case, with timed steps for the time ratio
-        pool = [apply_overrides(CaseConfig(), {**FAMILY_CASES[cls.family], "timed_steps": "3"})]
+        pool, skipped = default_cases(cls, spec)
     out, seen = [], set()
     for case in pool:
         case = _with_scheme(case, spec)
@@ -114,6 +112,27 @@ def _bytes_against(row, pred) -> tuple[bool | None, str]:
     return False, f"{len(diffs)} differ, e.g. " + diffs[0]
 
 
+def _first_difference(measured: list, predicted: list | None) -> str:
+    """'rank r key: x measured, y predicted' for the first figure that differs."""
+    for rank, (got, exp) in enumerate(zip(measured, predicted or [])):
+        for key in sorted(set(got or {}) | set(exp or {})):
+            g, e = (got or {}).get(key, 0), (exp or {}).get(key, 0)
+            if abs(float(g or 0) - float(e or 0)) > 0.5:
+                return f"rank {rank} {key}: {g:.0f} measured, {e:.0f} predicted"
+    return "on some checked step"
+
+
+def _differing(row) -> list[tuple[str, str]]:
+    """Which of the row's figures leave the closed form (issue 20, sec. 8: "bytes differ"
+    was said when only the model states did): (name, its first difference) each."""
+    t, ms = row.traffic, row.memory.states
+    figures = [("wire bytes", t.wire_exact, t.wire, t.wire_predicted),
+               ("calls", t.calls_exact, t.calls, t.calls_predicted),
+               ("model states", ms.exact, ms.measured, ms.predicted)]
+    return [(name, _first_difference(got, want))
+            for name, ok, got, want in figures if ok is False]
+
+
 @dataclass
 class _Verify:
     """What ``verify`` holds a user's scheme to: its own closed form (``own_predict``), else
@@ -126,42 +145,67 @@ class _Verify:
     own_predict: bool
     strict: bool
 
-    def bytes_line(self, case, row) -> tuple[bool | None, str]:
+    def bytes_line(self, case, row, native: str | None) -> tuple[bool | None, str]:
         if self.own_predict:
             exact = row.exact if row.traffic.wire_exact is not None else None
-            return exact, ("= its own closed form" if exact else
-                           "≠ its own closed form" if exact is False else "no traffic measured")
-        exact, line = _bytes_against(row, self.native_cls.predict(case))
-        return exact, line + f" ({self.native}'s closed form)"
+            if exact is None:
+                return None, "bytes: no traffic measured"
+            if exact:
+                return True, "bytes, calls and model states = its own closed form"
+            differ = _differing(row)
+            return False, (" and ".join(n for n, _ in differ) + " ≠ its own closed form ("
+                           + "; ".join(f"{n}: {d}" for n, d in differ) + ")")
+        if native is None:
+            return None, (f"bytes not compared (no native {self.cls.family} scheme runs this "
+                          "case)")
+        from ..registry import get_scheme
+        exact, line = _bytes_against(row, get_scheme(native).predict(case))
+        return exact, f"bytes {line} ({native}'s closed form)"
+
+    def native_for(self, case) -> str | None:
+        """The native scheme that runs ``case`` beside the user's: ``baseline_of`` or the
+        family's native, else a further native of the family (``ALTERNATES``) that
+        accepts it; None when none does."""
+        from ..registry import get_scheme
+        names = (self.native,) if self.cls.baseline_of else \
+            (self.native, *ALTERNATES.get(self.cls.family, ()))
+        for name in names:
+            try:
+                get_scheme(name).check(_with_scheme(case, name))
+            except ConfigError:
+                continue
+            return name
+        return None
 
     def pairs(self, cases: list) -> list[tuple]:
-        """Each case beside the native scheme's twin (None where the native rejects it)."""
+        """Each case, the native scheme that stands beside it (None: none accepts it) and
+        that scheme's twin run -- only where the case has timed steps past warm-up, which
+        the time ratio needs (None otherwise)."""
         out = []
         for case in cases:
-            twin = _with_scheme(case, self.native)
-            try:
-                self.native_cls.check(twin)
-            except ConfigError:
-                twin = None
-            out.append((case, twin))
+            native = self.native_for(case)
+            timed = case.run.timed_steps > case.run.warmup_steps
+            twin = _with_scheme(case, native) if native and timed else None
+            out.append((case, native, twin))
         return out
 
 
-def _report_case(v: _Verify, out, case, row, base) -> tuple[dict, str]:
-    """Print one case's verdict; (its JSON entry, ``ok`` | ``failed`` | ``crashed``)."""
+def _report_case(v: _Verify, out, case, row, base, native) -> tuple[dict, str]:
+    """Print one case's verdict beside ``native`` (its twin row ``base``, if run); (its JSON
+    entry, ``ok`` | ``failed`` | ``crashed``)."""
     ver = row.verdict
     entry = {"case": case.id, "status": ver.status, "equivalent": ver.equivalent}
     if ver.status != "ok":
         f = ver.failure
         out.print(f"[red]CRASHED[/] {case.id}: rank {f.rank} {f.kind}\n{f.traceback}")
         return entry, "crashed"
-    exact, bytes_line = v.bytes_line(case, row)
+    exact, bytes_line = v.bytes_line(case, row, native)
     ratio = (row.time.step_s / base.time.step_s
              if base and base.time.step_s and row.time.step_s else None)
     verdict = "[green]equivalent[/]" if ver.equivalent else "[red]NOT equivalent[/]"
     out.print(f"  {case.id}: {verdict}; max|Δ| loss {ver.max_loss_abs:.2g}, grad "
-              f"{ver.max_grad_abs:.2g}, param {ver.max_param_abs:.2g}; bytes "
-              f"{bytes_line}" + (f"; time {ratio:.2f}x {v.native}" if ratio else ""),
+              f"{ver.max_grad_abs:.2g}, param {ver.max_param_abs:.2g}; "
+              f"{bytes_line}" + (f"; time {ratio:.2f}x {native}" if ratio else ""),
               soft_wrap=True)
     first = ver.first_failure
     entry.update(bytes_exact=exact, time_ratio=ratio,
@@ -171,7 +215,8 @@ def _report_case(v: _Verify, out, case, row, base) -> tuple[dict, str]:
                   soft_wrap=True)
         return entry, "failed"
     if exact is False and (v.own_predict or v.strict):
-        out.print("    [red]bytes differ[/] from the closed form"
+        which = [n for n, _ in _differing(row)] if v.own_predict else ["bytes"]
+        out.print(f"    [red]{' and '.join(which) or 'bytes'} differ[/] from the closed form"
                   + (" (strict_bytes=true)" if v.strict and not v.own_predict else ""))
         return entry, "failed"
     return entry, "ok"
@@ -202,12 +247,13 @@ def cmd_verify(args: list[str], as_json: bool = False, wide: bool = False) -> in
     for s in skipped:
         out.print(f"  [dim]left out {s}[/]")
     t0 = time.time()
-    todo = [c for pair in pairs for c in pair if c is not None]
+    todo = list({c.id: c for case, _, twin in pairs for c in (case, twin)
+                 if c is not None}.values())
     rows = {r.id: r for r in run_cases("verify", todo, out_dir)}
     report, outcomes = [], set()
-    for case, twin in pairs:
+    for case, native, twin in pairs:
         entry, outcome = _report_case(v, out, case, rows[case.id],
-                                      rows.get(twin.id) if twin else None)
+                                      rows.get(twin.id) if twin else None, native)
         report.append(entry)
         outcomes.add(outcome)
     if as_json:

@@ -16,7 +16,8 @@ import torch
 
 from ..config import CaseConfig
 from ..model.moe import MoE, RoutingGroups
-from .run import global_batch, golden_key, reference_model
+from .key import golden_key
+from .run import global_batch, reference_model
 from .store import reference_run
 
 _CACHE: dict[str, list] = {}
@@ -27,7 +28,7 @@ def reference_loads(case: CaseConfig, steps: int, routing: RoutingGroups
     """``loads[step][moe_layer][group][expert]`` for the first ``steps`` steps of ``case``,
     routed in the groups ``routing`` (groups in ascending id: for one group per rank and
     micro-batch, dp rank q's micro-batch i is group q m + i)."""
-    key = golden_key(case, steps, routing)
+    key = f"{steps}:{golden_key(case, routing)}"
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()

@@ -8,13 +8,11 @@ in (``Scheme.routing_groups``).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ANALYTIC_ONLY_FIELDS, CaseConfig
+from ..config import CaseConfig
 from ..model import GPTStage, build_model, make_optimizer, synthetic_batch
 from ..model.moe import RoutingGroups
 
@@ -24,7 +22,8 @@ class GoldenRun:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    #: "live" (trained in this process) or "stored:<file>" (a committed golden file)
+    #: "live" (trained in this process), "stored:<file>" (a committed golden file) or
+    #: "stored:<file>+live" (its steps, then further steps trained here)
     source: str = "live"
 
 
@@ -50,46 +49,38 @@ def reference_model(case: CaseConfig, routing: RoutingGroups | None = None) -> G
     return build_model(case.model, case.run.seed, moe_routing(case, routing))
 
 
-def golden_key(case: CaseConfig, steps: int, routing: RoutingGroups | None = None) -> str:
-    """What a single-device reference run depends on: the model, the global batch, the seed,
-    the optimizer and the number of steps (and, for an MoE model, the routing groups)."""
-    d = case.to_dict()
-    keep_run = {k: d["run"][k] for k in ("seed", "optimizer", "lr", "weight_decay", "beta1",
-                                         "beta2", "eps")}
-    # the estimate-only fields (a runnable case has them at their defaults) do not change the
-    # reference model, so they stay out of the key
-    model = {k: v for k, v in d["model"].items()
-             if not (k in ANALYTIC_ONLY_FIELDS and v == ANALYTIC_ONLY_FIELDS[k])}
-    parts = [model, case.layout.global_batch_size, keep_run, steps]
-    routing = moe_routing(case, routing)
-    if routing is not None:
-        parts.append(routing.key())
-    return json.dumps(parts, sort_keys=True)
+def train(case: CaseConfig, steps: int, routing: RoutingGroups | None = None,
+          stored: GoldenRun | None = None) -> GoldenRun:
+    """The golden run of ``case`` for ``steps`` steps, trained here ("live").
 
-
-def key_routing(key: str) -> RoutingGroups | None:
-    """The routing groups a golden key was made with (None: a dense model)."""
-    parts = json.loads(key)
-    return RoutingGroups.from_key(parts[4]) if len(parts) > 4 else None
-
-
-def golden_name(key: str) -> str:
-    return "g-" + hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def train(case: CaseConfig, steps: int, routing: RoutingGroups | None = None) -> GoldenRun:
-    """Train the reference model here for ``steps`` steps ("live")."""
+    With ``stored`` (the first k steps of a stored run: losses and gradients) steps 0..k-1
+    are replayed instead of trained: the run's optimizer is applied to the stored gradients,
+    which gives the parameters and the optimizer state of the live run exactly (the same
+    elementwise arithmetic on the same tensors), and steps k.. are trained on from there."""
     torch.manual_seed(case.run.seed)
     model = reference_model(case, routing)
     opt = make_optimizer(model.parameters(), case.run)
+    params = dict(model.named_parameters())
+    have = len(stored.losses) if stored is not None else 0
     out = GoldenRun()
     for step in range(steps):
-        x, y = global_batch(case, step)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        out.losses.append(float(loss.detach()))
-        out.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        if step < have:
+            loss = stored.losses[step]
+            for n, p in params.items():
+                p.grad = stored.grads[step][n]
+        else:
+            loss = _forward_backward(model, opt, case, step)
+        out.losses.append(loss)
+        out.grads.append({n: p.grad.detach().clone() for n, p in params.items()})
         opt.step()
-        out.params.append({n: t.detach().clone() for n, t in model.named_parameters()})
+        out.params.append({n: t.detach().clone() for n, t in params.items()})
     return out
+
+
+def _forward_backward(model: GPTStage, opt, case: CaseConfig, step: int) -> float:
+    """Step ``step``'s loss on the global batch; its gradients left in ``.grad``."""
+    x, y = global_batch(case, step)
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    return float(loss.detach())

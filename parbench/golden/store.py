@@ -1,46 +1,82 @@
-"""The golden run served from the committed golden files when one was recorded, and the
-files themselves: safetensors plus a JSON manifest with sha256 digests; nothing is pickled."""
+"""The golden run served from the committed golden files, and the files themselves.
+
+A golden file holds a run's losses and the gradients of each of its steps (safetensors,
+float32, nothing pickled); the parameters are not stored: replaying the run's optimizer on
+the stored gradients from the seeded initialisation gives them exactly (``run.train``), so a
+file costs one copy of the model per step. The manifest (``manifest.json``) names, for each
+file, its key (``key.golden_key``), its sha256, its steps, its size, the torch release it was
+recorded with and the suite cases that use it, and says how to re-record
+(``parbench golden record``).
+
+A run is served from a file when the key matches, the digest checks and the torch release
+(the version without its local build tag: ``2.13.0+cpu`` and ``2.13.0`` are one release) is
+the recording one; a request for more steps than the file holds is served by prefix and
+trained on from there ("stored:<file>+live"). Anything else is trained here ("live").
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import CaseConfig
 from ..model.moe import RoutingGroups
-from ..verdict import compare
-from .run import GoldenRun, golden_key, golden_name, key_routing, train
+from .key import KEY_FORMAT, golden_key, golden_name
+from .run import GoldenRun, train
+from .select import Wanted
 
 #: the committed golden files: <repository>/golden (absent in a non-editable install)
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "golden")
+#: what the manifest says about re-recording
+HOW_TO_RECORD = ("parbench golden record  (each suite's most shared golden key; keys=all: "
+                 "every key; the directory then holds exactly what was recorded)")
 
-_CACHE: dict[str, GoldenRun] = {}
+#: key -> (the longest run served in this process, its stored file or None, stored steps)
+_CACHE: dict[str, tuple[GoldenRun, str | None, int]] = {}
+
+
+def torch_release(version: str | None = None) -> str:
+    """``torch.__version__`` without its local build tag (``+cpu``, ``+cu128``)."""
+    return (version or torch.__version__).split("+")[0]
 
 
 def reference_run(case: CaseConfig, steps: int, routing: RoutingGroups | None = None
                   ) -> GoldenRun:
-    """The golden run of ``case`` (an MoE model routing ``routing``): the stored golden file
-    when one was recorded for it with this torch version (its sha256 checked), else trained
-    here ("live")."""
-    key = golden_key(case, steps, routing)
-    if key not in _CACHE:
-        if len(_CACHE) > 16:
-            _CACHE.clear()
-        _CACHE[key] = stored(key, GOLDEN_DIR) or train(case, steps, routing)
-    return _CACHE[key]
+    """The golden run of ``case`` (an MoE model routing ``routing``) for ``steps`` steps:
+    served from a golden file where one holds its key (module doc), else trained here."""
+    key = golden_key(case, routing)
+    if key in _CACHE and len(_CACHE[key][0].losses) >= steps:
+        return _prefix(*_CACHE[key], steps)
+    if len(_CACHE) > 16:
+        _CACHE.clear()
+    prefix = stored(key, GOLDEN_DIR)
+    run = train(case, steps, routing, prefix)
+    entry = (run, prefix.source.split(":", 1)[1] if prefix else None,
+             len(prefix.losses) if prefix else 0)
+    _CACHE[key] = entry
+    return _prefix(*entry, steps)
 
 
-def manifest(directory: str) -> dict:
+def _prefix(run: GoldenRun, file: str | None, stored_steps: int, steps: int) -> GoldenRun:
+    """The first ``steps`` steps of ``run``, saying where they came from."""
+    source = ("live" if file is None else f"stored:{file}" if steps <= stored_steps
+              else f"stored:{file}+live")
+    return GoldenRun(run.losses[:steps], run.grads[:steps], run.params[:steps], source)
+
+
+def read_manifest(directory: str) -> dict:
+    """The manifest's runs (name -> entry); empty when there is none or it is of another
+    format."""
     path = os.path.join(directory, "manifest.json")
     if not os.path.exists(path):
         return {}
     with open(path) as fh:
-        return json.load(fh)
+        data = json.load(fh)
+    return data.get("runs", {}) if data.get("format") == KEY_FORMAT else {}
 
 
 def sha256(path: str) -> str:
@@ -52,92 +88,56 @@ def sha256(path: str) -> str:
 
 
 def stored(key: str, directory: str) -> GoldenRun | None:
-    """The golden run recorded under ``key`` in ``directory``, if intact and from this
-    torch."""
-    entry = manifest(directory).get(golden_name(key))
-    if not entry or entry.get("key") != key or entry.get("torch") != torch.__version__:
+    """The stored steps of the golden run ``key`` in ``directory`` (losses and gradients,
+    no parameters), if its file is intact and was recorded with this torch release."""
+    entry = read_manifest(directory).get(golden_name(key))
+    if (not entry or entry.get("key") != key
+            or torch_release(entry.get("torch")) != torch_release()):
         return None
     path = os.path.join(directory, entry["file"])
     if not os.path.exists(path) or sha256(path) != entry["sha256"]:
         return None
-    run = from_tensors(load_file(path), entry["steps"])
+    run = from_tensors(load_file(path))
     run.source = f"stored:{entry['file']}"
     return run
 
 
 def to_tensors(run: GoldenRun) -> dict[str, torch.Tensor]:
-    out = {}
-    for s in range(len(run.losses)):
-        out[f"loss/{s}"] = torch.tensor([run.losses[s]], dtype=torch.float64)
-        out.update({f"grad/{s}/{n}": t.contiguous() for n, t in run.grads[s].items()})
-        out.update({f"param/{s}/{n}": t.contiguous() for n, t in run.params[s].items()})
+    """``loss`` (float64, one per step) and ``grad/<step>/<name>``: what a file holds."""
+    out = {"loss": torch.tensor(run.losses, dtype=torch.float64)}
+    for s, grads in enumerate(run.grads):
+        out.update({f"grad/{s}/{n}": t.contiguous() for n, t in grads.items()})
     return out
 
 
-def from_tensors(tensors: dict[str, torch.Tensor], steps: int) -> GoldenRun:
-    run = GoldenRun()
-    for s in range(steps):
-        run.losses.append(float(tensors[f"loss/{s}"].item()))
-        run.grads.append({k.split("/", 2)[2]: t for k, t in tensors.items()
-                          if k.startswith(f"grad/{s}/")})
-        run.params.append({k.split("/", 2)[2]: t for k, t in tensors.items()
-                           if k.startswith(f"param/{s}/")})
+def from_tensors(tensors: dict[str, torch.Tensor]) -> GoldenRun:
+    """The losses and gradients of a file's tensors (``to_tensors``); no parameters."""
+    run = GoldenRun(losses=[float(v) for v in tensors["loss"].tolist()])
+    run.grads = [{} for _ in run.losses]
+    for k, t in tensors.items():
+        if k.startswith("grad/"):
+            _, s, name = k.split("/", 2)
+            run.grads[int(s)][name] = t
     return run
 
 
-def record(cases: list[CaseConfig], directory: str,
-           routing_of: Callable[[CaseConfig], RoutingGroups | None] = lambda case: None
-           ) -> list[dict]:
-    """Write the golden run of every distinct reference among ``cases`` (safetensors, one
-    file each; ``routing_of(case)``: the routing groups of an MoE case's scheme) and their
-    manifest entries (key, sha256, steps, torch version)."""
+def record(wanted: list[Wanted], directory: str) -> list[dict]:
+    """Write the golden run of each of ``wanted`` (``select.select_runs``) and a manifest of
+    exactly those runs; golden files of ``directory`` that it does not name are removed."""
     os.makedirs(directory, exist_ok=True)
-    entries = manifest(directory)
-    written = []
-    for case in cases:
-        routing = routing_of(case)
-        key = golden_key(case, case.run.steps, routing)
-        name = golden_name(key)
-        if any(w["name"] == name for w in written):
-            continue
+    runs = {}
+    for w in wanted:
+        name = golden_name(w.key)
         path = os.path.join(directory, f"{name}.safetensors")
-        save_file(to_tensors(train(case, case.run.steps, routing)), path)
-        entries[name] = {"file": f"{name}.safetensors", "sha256": sha256(path),
-                         "steps": case.run.steps, "key": key, "case": case.to_dict(),
-                         "torch": torch.__version__}
-        written.append({"name": name, **entries[name]})
+        save_file(to_tensors(train(w.case, w.steps, w.routing)), path)
+        runs[name] = {"file": f"{name}.safetensors", "sha256": sha256(path),
+                      "bytes": os.path.getsize(path), "steps": w.steps, "key": w.key,
+                      "torch": torch.__version__, "cases": list(w.cases)}
+    for f in os.listdir(directory):
+        if f.startswith("g-") and f.endswith(".safetensors") and f[:-12] not in runs:
+            os.remove(os.path.join(directory, f))
     with open(os.path.join(directory, "manifest.json"), "w") as fh:
-        json.dump(entries, fh, indent=2, sort_keys=True)
-    return written
-
-
-def check(directory: str, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict]:
-    """Each golden file against its manifest and against a fresh run (routing the groups its
-    key names): the sha256; tensors stored but no longer produced (and produced but not
-    stored); the largest difference; and, when the file was recorded with another torch,
-    whether that upgrade changed the numbers."""
-    return [_check_entry(directory, name, entry, rtol, atol)
-            for name, entry in sorted(manifest(directory).items())]
-
-
-def _check_entry(directory: str, name: str, entry: dict, rtol: float, atol: float) -> dict:
-    path = os.path.join(directory, entry["file"])
-    row = {"name": name, "file": entry["file"], "torch_recorded": entry.get("torch"),
-           "torch_now": torch.__version__, "exists": os.path.exists(path)}
-    if not row["exists"]:
-        return {**row, "sha256_ok": False, "match": False, "ok": False, "max_abs": None,
-                "stale": [], "new": []}
-    row["sha256_ok"] = sha256(path) == entry["sha256"]
-    saved = load_file(path)
-    fresh = to_tensors(train(CaseConfig.from_dict(entry["case"]), entry["steps"],
-                             key_routing(entry["key"])))
-    row["stale"] = sorted(set(saved) - set(fresh))  # stored, no longer produced
-    row["new"] = sorted(set(fresh) - set(saved))  # produced, not stored
-    shared = {k: fresh[k] for k in fresh if k in saved}
-    res = compare(shared, saved, rtol, atol)
-    row.update({"max_abs": res["max_abs"], "match": res["ok"],
-                "bitwise": all(torch.equal(fresh[k], saved[k]) for k in shared)})
-    row["torch_changed_numbers"] = (row["torch_recorded"] != row["torch_now"]
-                                    and not row["bitwise"])
-    row["ok"] = row["sha256_ok"] and row["match"] and not row["stale"] and not row["new"]
-    return row
+        json.dump({"format": KEY_FORMAT, "record": HOW_TO_RECORD, "runs": runs}, fh,
+                  indent=1, sort_keys=True)
+        fh.write("\n")
+    return [{"name": n, **e} for n, e in sorted(runs.items())]

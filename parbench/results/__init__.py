@@ -8,7 +8,8 @@ for a pipeline, its ``BubbleFigures``); ``runner.make_row`` merges the ranks int
 grouped as the report reads it:
 
 - ``case``: ``RowCase`` (id, suite, scheme, family, baseline_of, the ``Layout``, the case);
-- ``verdict``: ``Verdict`` (status, equivalence, largest errors, tolerances, ``FirstFailure``);
+- ``verdict``: ``Verdict`` (status, equivalence, largest errors, tolerances, ``FirstFailure``,
+  the first diverging module: ``Divergence``);
 - ``time``: ``Timing`` (median step, every rank's timed steps, tokens/s);
 - ``memory``: ``Memory`` (peaks per rank, the predicted peak, ``ModelStates``);
 - ``traffic``: ``Traffic`` (wire bytes and calls per rank and axis, measured beside predicted);
@@ -21,12 +22,13 @@ Units are bytes and seconds. One JSON object per finished (or failed) case is ap
 files written before the groups existed (flat rows, ``results.flat``).
 """
 from .files import append_row, decode_rows, load_rows, to_frame
-from .rank import (BubbleDetail, BubbleFigures, Failure, FirstFailure, RankResult, SchemeFigures,
-                   StepCheck)
+from .rank import (BubbleDetail, BubbleFigures, Divergence, Failure, FirstFailure, RankResult,
+                   SchemeFigures, StepCheck)
 from .row import (ROW_FORMAT, AnalyticFigures, Environment, Memory, ModelStates, OpTally, Row,
                   RowCase, Timing, Tolerance, Traffic, Verdict)
 
-__all__ = ["AnalyticFigures", "BubbleDetail", "BubbleFigures", "Environment", "Failure",
+__all__ = ["AnalyticFigures", "BubbleDetail", "BubbleFigures", "Divergence", "Environment",
+           "Failure",
            "FirstFailure", "Memory", "ModelStates", "OpTally", "ROW_FORMAT", "RankResult", "Row",
            "RowCase", "SchemeFigures", "StepCheck", "Timing", "Tolerance", "Traffic", "Verdict",
            "append_row", "decode_rows", "load_rows", "to_frame"]

@@ -19,12 +19,18 @@ BubbleDetail = dict[str, Any]
 
 # ---- what failed -------------------------------------------------------------------------
 
+#: ``FirstFailure.what`` of a timed step whose ledger left its reference (the closed form, or
+#: the checked steps' ledger): ``verdict.timed``
+LEDGER_FAILURES = ("wire bytes", "calls")
+
 
 @dataclass
 class FirstFailure:
     """The earliest failing check of a case: where (step, rank; None before the ranks are
-    merged), what (loss, gradient, parameter, update, init, missing, uncovered), the tensor,
-    its largest difference and the tolerance it broke. ``str()`` is the one line users read."""
+    merged), what (loss, gradient, parameter, update, init, missing, uncovered, final
+    parameters; or a timed step's ``wire bytes`` / ``calls`` on the axis ``tensor``), the
+    tensor, its largest difference and the tolerance it broke (a ledger's: ``measured``
+    beside ``expected``). ``str()`` is the one line users read."""
 
     what: str
     tensor: str = ""
@@ -33,12 +39,25 @@ class FirstFailure:
     detail: str = ""
     step: int | None = None
     rank: int | None = None
+    measured: float | None = None
+    expected: float | None = None
+    #: where the case first diverges, module by module (``Divergence``, issue 20 sec. 5; ""
+    #: when not localised): appended to the line
+    divergence: str = ""
 
     def at(self, step: int, rank: int) -> "FirstFailure":
         return replace(self, step=step, rank=rank)
 
     def __str__(self) -> str:
         where = f"step {self.step}, rank {self.rank}: " if self.step is not None else ""
+        tensor, what = self.tensor, self.what
+        if what in LEDGER_FAILURES:
+            return where + (f"{what} on {tensor}: {self.measured:.6g} measured, "
+                            f"{self.expected:.6g} expected ({self.detail})")
+        return where + self._text() + (f"; first divergence: {self.divergence}"
+                                       if self.divergence else "")
+
+    def _text(self) -> str:
         tensor, what = self.tensor, self.what
         text = f"{what} {tensor!r}" if tensor and tensor != what else what
         if what == "update" and self.max_abs is not None:
@@ -52,7 +71,33 @@ class FirstFailure:
             text += " (this parbench version does not record which tensor)"
         if self.detail and what != "update":
             text += f" ({self.detail})"
-        return where + text
+        return text
+
+
+@dataclass
+class Divergence:
+    """The first module whose forward output or input gradient leaves the golden run's, at
+    the scheme's own weights (``parbench.verdict.divergence``): forward outputs in the
+    reference model's forward order first, then input gradients in backward order; the
+    earliest step, then the lowest rank. ``where`` "none": every mapped module agrees (the
+    difference arises after backward: the gradients' reduction or the optimizer)."""
+
+    where: str  # "forward output" | "input gradient" | "none"
+    module: str = ""
+    step: int | None = None
+    rank: int | None = None
+    max_abs: float | None = None
+    tolerance: float | None = None
+
+    def __str__(self) -> str:
+        if self.where == "none":
+            return ("none in the mapped modules: every forward output and input gradient "
+                    "equals the golden run's (the difference arises after backward: the "
+                    "gradients' reduction or the optimizer)")
+        text = f"{self.where} of {self.module} (rank {self.rank}, step {self.step})"
+        if self.max_abs is not None and self.tolerance is not None:
+            text += f": max|ours - golden| = {self.max_abs:.3g} > tolerance {self.tolerance:.3g}"
+        return text
 
 
 @dataclass
@@ -143,6 +188,14 @@ class RankResult:
     #: the scheme's own figures (``SchemeFigures``), its bubble figures apart
     metrics: SchemeFigures = field(default_factory=dict)
     bubble: BubbleFigures | None = None
+    #: the final parameters after the last timed step against the golden rule over every
+    #: step (``verdict.final``); None without timed steps
+    final: StepCheck | None = None
+    #: per timed step after the warm-up, the CPU seconds of this rank's process (every
+    #: thread; ``time.process_time``): unlike ``step_times``, hardly moved by other processes
+    #: sharing the cores, so ``scripts/bench_overhead.py`` compares instrumentation on and off
+    #: with it
+    step_cpu_times: list[float] = field(default_factory=list)
 
     @property
     def model_state_bytes(self) -> dict[str, int] | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..layout import Layout
 from . import flat
-from .rank import BubbleFigures, Failure, FirstFailure, SchemeFigures
+from .rank import BubbleFigures, Divergence, Failure, FirstFailure, SchemeFigures
 
 #: 2: the grouped row; files without ``format`` hold flat rows (``flat.grouped``)
 ROW_FORMAT = 2
@@ -59,8 +59,11 @@ class Verdict:
     """Whether the case equals the golden run, by how much, and what failed first.
 
     ``golden_ok``: losses, gradients and parameters within tolerance of the golden run on
-    every rank and step, every parameter covered; ``update_ok``: the update check
-    (None: the scheme has its own update rule); ``equivalent``: both."""
+    every rank and checked step, every parameter covered, and the final parameters after the
+    last timed step (``final_ok``); ``update_ok``: the update check (None: the scheme has its
+    own update rule); ``timed_ok``: every timed step's ledger equals its reference
+    (``timed_reference``; None: no timed steps, or no traffic recorded); ``equivalent``: all
+    three (issue 20: every step whose figures are reported is verified)."""
 
     status: str = "ok"  # ok | failed (no verdict: see ``failure``)
     failure: Failure | None = None
@@ -82,6 +85,18 @@ class Verdict:
     golden_losses: list[float] = field(default_factory=list)
     #: "live" (trained for this run) or "stored:<file>" (a committed golden file)
     golden_source: str = "live"
+    #: the timed steps' ledgers (calls and wire bytes per axis, per rank) against
+    #: ``timed_reference``: "the closed form" or "the last checked step's ledger"
+    timed_ok: bool | None = None
+    timed_reference: str = ""
+    #: the final parameters after the last timed step (``verdict.final``): their largest
+    #: difference from the golden rule carried over every step, and whether it is within
+    #: ``param_atol``; None without timed steps
+    final_ok: bool | None = None
+    final_max_abs: float | None = None
+    #: a failing case's first diverging module (``Divergence``; None: not localised -- the
+    #: case passed, failed after its checked steps, or its scheme maps no modules)
+    first_divergence: Divergence | None = None
 
 
 @dataclass
@@ -92,6 +107,9 @@ class Timing:
     step_s: float | None = None
     per_rank_s: list[list[float]] = field(default_factory=list)
     tokens_per_s: float | None = None
+    #: the median timed step's CPU seconds of the busiest rank's process (``RankResult.
+    #: step_cpu_times``)
+    cpu_s: float | None = None
 
 
 @dataclass
@@ -107,7 +125,10 @@ class ModelStates:
     paper: float | None = None
 
     def totals(self) -> list[int | None]:
-        return [sum(s.values()) if s else None for s in self.measured]
+        """Per rank, the model states (what is kept only for the checks, ``checks``, aside:
+        it is in the peak's other memory)."""
+        return [sum(v for k, v in s.items() if k != "checks") if s else None
+                for s in self.measured]
 
     def predicted_totals(self) -> list[int] | None:
         return None if self.predicted is None else [sum(s.values()) for s in self.predicted]
@@ -142,8 +163,9 @@ class OpTally:
 @dataclass
 class Traffic:
     """Per rank, the last checked step's wire bytes and byte-carrying calls per mesh axis,
-    measured beside predicted; ``*_exact``: equal on every rank and checked step (None: no
-    prediction, or nothing measured); ``ops``: rank 0's calls per axis and op."""
+    measured beside predicted; ``*_exact``: equal on every rank and every step the closed form
+    states, checked and timed (None: no prediction, or nothing measured); ``ops``: rank 0's
+    calls per axis and op."""
 
     wire: list[dict[str, float]] = field(default_factory=list)
     calls: list[dict[str, int]] = field(default_factory=list)
@@ -239,7 +261,8 @@ _NESTED: dict[type, dict[str, Any]] = {
     Row: {"case": RowCase, "verdict": Verdict, "time": Timing, "memory": Memory,
           "traffic": Traffic, "pipeline": BubbleFigures, "env": Environment},
     RowCase: {"layout": Layout},
-    Verdict: {"failure": Failure, "first_failure": FirstFailure, "tolerance": Tolerance},
+    Verdict: {"failure": Failure, "first_failure": FirstFailure, "tolerance": Tolerance,
+              "first_divergence": Divergence},
     Memory: {"states": ModelStates},
     Traffic: {"ops": [OpTally]},
 }

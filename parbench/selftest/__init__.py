@@ -3,7 +3,9 @@
 per family or scheme), and the small case each family's mutants run on.
 
 ``parbench selftest`` runs them (``parbench.mutation``): every mutant must be reported not
-equivalent (killed), and the unmodified schemes equivalent on the same cases.
+equivalent by a check (not by a crash or a refusal), and the unmodified schemes equivalent on
+the same cases. A bug that cannot produce numbers (it crashes, or a validator refuses it) is
+not a mutant; its numeric sibling is (see mutants_tutel, mutants_hybrid, mutants_wave).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ FAMILY_CASES = {
                "num_experts": "4", "steps": "3", "timed_steps": "0",
                "micro_batch_size": "2", "num_microbatches": "2"},
 }
-#: the mutants the ``ci`` profile runs (one per kind of check, a few per family)
+#: the ``ci`` sample's fixed part (one per kind of check, a few per family);
+#: ``parbench.mutation.ci_sample`` adds a mutant of every other scheme that has mutants
 CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgather",
              "local-sgd-sum", "1f1b-no-wd", "1f1b-unscaled-loss", "zbh1-skip-w",
              "ring-no-rescale", "cp-pos-embed-local", "tp-fg-swapped",

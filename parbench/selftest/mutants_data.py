@@ -49,6 +49,30 @@ class DDPSkipBucket(NativeDDP):
         super()._on_grad(p)
 
 
+@mutant("ddp-skip-after-checked", base="data.ddp", overrides={"timed_steps": "2"},
+        bug="from step 3 on (the first timed step) the buckets are not all-reduced")
+class DDPSkipAfterChecked(NativeDDP):
+    """Issue 20: only the checked steps were verified, so this ran 2x faster, 'equivalent'."""
+
+    def train_step(self, inputs, targets, step):
+        self._late = step >= 3
+        return super().train_step(inputs, targets, step)
+
+    def _on_grad(self, p):
+        if not getattr(self, "_late", False):
+            super()._on_grad(p)
+
+
+@mutant("ddp-optimizer-reset-after-checked", base="data.ddp", overrides={"timed_steps": "2"},
+        bug="from step 3 on the optimizer is rebuilt without its moments (a resume that "
+            "restores the weights only): same traffic, other parameters")
+class DDPOptimizerResetAfterChecked(NativeDDP):
+    def train_step(self, inputs, targets, step):
+        if step == 3:
+            self.opt = self.make_optimizer(self.params)
+        return super().train_step(inputs, targets, step)
+
+
 @mutant("ddp-no-wd", base="data.ddp", bug="weight decay dropped")
 class DDPNoWeightDecay(NativeDDP):
     def make_optimizer(self, params):

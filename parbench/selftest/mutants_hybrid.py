@@ -91,13 +91,20 @@ class HybridSplitReruns(HybridScheme):
     stage_class = _ObliviousStage
 
 
-@mutant("hybrid-replicas-not-synced", base="hybrid",
+# Skipping the partner exchange altogether cannot reach a check: the two copies then differ,
+# and the scheme's report of its parameters (``replicas.reported``) refuses to pick one -- a
+# crash. Its numeric sibling: the exchange made, then averaged as data-parallel replicas are.
+@mutant("hybrid-replicas-averaged", base="hybrid",
         overrides={"dp": "1", "pp": "2", "schedule": "chimera", "num_microbatches": "4"},
-        bug="Chimera's two stage copies keep the gradients of their own pipe's half of the "
-            "micro-batches (the partner exchange is skipped)")
-class HybridReplicasNotSynced(HybridScheme):
+        bug="Chimera's two stage copies average their gradients after the partner exchange "
+            "(a mean, as for data-parallel replicas) although each copy covers half of the "
+            "micro-batches, whose losses are already scaled by 1/m: the gradients are halved")
+class HybridReplicasAveraged(HybridScheme):
     def sync_replicas(self):
-        pass
+        super().sync_replicas()
+        for slot in self.slots.values():
+            for p in slot.params:
+                p.grad.div_(2)  # the bug: the sum of the two pipes' halves is the gradient
 
 
 @mutant("hybrid-zero1-shards-over-dp-only", base="hybrid",

@@ -2,7 +2,7 @@
 (or of its weight rule or executor) with one thing changed, registered as a scheme of its own
 (``mutant.<id>``; see ``mutants_data``). They run on ``FAMILY_CASES["pipeline"]`` (tiny-4l,
 pp=2, m=4); the asynchronous ones add one timed step, which their continuous pipeline needs
-to drain outside the checked steps.
+to drain outside the checked steps, and the tied-embedding ones set ``tie_embeddings``.
 """
 from __future__ import annotations
 
@@ -138,6 +138,32 @@ class DualPipeAverageSync(SCHEMES["dualpipe"]):
         for slot in self._replica_slots():
             for p in slot.params:
                 p.grad.mul_(0.5)  # the bug: each replica saw half the micro-batches
+
+
+# ---- tied embeddings --------------------------------------------------------------------------
+
+TIED = {"tie_embeddings": "true"}
+
+
+@mutant("1f1b-tied-unsynced", base="pipeline.1f1b", overrides=TIED,
+        bug="the tied word embedding's gradients are not summed over the embedding group: "
+            "the first stage's embedding and the last stage's output layer step apart")
+class OneFOneBTiedUnsynced(SCHEMES["1f1b"]):
+    def _sync_tied(self):
+        pass  # the bug: Megatron's _allreduce_word_embedding_grads left out
+
+
+@mutant("1f1b-tied-one-way", base="pipeline.1f1b", overrides=TIED,
+        bug="the tied embedding's gradients are reduced onto the first stage only: the last "
+            "stage's copy keeps its own output-layer gradient")
+class OneFOneBTiedOneWay(SCHEMES["1f1b"]):
+    def _sync_tied(self):
+        tied = self.tied
+        if tied.remote:
+            (w,) = tied.copies()
+            first = self.group_ranks[0]
+            # the bug: a reduce onto the embedding's rank where an all-reduce belongs
+            torch.distributed.reduce(w.grad, dst=first, group=tied.group)
 
 
 # ---- the asynchronous rules ------------------------------------------------------------------

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+import torch.distributed as dist
+
 from parbench.model.moe import route, skew_of
 
 from impls.expert.tutel import ExpertTutel
@@ -95,15 +98,27 @@ class NeedFirstChoice(ExpertTutel):
     dispatch_class = _TopChoiceNeed
 
 
-class _LocalCapacity(TutelDispatch):
+class _MinCapacity(TutelDispatch):
     def agree(self, need, device):
-        return need  # the bug: the rank's own need, not the ep group's largest
+        t = torch.tensor([need], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # the bug: MIN, not MAX
+        return int(t.item())
+
+    @staticmethod
+    def slots(r, groups, num_experts):
+        # ... and the buffer's capacity then drops what does not fit (Tutel's overflow rule)
+        fits = replace(r, kept=r.kept & (r.slot < r.capacity))
+        return TutelDispatch.slots(fits, groups, num_experts)
 
 
-@mutant("tutel-capacity-local", base="expert.tutel",
+# A capacity taken from the rank's own need with no all-reduce at all cannot produce numbers:
+# the ranks' buffers differ in size and the equal-split all-to-all fails (gloo raises, NCCL
+# hangs) -- a crash, not a bug a check judges. Its numeric sibling: the agreement with the
+# wrong reduction, which every rank follows.
+@mutant("tutel-capacity-min", base="expert.tutel",
         overrides={"moe_capacity_factor": "0"},
-        bug="capacity taken from the rank's own largest per-expert count instead of the ep "
-            "group's (no all-reduce): the ranks' buffers differ in size, so the equal-split "
-            "all-to-all cuts them at different places")
-class CapacityLocal(ExpertTutel):
-    dispatch_class = _LocalCapacity
+        bug="the ep group agrees on its smallest per-expert need (all-reduce MIN, not MAX): "
+            "the ranks whose tokens need more slots drop them although the reference keeps "
+            "them")
+class CapacityMin(ExpertTutel):
+    dispatch_class = _MinCapacity

@@ -7,18 +7,20 @@ Hanayo holds 2 waves (vpp=4, 8 stages) and the V shapes 4 stages (vpp=2):
   ranks; numerically right, caught by the p2p bytes against the wave's closed form);
 * a rank whose two chunks meeting at a turn are built in each other's place (caught by the
   golden run: the layers run out of order);
-* a V-Half / V-Min W filler that puts a W in the first free slot before its B (caught by the
-  validator before anything spawns) or drops the last W of a chunk (caught by the golden
+* a V-Half / V-Min cool-down that drops the last W of a chunk (caught by the golden
   gradients).
+
+A W filler that puts a W before its B is not here: that W has no output gradient to work
+from, so no rank can run it and there are no numbers for a check to judge; the schedule
+validator refuses it before anything spawns (tests/unit/test_selftest_catalogue.py).
 """
 from __future__ import annotations
 
 from impls.pipeline import SCHEMES
 from impls.pipeline.executor import Executor
 from impls.pipeline.scheme import schedule_for
-from parbench.config import ConfigError
-from parbench.schedules import ScheduleError, validate
-from parbench.schedules.actions import BACKWARD_WEIGHT, Schedule, looped_placement
+from parbench.schedules import validate
+from parbench.schedules.actions import Schedule, looped_placement
 from parbench.schedules.wave import hanayo_order
 
 from .catalogue import mutant
@@ -66,33 +68,6 @@ class HanayoTurnChunksSwapped(_SwappedTurn, SCHEMES["hanayo"]):
 
 # ---- V-Half / V-Min --------------------------------------------------------------------------
 
-def _w_before_b(schedule: Schedule) -> Schedule:
-    """The filler's bug: each W goes to the free slot just before its B (the pending list is
-    filled when a B is *listed*, not when it ran)."""
-    rows = []
-    for row in schedule.actions:
-        out = [a for a in row if a.kind != BACKWARD_WEIGHT]
-        for w in (a for a in row if a.kind == BACKWARD_WEIGHT):
-            b = next(i for i, a in enumerate(out) if a.kind == "B" and a.mb == w.mb
-                     and a.stage == w.stage)
-            out.insert(b, w)
-        rows.append(out)
-    return Schedule(name=schedule.name, p=schedule.p, m=schedule.m, v=schedule.v,
-                    num_stages=schedule.num_stages, placement=schedule.placement,
-                    mb_pipe=schedule.mb_pipe, actions=rows, split_backward=True)
-
-
-def _w_before_b_scheme(name: str):
-    class WBeforeB(SCHEMES[name]):
-        @classmethod
-        def case_schedule(cls, case):
-            try:
-                return validate(_w_before_b(schedule_for(case, name)))
-            except ScheduleError as e:
-                raise ConfigError(f"{name}: {e}") from None
-    return WBeforeB
-
-
 class _SkipLastW(Executor):
     """The cool-down drops the W of the last micro-batch on the up-going chunk (stage >= p):
     its graph is freed without the weight gradients."""
@@ -102,12 +77,6 @@ class _SkipLastW(Executor):
             self.saved.pop((a.mb, a.stage, a.pipe))
             return
         super()._backward_weight(slot, a)
-
-
-@mutant("vhalf-w-before-b", base="pipeline.vhalf", overrides=V,
-        bug="the W filler places each W in the slot before its B")
-class VHalfWBeforeB(_w_before_b_scheme("vhalf")):
-    pass
 
 
 @mutant("vhalf-skip-last-w", base="pipeline.vhalf", overrides=V,

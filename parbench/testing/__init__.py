@@ -24,6 +24,10 @@ A case is given as keyword fields, the names of ``parbench run``'s ``key=value``
 (``dp=2``, ``model="tiny"``, ``num_microbatches=2``, ``bucket_mb=0.01``, ...), or as a
 ``CaseConfig`` (``case=``, which the fields then change). The scheme is a ``Scheme`` subclass,
 run by its import path ``"pkg.module:Class"`` (every rank imports it), or such a string.
+Given no case at all, ``assert_equivalent(MyDDP)`` runs the family's default case set
+(``default_set``; ``parbench.testing.defaults``: >= 2 micro-batches, 3 steps, shapes that
+pad, an odd dp, tied embeddings, each declared option's values) -- the set ``parbench
+verify`` runs with no case field and ``cases(family)`` draws from.
 
 Failures are ``AssertionError``s with a readable message: ``NotEquivalent`` names the first
 failing step, rank, check and tensor with its difference and tolerance, and prints the losses
@@ -35,12 +39,13 @@ Nothing heavy is imported here until a helper is called (the plugin loads in eve
 session of an environment with parbench installed).
 """
 from .helpers import (DEFAULTS, BytesDiffer, NotEquivalent, SchemeCrashed, SchemeRun,
-                      assert_bytes, assert_equivalent, make_case, native_scheme, run_scheme,
-                      scheme_spec)
+                      assert_bytes, assert_equivalent, default_set, make_case, native_scheme,
+                      run_scheme, scheme_spec)
 from .reports import _describe, _failed_check, _figure_diffs, bytes_report, equivalence_report
 from .strategies import FAMILIES, cases, rank_settings
 
-__all__ = ["assert_equivalent", "assert_bytes", "cases", "rank_settings", "run_scheme",
+__all__ = ["assert_equivalent", "assert_bytes", "cases", "default_set", "rank_settings",
+           "run_scheme",
            "make_case", "scheme_spec", "native_scheme", "SchemeRun", "NotEquivalent",
            "BytesDiffer", "SchemeCrashed", "FAMILIES", "DEFAULTS", "bytes_report",
            "equivalence_report", "_describe", "_failed_check", "_figure_diffs"]

@@ -95,7 +95,7 @@ def make_case(scheme=None, case: CaseConfig | None = None, **fields) -> CaseConf
 
 
 def _family_native(family: str) -> str | None:
-    from ..cli.verify import NATIVE
+    from .defaults import NATIVE
     return NATIVE.get(family)
 
 
@@ -204,13 +204,35 @@ def run_scheme(scheme, *, case: CaseConfig | None = None, pool=None, **fields) -
 # ---- equivalence ------------------------------------------------------------------------------
 
 
+def default_set(scheme) -> list[CaseConfig]:
+    """The cases of ``scheme``'s family default set that it accepts (what ``parbench verify``
+    runs with no case field; ``parbench.testing.defaults``). A scheme that accepts none is
+    a ``ConfigError`` listing why each was left out."""
+    from ..registry import get_scheme
+    from .defaults import default_cases
+    spec = scheme_spec(scheme)
+    cls = get_scheme(spec)
+    out, skipped = default_cases(cls, spec)
+    if not out:
+        raise ConfigError(f"scheme {spec} accepts none of the {cls.family} family's default "
+                          "cases: " + "; ".join(skipped))
+    return out
+
+
 def assert_equivalent(scheme, *, case: CaseConfig | None = None, pool=None,
-                      **fields) -> SchemeRun:
+                      **fields) -> SchemeRun | list[SchemeRun]:
     """Run ``scheme`` on the case and assert it equals the golden run: every rank's loss and
     gradients against the stepwise golden, its optimizer update, its initial weights, every
     parameter covered. Raises ``NotEquivalent`` naming the first failing step, rank, check
     and tensor with the difference and the tolerance, and the losses beside the golden
-    run's. Returns the ``SchemeRun`` (for further checks) when it passes."""
+    run's. Returns the ``SchemeRun`` (for further checks) when it passes.
+
+    Given neither ``case`` nor a field, it runs every case of the family's default set
+    (``default_set``: micro-batches, odd shapes, odd dp, tied embeddings, each declared
+    option's values), stops at the first that is not equivalent, and returns the list of
+    ``SchemeRun``s."""
+    if case is None and not fields:
+        return [assert_equivalent(scheme, case=c, pool=pool) for c in default_set(scheme)]
     result = run_scheme(scheme, case=case, pool=pool, **fields)
     if not result.equivalent:
         raise NotEquivalent(equivalence_report(result))

@@ -1,5 +1,6 @@
-"""Hypothesis strategies of small valid cases per family (``parbench.testing.cases``) and
-settings for property tests that run cases on ranks."""
+"""Hypothesis strategies of small valid cases per family (``parbench.testing.cases``), drawn
+from each family's default case set, and settings for property tests that run cases on
+ranks."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,65 +10,71 @@ from ..config import ConfigError
 
 # ---- Hypothesis ----------------------------------------------------------------------------------
 
-#: per family: what ``cases`` draws (lists are sampled; the rest is fixed). Small sizes, the
-#: degrees each family runs on 2 local ranks (hybrid: 4), every field from the public config.
+#: per family: what ``cases`` varies (lists are sampled) on top of a case of the family's
+#: default set (``parbench.testing.defaults``), keeping what the set covers (>= 2
+#: micro-batches, >= 3 steps, odd shapes, odd dp, tied embeddings, the declared options'
+#: values): the seed, the micro-batch size, an odd vocabulary, the weight decay.
 FAMILIES: dict[str, dict[str, Any]] = {
-    "data": {"model": "tiny", "dp": [1, 2], "micro_batch_size": [1, 2],
-             "num_microbatches": [1, 2, 3], "bucket_mb": [0.01, 0.05, 0.25],
-             "vocab_size": [61, 128], "seq_length": [8, 16], "tie_embeddings": [False, True],
+    "data": {"micro_batch_size": [1, 2], "vocab_size": [61, 67],
              "weight_decay": [0.0, 0.01, 0.1]},
-    "pipeline": {"model": "tiny-4l", "pp": 2, "micro_batch_size": [1, 2],
-                 "num_microbatches": [2, 3, 4], "vocab_size": [61, 128],
+    "pipeline": {"micro_batch_size": [1, 2], "vocab_size": [61, 67],
                  "weight_decay": [0.0, 0.01]},
-    "tensor": {"model": "tiny", "tp": 2, "vocab_size": [61, 128], "micro_batch_size": [1, 2],
-               "num_microbatches": [1, 2], "seq_length": [8, 16]},
-    "context": {"model": "tiny", "cp": 2, "seq_length": [8, 16, 32],
-                "micro_batch_size": [1, 2], "num_microbatches": [1, 2]},
-    "expert": {"model": "tiny", "dp": 2, "ep": [1, 2], "num_experts": [2, 4],
-               "moe_top_k": [1, 2], "moe_capacity_factor": [0.0, 1.0, 1.5],
-               "moe_every": [1, 2], "micro_batch_size": 2, "num_microbatches": [1, 2]},
-    "hybrid": {"model": "tiny-4l", "vocab_size": 61, "micro_batch_size": 2,
-               "num_microbatches": [2, 4],
-               "layout": [{"tp": 2, "pp": 2}, {"tp": 2, "dp": 2}, {"cp": 2, "dp": 2},
-                          {"dp": 2, "pp": 2}, {"tp": 2, "cp": 2}]},
+    "tensor": {"micro_batch_size": [1, 2], "vocab_size": [61, 67]},
+    "context": {"micro_batch_size": [1, 2], "vocab_size": [61, 67]},
+    "expert": {"vocab_size": [61, 67], "weight_decay": [0.0, 0.01]},
+    "hybrid": {"vocab_size": [61, 67]},
 }
 
-#: every family's cases: few steps, nothing timed, a drawn seed
-_COMMON = {"steps": 2, "timed_steps": 0, "seed": range(0, 2**16)}
+#: every drawn case: one timed step after the checked ones, a drawn seed
+_COMMON = {"timed_steps": 1, "seed": range(0, 2**16)}
+
+
+def _as_strategy(v):
+    from hypothesis import strategies as st
+    if isinstance(v, st.SearchStrategy):
+        return v
+    if isinstance(v, range):
+        return st.integers(v.start, v.stop - 1)
+    if isinstance(v, list):
+        return st.sampled_from(v)
+    return st.just(v)
 
 
 def cases(family: str = "data", **fixed):
-    """A Hypothesis strategy of valid ``CaseConfig``s of small sizes for ``family``.
+    """A Hypothesis strategy of valid ``CaseConfig``s of small sizes for ``family``: a case
+    of the family's default set (the one ``parbench verify`` and ``assert_equivalent`` run
+    with no case field; ``parbench.testing.defaults``), with the scheme's declared options
+    placed, then the family's variations (``FAMILIES``) and a drawn seed.
 
     ``fixed`` sets fields (``dp=2``) or draws them from your own strategy
-    (``bucket_mb=st.floats(0.001, 1)``); ``scheme=MyScheme`` (a class or spec) sets the
-    case's scheme and keeps only the cases its ``check`` accepts (default: the family's
-    native scheme, ``data.ddp``, ``pipeline.1f1b``, ...). Cases the config rules reject are
-    never drawn. ``FAMILIES`` lists what each family draws."""
+    (``bucket_mb=st.floats(0.001, 1)``), over the default case's; ``scheme=MyScheme`` (a
+    class or spec) sets the case's scheme, whose declared options are covered and whose
+    ``check`` filters the draws (default: the family's native scheme, ``data.ddp``,
+    ``pipeline.1f1b``, ...). Cases the config rules reject are never drawn."""
     from hypothesis import strategies as st
 
-    from .helpers import _family_native, make_case
+    from ..registry import get_scheme
+    from .defaults import base_fields, default_cases, place_options
+    from .helpers import _family_native, make_case, scheme_spec
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is not one of {', '.join(FAMILIES)}")
     scheme = fixed.pop("scheme", None) or _family_native(family)
+    spec = scheme_spec(scheme)
+    cls = get_scheme(spec)
+    accepted, _ = default_cases(cls, spec, family)
+    # the scheme may accept no default case until ``fixed`` changes them: draw the raw set
+    raw = [{**c["fields"], **c["placed"]}
+           for c in place_options(base_fields(family), tuple(cls.options))]
     space = {**_COMMON, **FAMILIES[family], **fixed}
-
-    def as_strategy(v):
-        if isinstance(v, st.SearchStrategy):
-            return v
-        if isinstance(v, range):
-            return st.integers(v.start, v.stop - 1)
-        if isinstance(v, list):
-            return st.sampled_from(v)
-        return st.just(v)
 
     @st.composite
     def draw_case(draw):
         from hypothesis import reject
-        drawn = {k: draw(as_strategy(v)) for k, v in space.items()}
-        drawn.update(drawn.pop("layout", None) or {})
+        drawn = {k: draw(_as_strategy(v)) for k, v in space.items()}
         try:
-            return make_case(scheme, **drawn)
+            if accepted:
+                return make_case(scheme, case=draw(st.sampled_from(accepted)), **drawn)
+            return make_case(scheme, **{**draw(st.sampled_from(raw)), **drawn})
         except ConfigError:
             reject()
 

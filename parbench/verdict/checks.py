@@ -219,6 +219,23 @@ def check_initial(params: dict[str, torch.Tensor], stepwise: StepwiseGolden) -> 
     return worst
 
 
+def completed(mine: dict, names, portable) -> dict:
+    """``mine`` ({parameter name: value}) when every rank holds every name in ``names``; else
+    the union of every rank's ``portable(mine)`` (all_gather_object, outside the ledger: a
+    pipeline stage holds part of the model). Collective: every rank calls it."""
+    complete = torch.tensor([int(set(mine) >= set(names))])
+    dist.all_reduce(complete, op=dist.ReduceOp.MIN)
+    if complete.item():
+        return mine
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, portable(mine))
+    full: dict = {}
+    for part in parts:
+        for n, v in part.items():
+            full.setdefault(n, v)
+    return full
+
+
 class RankChecker:
     """Everything one rank checks, step after step, for one case."""
 
@@ -234,21 +251,9 @@ class RankChecker:
             self.init_max_abs = check_initial(start, self.stepwise)
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights before this step: this rank's, completed from the other
-        ranks' (all_gather_object, outside the ledger) when this rank holds part of it (a
-        pipeline stage)."""
-        mine = self.update.shadow
-        complete = torch.tensor([int(set(mine) >= set(self.stepwise.params))])
-        dist.all_reduce(complete, op=dist.ReduceOp.MIN)
-        if complete.item():
-            return mine
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, {n: t.cpu() for n, t in mine.items()})
-        full: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for n, t in part.items():
-                full.setdefault(n, t)
-        return full
+        """The whole model's weights before this step (``completed``)."""
+        return completed(self.update.shadow, self.stepwise.params,
+                         lambda mine: {n: t.cpu() for n, t in mine.items()})
 
     def check(self, step: int, loss, inputs, targets) -> StepCheck:
         with comm.unrecorded():

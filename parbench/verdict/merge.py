@@ -35,6 +35,13 @@ class Merged:
     wire_by_step: list[list[dict[str, float]]] = field(default_factory=list)
     calls_by_step: list[list[dict[str, int]]] = field(default_factory=list)
     states_by_step: list[list[dict[str, int]]] = field(default_factory=list)
+    #: per timed step (``steps``, ``steps + 1``, ...), per rank
+    wire_timed: list[list[dict[str, float]]] = field(default_factory=list)
+    calls_timed: list[list[dict[str, int]]] = field(default_factory=list)
+    #: the final parameters after the last timed step (``verdict.final``; None: no timed
+    #: steps): within param_atol of the golden rule on every rank, and the largest difference
+    final_ok: bool | None = None
+    final_max_abs: float | None = None
 
     @property
     def wire_measured(self) -> dict[str, float]:
@@ -75,9 +82,11 @@ class _Tally:
 
 
 def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = None) -> Merged:
-    """Combine the per-rank results of one case. Equivalent means: every step's loss (on the
-    ranks that hold it), gradients and parameters within tolerance on every rank, and every
-    golden parameter covered by some rank."""
+    """Combine the per-rank results of one case. Equivalent means: every checked step's loss
+    (on the ranks that hold it), gradients and parameters within tolerance on every rank,
+    every golden parameter covered by some rank, and the final parameters after the last
+    timed step within tolerance of the golden rule (``verdict.final``). The timed steps'
+    ledgers are judged with the closed form (``verdict.timed``)."""
     steps = len(per_rank[0].checks)
     t = _Tally()
     for s in range(steps):
@@ -96,6 +105,7 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
         t.first = t.first or FirstFailure(
             "uncovered", uncovered[0],
             detail=f"{len(uncovered)} golden parameter(s) reported by no rank")
+    final_ok, final_abs = _final(per_rank, t)
     times = [statistics.median(r.step_times) for r in per_rank if r.step_times]
     return Merged(
         equivalent=t.ok and t.update_ok, golden_ok=t.ok, update_ok=t.update_ok,
@@ -108,4 +118,24 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
         wire_by_axis=[r.wire_by_axis_per_step[steps - 1] for r in per_rank],
         wire_by_step=[[r.wire_by_axis_per_step[s] for r in per_rank] for s in range(steps)],
         calls_by_step=[[r.calls_by_axis_per_step[s] for r in per_rank] for s in range(steps)],
-        states_by_step=[[r.model_states_per_step[s] for r in per_rank] for s in range(steps)])
+        states_by_step=[[r.model_states_per_step[s] for r in per_rank] for s in range(steps)],
+        wire_timed=[[r.wire_by_axis_per_step[s] for r in per_rank]
+                    for s in range(steps, len(per_rank[0].wire_by_axis_per_step))],
+        calls_timed=[[r.calls_by_axis_per_step[s] for r in per_rank]
+                     for s in range(steps, len(per_rank[0].calls_by_axis_per_step))],
+        final_ok=final_ok, final_max_abs=final_abs)
+
+
+def _final(per_rank: list[RankResult], t: _Tally) -> tuple[bool | None, float | None]:
+    """The final-state checks of every rank folded into ``t`` (their failure after any of
+    the checked steps'): (all within tolerance, largest difference); (None, None) without."""
+    finals = [(r.rank, r.final) for r in per_rank if r.final is not None]
+    if not finals:
+        return None, None
+    ok = all(f.param_ok and not f.missing for _, f in finals)
+    t.ok = t.ok and ok
+    if t.first is None:
+        rank, f = next(((r, f) for r, f in finals if f.failure is not None), (None, None))
+        if f is not None:
+            t.first = f.failure.at(f.step, rank)
+    return ok, max(f.param_max_abs for _, f in finals)

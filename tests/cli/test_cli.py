@@ -185,7 +185,8 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     suite = tmp_path / "two.yaml"
     suite.write_text("name: two\ndefaults: {model: tiny, steps: 2}\ncases:\n"
                      "  - {scheme: data.ddp, dp: 2}\n  - {scheme: pipeline.1f1b, pp: 2, "
-                     "num_microbatches: 2, micro_batch_size: 1}\n")
+                     "num_microbatches: 2, micro_batch_size: 1}\n"
+                     "  - {scheme: data.ddp, dp: 4}\n")  # world 4: left out, said once
     out = tmp_path / "out"
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -197,6 +198,19 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     rows = load_rows(out)
     assert [r.scheme for r in rows] == ["data.ddp", "pipeline.1f1b"]
     assert all(r.verdict.equivalent and r.traffic.wire_exact for r in rows)
+    assert (out / "report.md").is_file()  # rank 0 writes the report, as a local run does
+    assert p.stderr.count("leaving out 1 of world size 4") == 1, p.stderr
+
+
+def test_under_torchrun_no_case_of_the_world_size_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "3", "RANK": "0"}
+    env.pop("PARBENCH_POOL_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "parbench.cli", "run", "suite=smoke",
+                        f"out={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "WORLD_SIZE=3" in p.stderr and "world sizes 2" in p.stderr, p.stderr
 
 
 def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from parbench.launch import free_port
+from parbench.worker import free_port
 from parbench.results import load_rows
 
 ROOT = Path(__file__).resolve().parents[2]

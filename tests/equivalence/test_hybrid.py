@@ -103,7 +103,9 @@ def test_split_backward_and_two_replica_schedules(pools, ov):
     assert_exact(case, merged, per_rank)
 
 
-BF16 = {"dtype": "bf16", "rtol": 5e-2, "atol": 1e-2, "param_atol": 6e-3}
+# the data suite's bf16 rule, parameters to 2 * lr * steps (steps=2 here): a larger one
+# cannot fail and is refused (parbench.config.adamw_max_divergence)
+BF16 = {"dtype": "bf16", "rtol": 5e-2, "atol": 1e-2, "param_atol": 4e-3}
 
 
 @pytest.mark.parametrize("ov", [

@@ -41,17 +41,38 @@ def test_cases_are_valid_small_cases_of_their_family(family, data):
     cls = get_scheme(case.run.scheme)
     assert cls.family == family and case.run.scheme == native_scheme(cls.name)
     cls.check(case)
-    assert case.layout.world_size <= 4 and case.run.steps == 2 and case.run.timed_steps == 0
+    assert case.layout.world_size <= 4 and case.run.steps == 3 and case.run.timed_steps == 1
+    assert case.layout.num_microbatches >= 2 and case.model.vocab_size % 2 == 1
     assert case.model.name.startswith("tiny") and case.id
+
+
+class UntiedDDP(NativeDDP):
+    """A user's scheme (not registered) that refuses tied embeddings."""
+
+    name = ""
+
+    @classmethod
+    def check(cls, case):
+        super().check(case)
+        if case.model.tie_embeddings:
+            raise ConfigError("tie_embeddings must be false")
 
 
 @given(data=st.data())
 def test_cases_take_fixed_fields_strategies_and_a_scheme(data):
     case = data.draw(cases("data", dp=2, bucket_mb=st.sampled_from([0.5, 1.0]),
-                           scheme=OneMicrobatchDDP))
+                           scheme=UntiedDDP))
     assert case.layout.dp == 2 and case.options.data.bucket_mb in (0.5, 1.0)
-    assert case.layout.num_microbatches == 1  # the scheme's check filters the draws
-    assert case.run.scheme == f"{__name__}:OneMicrobatchDDP"
+    assert not case.model.tie_embeddings  # the scheme's check filters the draws
+    assert case.run.scheme == f"{__name__}:UntiedDDP"
+
+
+@given(data=st.data())
+def test_cases_fields_reach_a_scheme_no_default_case_suits(data):
+    """A scheme that refuses every default case (all have >= 2 micro-batches) is drawn the
+    default set's cases with the fixed fields applied."""
+    case = data.draw(cases("data", num_microbatches=1, scheme=OneMicrobatchDDP))
+    assert case.layout.num_microbatches == 1 and case.layout.dp in (2, 3)
 
 
 def test_unknown_family_is_an_error():

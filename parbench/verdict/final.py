@@ -1,0 +1,110 @@
+"""The final state: the parameters after the last timed step, against the golden rule
+(issue 20, section 1: "every step whose figures are reported is verified").
+
+The timed steps after the checked ones are not checked one by one: a per-step check would
+need each step's gradients, which some baselines keep only in checked steps (DeepSpeed frees
+them), and would put collectives between the timed steps. Instead, after the last timed step,
+each rank compares the parameters it holds (``full_params``) with the golden rule carried
+over every timed step:
+
+- **Schemes that pass the update check** (``checks_update``): the *shadow continuation*. The
+  update check's shadow ends the checked steps holding the scheme's own parameters after the
+  last checked step and the optimizer state built from the gradients the scheme reported
+  (exact to a few ulps when the checked steps passed). From there the golden rule trains on:
+  for each timed step, the gradients of the golden model at the shadow's weights on that
+  step's global batch, then one step of the run's optimizer. The scheme's final parameters
+  must equal the shadow's to ``atol = param_atol`` (tensor-wise, ``rtol`` on the tensor's
+  largest value, as every check). Starting from the scheme's own state, the shadow drifts
+  from a correct scheme only over the timed steps, by AdamW's amplification of reduction-order
+  noise (``RunConfig``: a fraction of lr per step at most; measured at most 2e-6 over two
+  timed steps on the small case of every scheme), while a step that drops or changes a
+  gradient's reduction moves parameters by up to lr = 1e-3 per step. Chosen over training
+  the golden run ``steps + timed_steps`` steps from step 0 because that trajectory's drift
+  grows over every step (docs/verdict.md, drift).
+  The golden work runs after the timed steps: it never lands inside a timed step.
+- **Schemes with their own update rule** (local SGD, PipeDream, 2BW): their golden run
+  (``Scheme.reference``) simulated over ``steps + timed_steps`` steps; the final parameters
+  held to ``param_atol``, as their checked steps are.
+
+Cost: ``timed_steps`` forward-backward passes of the single-device golden model (or one
+reference run) per rank, plus gathering the shadow when a rank holds part of the model.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..results import FirstFailure, StepCheck
+from .checks import compare, completed
+
+#: why a final check fails, in the row's first failure
+DETAIL_CONTINUED = ("after the last timed step, against the golden rule continued over the "
+                    "timed steps from the last checked step")
+DETAIL_REFERENCE = "after the last timed step, against the golden run over every step"
+
+
+def _shadow_state(update) -> dict[str, tuple[torch.Tensor, dict]]:
+    """This rank's shadow: name -> (weights, optimizer state), on the CPU."""
+    out = {}
+    for n, p in update.shadow.items():
+        state = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                 for k, v in update.opt.state.get(p, {}).items()}
+        out[n] = (p.detach().cpu().clone(), state)
+    return out
+
+
+def continue_shadow(update, stepwise, case, first: int, last: int, batch
+                    ) -> dict[str, torch.Tensor] | None:
+    """The shadow carried from step ``first`` to step ``last`` (exclusive) by the golden rule:
+    each step, the golden model's gradients at the shadow's weights on ``batch(case, step)``
+    (the global batch), then the optimizer. None when no rank holds some parameter (the row
+    already fails as ``uncovered``)."""
+    from ..model import make_optimizer
+    with comm.unrecorded():
+        state = completed(_shadow_state(update), stepwise.params, lambda mine: mine)
+    if set(stepwise.params) - set(state):
+        return None
+    weights = {n: w.clone() for n, (w, _) in state.items()}
+    opt = make_optimizer(list(weights.values()), case.run)
+    for n, (_, st) in state.items():
+        if st:
+            opt.state[weights[n]] = {k: v.clone() if torch.is_tensor(v) else v
+                                     for k, v in st.items()}
+    for step in range(first, last):
+        x, y = batch(case, step)
+        _, grads = stepwise.at(weights, x, y)
+        for n, w in weights.items():
+            w.grad = grads[n].to(w.dtype)
+        opt.step()
+        for w in weights.values():
+            w.grad = None
+    return weights
+
+
+def final_check(checker, case, total: int, batch) -> StepCheck | None:
+    """This rank's final parameters (after step ``total - 1``) against the golden rule over
+    every step (module docstring); a ``StepCheck`` of step ``total - 1`` whose ``param_*``
+    fields hold the comparison and whose failure, if any, is ``final parameters``.
+    ``batch(case, step)``: the global batch of a step (``golden.global_batch``, handed in:
+    the golden package imports this one)."""
+    run = case.run
+    with comm.unrecorded():
+        params = checker.scheme.full_params()
+        if checker.update is not None:
+            expected = continue_shadow(checker.update, checker.stepwise, case, run.steps, total,
+                                       batch)
+            detail = DETAIL_CONTINUED
+        else:
+            ref = type(checker.scheme).reference(case, total)
+            expected, detail = ref.params[total - 1], DETAIL_REFERENCE
+    if expected is None:
+        return None
+    p = compare(params, expected, run.rtol, run.param_atol)
+    out = StepCheck(step=total - 1, grad_max_abs=0.0, grad_ok=True, param_max_abs=p["max_abs"],
+                    param_ok=p["ok"], names=p["names"], missing=p["missing"])
+    if p["worst"]:
+        out.failure = FirstFailure("final parameters", detail=detail, **p["worst"])
+    elif p["missing"]:
+        out.failure = FirstFailure("final parameters", p["missing"][0],
+                                   detail="reported by the scheme, absent from the golden run")
+    return out

@@ -1,0 +1,58 @@
+"""Issue 20, section 5: a failing case names its first diverging module. ``parbench verify``
+on a user's ``data.ddp`` subclass whose second replica builds one LayerNorm with another eps
+names that module's forward output on that rank and step; a subclass that sums its buckets
+instead of averaging them (every module computes what the golden run does) says that no
+module diverges, so the difference arises in the reduction; the correct class is not
+localised at all (it passes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+HEADER = textwrap.dedent('''
+    import torch.distributed as dist
+    from parbench.registry import get_scheme
+''')
+
+LN_EPS = HEADER + textwrap.dedent('''
+    class MyDDP(get_scheme("data.ddp")):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            if self.dp_rank == 1:
+                self.model.blocks["1"].ln2.eps = 1e-3
+''')
+
+SUMMED = HEADER + textwrap.dedent('''
+    class MyDDP(get_scheme("data.ddp")):
+        def _on_grad(self, p):
+            if not self._sync:
+                return
+            b = self._bucket_of[p]
+            b.ready += 1
+            if b.ready == len(b.params):
+                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+''')
+
+CASE = ("dp=2", "model=tiny", "steps=2", "timed_steps=0", "num_microbatches=2")
+
+
+def verify(cwd, *args):
+    script = Path(sys.executable).parent / "parbench"
+    return subprocess.run([str(script), "verify", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+@pytest.mark.parametrize("source, says", [
+    (LN_EPS, "first divergence: forward output of blocks.1.ln2 (rank 1, step 0)"),
+    (SUMMED, "first divergence: none in the mapped modules"),
+])
+def test_a_failing_case_names_its_first_diverging_module(tmp_path, source, says):
+    (tmp_path / "mine.py").write_text(source)
+    r = verify(tmp_path, "scheme=mine.py:MyDDP", *CASE, f"out={tmp_path / 'r'}")
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert says in line, r.stdout
