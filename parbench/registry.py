@@ -132,10 +132,11 @@ def get_scheme(name: str) -> type[Scheme]:
 
 
 def all_schemes() -> dict[str, type[Scheme]]:
-    """Every registered scheme but the self-test's mutants."""
+    """Every registered scheme of parbench and its entry points: not the self-test's mutants,
+    nor a user's scheme loaded from a file (``FILE:Class``) earlier in this process."""
     _load_all()
     return dict(sorted((n, c) for n, c in contract.SCHEMES.items()
-                       if not n.startswith("mutant.")))
+                       if not n.startswith("mutant.") and ":" not in n))
 
 
 def routing_of(case: CaseConfig) -> RoutingGroups:
