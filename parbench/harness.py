@@ -77,16 +77,20 @@ def run_case(wctx, case_dict: dict) -> RankResult:
     """One case on this rank (``wctx``: the pool's or torchrun's WorkerContext)."""
     case = CaseConfig.from_dict(case_dict)
     run = case.run
-    wctx.progress(f"building {run.scheme}")
     torch.manual_seed(run.seed)
-    cls = get_scheme(run.scheme)
-    mesh = get_mesh(case, wctx.rank)
-    timeline = Timeline(wctx.rank, enabled=run.instrument)
-    scheme = cls(SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
-                               timeline=timeline))
+    # building the scheme is local work for the hang detector (a framework's first import and
+    # engine set-up take a minute on a loaded machine); a rank stuck in one of the ledger's
+    # collectives is still a hang, one stuck in a framework's own set-up ends at timeout_s
+    with wctx.working(f"building {run.scheme}"):
+        cls = get_scheme(run.scheme)
+        mesh = get_mesh(case, wctx.rank)
+        timeline = Timeline(wctx.rank, enabled=run.instrument)
+        scheme = cls(SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
+                                   timeline=timeline))
     with wctx.working("golden run"):  # local work: progress for the hang detector
         golden = cls.reference(case, run.steps)
-    me = _Rank(wctx, case, scheme, RankChecker(scheme, case, golden), mesh, timeline)
+        checker = RankChecker(scheme, case, golden)
+    me = _Rank(wctx, case, scheme, checker, mesh, timeline)
     wctx.progress("built")
     out = _Steps()
     total = run.steps + run.timed_steps
