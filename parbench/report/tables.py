@@ -63,6 +63,14 @@ def _caption(rows: list[Row], shared: list[Row], uniform: Tolerance | None,
     return caption
 
 
+def _tolerance_cell(tol: Tolerance, detectable: float | None) -> str:
+    """The row's tolerances: stated (rtol, atol, param_atol), or derived per tensor from the
+    step's own rounding noise (a bf16 row: the largest as a fraction of its tensor's scale)."""
+    if tol.derived and detectable is not None:
+        return f"derived\n<= {detectable:.0%} of scale\nparam {tol.param_atol:.0e}"
+    return f"rtol {tol.rtol:.0e}\natol {tol.atol:.0e}\nparam {tol.param_atol:.0e}"
+
+
 def _by_family(rows: list[Row]) -> dict[str, list[Row]]:
     fams: dict[str, list[Row]] = {}
     for r in rows:
@@ -124,8 +132,7 @@ def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
         v, tol = r.verdict, r.verdict.tolerance
         rat = ratios.get(r.id, [])
         rat_s = "\n".join(f"{v:.2f}× {cells.short_scheme(b)}" for b, v in rat) or "—"
-        tol_cell = [] if uniform else [
-            f"rtol {tol.rtol:.0e}\natol {tol.atol:.0e}\nparam {tol.param_atol:.0e}"]
+        tol_cell = [] if uniform else [_tolerance_cell(tol, v.detectable_grad_error)]
         t.add_row(
             r.scheme, cells.degrees(r) + ("*" if r in shared else ""), cells.verdict(r),
             "\n".join(cells.fmt_sci(x) for x in (v.max_loss_abs, v.max_grad_abs,

@@ -135,6 +135,9 @@ class StepCheck:
     #: loss and gradients held against the stepwise golden (the golden model at the scheme's
     #: own weights); param_max_abs is then the drift from the golden trajectory
     stepwise: bool = False
+    #: a lower compute dtype's derived tolerances (``verdict.precision``): the largest
+    #: tolerance relative to its tensor's scale this step (None: fp32, stated tolerances)
+    detectable_grad_error: float | None = None
     #: step 0 only: the scheme's initial parameters equal the golden initialisation
     init_ok: bool | None = None
     init_max_abs: float | None = None

@@ -47,11 +47,14 @@ class RowCase:
 
 @dataclass
 class Tolerance:
-    """``rtol``, ``atol``: losses and gradients; ``param_atol``: the golden trajectory."""
+    """``rtol``, ``atol``: losses and gradients; ``param_atol``: the golden trajectory.
+    ``derived``: in a lower compute dtype, the rule that replaces them for the loss and
+    gradients of each checked step and the final parameters (``verdict.precision``)."""
 
     rtol: float = 0.0
     atol: float = 0.0
     param_atol: float = 0.0
+    derived: str = ""
 
 
 @dataclass
@@ -81,6 +84,9 @@ class Verdict:
     uncovered: list[str] = field(default_factory=list)
     #: the smallest weight-decay error this row's comparison detects (docs/verdict.md)
     detectable_wd_error: float | None = None
+    #: a bf16 row: the largest derived gradient tolerance relative to its tensor's scale --
+    #: an error of that fraction of a tensor's scale is caught on every tensor and step
+    detectable_grad_error: float | None = None
     losses: list[float | None] = field(default_factory=list)
     golden_losses: list[float] = field(default_factory=list)
     #: "live" (trained for this run) or "stored:<file>" (a committed golden file)

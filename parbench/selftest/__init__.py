@@ -34,6 +34,7 @@ CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgathe
              "ring-no-rescale", "cp-pos-embed-local", "tp-fg-swapped",
              "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter",
              "ddp-debug-allreduce", "zero3-keeps-gathered-units",
-             "hybrid-moe-tokens-not-split", "ep-edp-mean", "ep-debug-alltoall")
+             "hybrid-moe-tokens-not-split", "ep-edp-mean", "ep-debug-alltoall",
+             "zero1-bf16-no-wd", "zero2-bf16-one-grad-summed", "hybrid-bf16-sp-ln-not-reduced")
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "FAMILY_CASES", "Mutant", "load", "mutant"]

@@ -14,17 +14,22 @@ carries the noise of its large addends), so an elementwise rtol would reject cor
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..results import FirstFailure, StepCheck
+from . import precision
 
 
 def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float,
-            atol: float) -> dict:
+            atol: float, tols: dict[str, float] | None = None) -> dict:
     """Max |difference| and pass/fail over the names in ``ours``; ``worst``: the failing
-    tensor furthest outside its tolerance (name, max_abs, tolerance), or None."""
+    tensor furthest outside its tolerance (name, max_abs, tolerance), or None. ``tols``: a
+    tolerance per tensor (a bf16 row's, ``verdict.precision``) instead of rtol and atol."""
     max_abs, ok, missing = 0.0, True, []
     worst, worst_ratio = None, 0.0
     for name, t in ours.items():
@@ -40,7 +45,7 @@ def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: f
             continue
         d = float((a - b).abs().max())
         max_abs = max(max_abs, d)
-        tol = atol + rtol * float(b.abs().max())
+        tol = tols[name] if tols is not None else atol + rtol * float(b.abs().max())
         if not d <= tol:
             ok = False
             ratio = d / tol if tol > 0 else float("inf")
@@ -119,6 +124,19 @@ def golden_detectable_wd_error(run) -> float:
     return (run.param_atol + run.rtol) / (run.lr * run.steps)
 
 
+@dataclass
+class Reference:
+    """The stepwise golden's loss and gradients for one step; with a lower compute dtype, the
+    tolerances derived for it (``verdict.precision``): the loss's, each gradient's, and the
+    largest relative one (the error fraction the step is sure to catch)."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    loss_tol: float | None = None
+    tols: dict[str, float] | None = None
+    detectable: float | None = None
+
+
 class StepwiseGolden:
     """The golden model at the scheme's own weights ("teacher forcing"): before checked step
     t the scheme holds parameters p_t; the single-device reference model loaded with p_t gives
@@ -130,30 +148,52 @@ class StepwiseGolden:
     """
 
     def __init__(self, case, routing):
-        """``routing``: the MoE routing groups of the scheme (``Scheme.routing_groups``)."""
-        from ..model import build_model
+        """``routing``: the MoE routing groups of the scheme (``Scheme.routing_groups``).
+        A run in a lower compute dtype also keeps the reference in that dtype (``low``), whose
+        difference from the fp32 one sets the step's tolerances (``verdict.precision``)."""
+        from ..model import build_model, compute_dtype
         self.model = build_model(case.model, case.run.seed,
                                  routing if case.model.num_experts else None)
         self.params = dict(self.model.named_parameters())
+        self.dtype = compute_dtype(case.run)
+        self.low = None
+        if self.dtype != torch.float32:
+            self.low = copy.deepcopy(self.model).to(self.dtype)
 
     @property
     def initial(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
-    def at(self, weights: dict[str, torch.Tensor], inputs, targets
+    def at(self, weights: dict[str, torch.Tensor], inputs, targets, low: bool = False
            ) -> tuple[float, dict[str, torch.Tensor]]:
-        """(loss, gradients) of the reference model at ``weights`` on the global batch."""
+        """(loss, gradients) of the reference model at ``weights`` on the global batch; in the
+        compute dtype with ``low`` (gradients returned in fp32)."""
+        model = self.low if low else self.model
+        params = dict(model.named_parameters())
         with torch.no_grad():
-            for n, p in self.params.items():
+            for n, p in params.items():
                 p.copy_(weights[n].detach().to(p.device, p.dtype))
-        self.model.zero_grad(set_to_none=True)
-        loss = self.model(inputs, targets)
+        model.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
         loss.backward()
-        return float(loss.detach()), {n: p.grad.detach().clone() for n, p in self.params.items()}
+        return float(loss.detach()), {n: p.grad.detach().float().clone()
+                                      for n, p in params.items()}
+
+    def reference(self, weights: dict[str, torch.Tensor], inputs, targets) -> Reference:
+        """What checked step must produce at ``weights``, and its tolerances: the fp32
+        reference, and in a lower compute dtype the tolerances derived from the same step in
+        that dtype (``verdict.precision``)."""
+        loss, grads = self.at(weights, inputs, targets)
+        if self.low is None:
+            return Reference(loss, grads)
+        low_loss, low_grads = self.at(weights, inputs, targets, low=True)
+        tols = precision.tolerances(low_grads, grads, self.dtype)
+        return Reference(loss, grads, precision.loss_tolerance(low_loss, loss, self.dtype),
+                         tols, precision.relative(tols, grads))
 
 
 def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None = None,
-               reference: tuple[float, dict] | None = None) -> StepCheck:
+               reference: Reference | None = None) -> StepCheck:
     """This rank's tensors of checked step ``step``.
 
     With ``reference`` (the stepwise golden's loss and gradients at the scheme's weights
@@ -167,8 +207,8 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
     params = scheme.full_params()
     p = compare(params, golden.params[step], run.rtol, run.param_atol)
     if reference is not None:
-        ref_loss, ref_grads = reference
-        g = compare(grads, ref_grads, run.rtol, run.atol)
+        ref_loss = reference.loss
+        g = compare(grads, reference.grads, run.rtol, run.atol, reference.tols)
     else:
         ref_loss = golden.losses[step]
         g = compare(grads, golden.grads[step], run.rtol,
@@ -179,20 +219,22 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
                     missing=g["missing"] + p["missing"], stepwise=reference is not None)
     if update is not None:
         out.update_excess, out.update_ok = update.check(grads, params)
+    loss_tol = run.atol + run.rtol * abs(ref_loss)
+    if reference is not None and reference.tols is not None:
+        loss_tol, out.detectable_grad_error = reference.loss_tol, reference.detectable
     if loss is not None:
         d = abs(float(loss) - ref_loss)
         out.loss, out.golden_loss, out.loss_abs = float(loss), golden.losses[step], d
-        out.loss_ok = d <= run.atol + run.rtol * abs(ref_loss)
-    out.failure = _first_failure(out, g, p, run, ref_loss)
+        out.loss_ok = d <= loss_tol
+    out.failure = _first_failure(out, g, p, loss_tol)
     return out
 
 
-def _first_failure(out: StepCheck, g: dict, p: dict, run, ref_loss: float
-                   ) -> FirstFailure | None:
+def _first_failure(out: StepCheck, g: dict, p: dict, loss_tol: float) -> FirstFailure | None:
     """What failed first, in the order a reader debugs: loss, gradients, parameters, the
     update, tensors the golden run lacks."""
     if out.loss_ok is False:
-        return FirstFailure("loss", "loss", out.loss_abs, run.atol + run.rtol * abs(ref_loss))
+        return FirstFailure("loss", "loss", out.loss_abs, loss_tol)
     if not out.grad_ok and g["worst"]:
         return FirstFailure("gradient", **g["worst"])
     if not out.param_ok and p["worst"]:
@@ -259,7 +301,7 @@ class RankChecker:
         with comm.unrecorded():
             reference = None
             if self.stepwise is not None:
-                reference = self.stepwise.at(self._full_weights(), inputs, targets)
+                reference = self.stepwise.reference(self._full_weights(), inputs, targets)
             out = check_step(self.scheme, self.golden, step, loss, self.run, self.update,
                              reference)
         if step == 0 and self.init_max_abs is not None:

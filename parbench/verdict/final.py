@@ -53,12 +53,12 @@ def _shadow_state(update) -> dict[str, tuple[torch.Tensor, dict]]:
     return out
 
 
-def continue_shadow(update, stepwise, case, first: int, last: int, batch
+def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: bool = False
                     ) -> dict[str, torch.Tensor] | None:
     """The shadow carried from step ``first`` to step ``last`` (exclusive) by the golden rule:
     each step, the golden model's gradients at the shadow's weights on ``batch(case, step)``
-    (the global batch), then the optimizer. None when no rank holds some parameter (the row
-    already fails as ``uncovered``)."""
+    (the global batch; in the compute dtype with ``low``), then the optimizer. None when no
+    rank holds some parameter (the row already fails as ``uncovered``)."""
     from ..model import make_optimizer
     with comm.unrecorded():
         state = completed(_shadow_state(update), stepwise.params, lambda mine: mine)
@@ -72,7 +72,7 @@ def continue_shadow(update, stepwise, case, first: int, last: int, batch
                                      for k, v in st.items()}
     for step in range(first, last):
         x, y = batch(case, step)
-        _, grads = stepwise.at(weights, x, y)
+        _, grads = stepwise.at(weights, x, y, low)
         for n, w in weights.items():
             w.grad = grads[n].to(w.dtype)
         opt.step()
@@ -91,8 +91,9 @@ def final_check(checker, case, total: int, batch) -> StepCheck | None:
     with comm.unrecorded():
         params = checker.scheme.full_params()
         if checker.update is not None:
+            # in the compute dtype: a bf16 scheme continued by the bf16 golden rule
             expected = continue_shadow(checker.update, checker.stepwise, case, run.steps, total,
-                                       batch)
+                                       batch, low=checker.stepwise.low is not None)
             detail = DETAIL_CONTINUED
         else:
             ref = type(checker.scheme).reference(case, total)
@@ -108,3 +109,4 @@ def final_check(checker, case, total: int, batch) -> StepCheck | None:
         out.failure = FirstFailure("final parameters", p["missing"][0],
                                    detail="reported by the scheme, absent from the golden run")
     return out
+

@@ -42,6 +42,9 @@ class Merged:
     #: steps): within param_atol of the golden rule on every rank, and the largest difference
     final_ok: bool | None = None
     final_max_abs: float | None = None
+    #: a lower compute dtype's derived tolerances: the largest relative one over every rank
+    #: and checked step (``verdict.precision``); None: fp32
+    detectable_grad_error: float | None = None
 
     @property
     def wire_measured(self) -> dict[str, float]:
@@ -64,8 +67,11 @@ class _Tally:
     covered: set = field(default_factory=set)
     losses: list = field(default_factory=list)
     first: FirstFailure | None = None
+    detectable: float | None = None
 
     def add(self, c, rank: int, step: int) -> None:
+        if c.detectable_grad_error is not None:
+            self.detectable = max(self.detectable or 0.0, c.detectable_grad_error)
         if self.first is None and c.failure is not None:
             self.first = c.failure.at(step, rank)
         self.grad_abs = max(self.grad_abs, c.grad_max_abs)
@@ -123,7 +129,7 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
                     for s in range(steps, len(per_rank[0].wire_by_axis_per_step))],
         calls_timed=[[r.calls_by_axis_per_step[s] for r in per_rank]
                      for s in range(steps, len(per_rank[0].calls_by_axis_per_step))],
-        final_ok=final_ok, final_max_abs=final_abs)
+        final_ok=final_ok, final_max_abs=final_abs, detectable_grad_error=t.detectable)
 
 
 def _final(per_rank: list[RankResult], t: _Tally) -> tuple[bool | None, float | None]:

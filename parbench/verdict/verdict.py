@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config import CaseConfig
 from ..results import ModelStates, OpTally, Tolerance, Traffic, Verdict
+from . import precision
 from .checks import detectable_wd_error, golden_detectable_wd_error
 from .merge import Merged
 
@@ -53,7 +54,10 @@ def verdict_of(case: CaseConfig, scheme_cls, merged: Merged, golden, timed=None)
         update_ok=merged.update_ok if checks_update else None,
         max_loss_abs=merged.max_loss_abs, max_grad_abs=merged.max_grad_abs,
         max_param_abs=merged.max_param_abs, max_update_excess=merged.max_update_excess,
-        tolerance=Tolerance(rtol=run.rtol, atol=run.atol, param_atol=run.param_atol),
+        tolerance=Tolerance(rtol=run.rtol, atol=run.atol, param_atol=run.param_atol,
+                            derived=precision.RULE if merged.detectable_grad_error is not None
+                            else ""),
+        detectable_grad_error=merged.detectable_grad_error,
         first_failure=_earliest(merged.first_failure, timed.failure if timed else None,
                                 run.steps),
         uncovered=merged.uncovered,

@@ -103,9 +103,10 @@ def test_split_backward_and_two_replica_schedules(pools, ov):
     assert_exact(case, merged, per_rank)
 
 
-# the data suite's bf16 rule, parameters to 2 * lr * steps (steps=2 here): a larger one
-# cannot fail and is refused (parbench.config.adamw_max_divergence)
-BF16 = {"dtype": "bf16", "rtol": 5e-2, "atol": 1e-2, "param_atol": 4e-3}
+# bf16: losses and gradients held to the tolerances derived from each step's rounding noise
+# (parbench.verdict.precision); the final parameters after the timed steps to 2 * lr per timed
+# step (a larger one cannot fail and is refused: parbench.config.adamw_max_divergence)
+BF16 = {"dtype": "bf16", "param_atol": 4e-3}
 
 
 @pytest.mark.parametrize("ov", [
@@ -116,7 +117,7 @@ BF16 = {"dtype": "bf16", "rtol": 5e-2, "atol": 1e-2, "param_atol": 4e-3}
 ], ids=["zero1-pp", "zero2-cp-bf16", "zero3-moe", "zero3-pp-bf16"])
 def test_zero_stages_over_dp_cp_and_edp(pools, ov):
     """ZeRO 1-3 over the dense (dp x cp) and expert (edp) gradient groups: the golden run's
-    numbers (bf16 at the data suite's tolerances), one reduce-scatter and one all-gather of
+    numbers (bf16 at the tolerances derived from its rounding noise), one reduce-scatter and one all-gather of
     the padded buffer per group, and the sharded states of the closed form on every rank."""
     case = make_case(**ov)
     merged, per_rank = run_on_pool(pools, case)

@@ -41,6 +41,14 @@ def test_every_mutant_is_killed_by_a_check_and_no_control_fails():
     for c in result["cases"]:
         if c["id"].endswith(("-no-wd", "-double-wd")):
             assert "update" in c["caught_by"], c
+    # bf16 rows (issue 20, sec. 4): the two gradient bugs are caught by the golden check at
+    # tolerances derived from the step's rounding noise although every gradient's error is
+    # below the stated bf16 atol of before (1e-2), which let them pass
+    for i in ("zero2-bf16-one-grad-summed", "hybrid-bf16-sp-ln-not-reduced"):
+        assert "golden" in by_id[i]["caught_by"], by_id[i]
+        assert by_id[i]["max_grad_abs"] < 1e-2, by_id[i]
+        assert by_id[i]["detectable_grad_error"] is not None
+    assert "update" in by_id["zero1-bf16-no-wd"]["caught_by"]
     # bugs that leave the numbers alone are caught by the closed forms alone
     assert by_id["ddp-debug-allreduce"]["caught_by"] == "wire+calls"
     assert by_id["zero3-keeps-gathered-units"]["caught_by"] == "model_state"
