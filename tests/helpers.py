@@ -12,6 +12,13 @@ from parbench.runner import run_per_rank
 from parbench.registry import get_scheme
 from parbench.verdict import Merged, compare, merge_ranks
 
+#: the subprocess timeout of the CLI tests: a net against a hang, not a bound on wall time (no
+#: test asserts one). On a 2-core machine whose cores another process keeps busy, a two-case
+#: torchrun run that takes 8 s quiet took more than 180 s; the ranks' own hang detection
+#: (60 s without progress locally, the process group's 600 s timeout under torchrun) ends a
+#: real hang well before this
+SUBPROCESS_TIMEOUT_S = 900
+
 
 def run_on_pool(pools, case: CaseConfig) -> tuple[Merged, list[RankResult]]:
     """Run a case on the session pool for its world size; return (merged, per_rank)."""

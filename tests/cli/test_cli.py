@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SUBPROCESS_TIMEOUT_S
 from parbench.results import load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parbench(*args, cwd=None, timeout=240):
+def parbench(*args, cwd=None, timeout=SUBPROCESS_TIMEOUT_S):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.time()
@@ -43,7 +44,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def parbench_without_ranks(*args, timeout=240):
+def parbench_without_ranks(*args, timeout=SUBPROCESS_TIMEOUT_S):
     """``parbench ARGS`` in a subprocess under SPAWN_GUARD."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -118,7 +119,7 @@ def test_crashed_and_hung_cases_are_failed_rows_and_the_suite_goes_on(tmp_path):
                      "     hang_timeout_s: 5}\n"
                      "  - {scheme: zero.2}\n")
     out = tmp_path / "out"
-    p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=180)
+    p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 1, p.stderr
     assert "injected failure at step 1 on rank 1" in p.stderr and "Traceback" in p.stderr
     rows = load_rows(out)
@@ -192,8 +193,8 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--standalone", "-m", "parbench.cli", "run", f"suite={suite}",
-                        f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env=env)
+                        f"out={out}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT_S, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = load_rows(out)
     assert [r.scheme for r in rows] == ["data.ddp", "pipeline.1f1b"]
@@ -207,7 +208,7 @@ def test_under_torchrun_no_case_of_the_world_size_is_one_line_exit_2(tmp_path):
     env.pop("PARBENCH_POOL_WORKER", None)
     p = subprocess.run([sys.executable, "-m", "parbench.cli", "run", "suite=smoke",
                         f"out={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env=env)
+                       timeout=SUBPROCESS_TIMEOUT_S, env=env)
     assert p.returncode == 2, p.stdout + p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "WORLD_SIZE=3" in p.stderr and "world sizes 2" in p.stderr, p.stderr
@@ -220,7 +221,7 @@ def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):
     assert p.returncode == 0, p.stderr
     env = {"COLUMNS": "100"}
     narrow = subprocess.run([sys.executable, "-m", "parbench.cli", "report", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
                             env={**os.environ, **env})
     lines = narrow.stdout.splitlines()
     assert narrow.returncode == 0 and lines
@@ -238,7 +239,7 @@ def test_compact_table_fits_100_columns_and_wide_keeps_every_column(tmp_path):
             body.append(line)
     assert len(body) == len(rows), body
     wide = subprocess.run([sys.executable, "-m", "parbench.cli", "report", str(out), "--wide"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
                           env={**os.environ, **env})
     assert wide.returncode == 0 and "update check" in wide.stdout and "tok/s" in wide.stdout
 
@@ -250,7 +251,7 @@ def test_bytes_off_the_closed_form_fail_the_run_with_status_3(tmp_path):
     suite.write_text("name: bytes\ndefaults: {model: tiny, dp: 2, steps: 2, timed_steps: 0}\n"
                      "cases:\n  - {scheme: mutant.ddp-debug-allreduce}\n")
     out = tmp_path / "out"
-    p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=120)
+    p, _ = parbench("run", f"suite={suite}", f"out={out}", timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 3, p.stdout + p.stderr
     (row,) = load_rows(out)
     assert row.verdict.equivalent and row.traffic.wire_exact is False

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SUBPROCESS_TIMEOUT_S
 from parbench.results import Failure, Row, append_row
 from parbench.report.compare import (TIME_FLOOR, TIME_K, Options, compare_rows,
                                      match_rows, read_rows, relative_spread, time_diff,
@@ -226,7 +227,7 @@ def _touch(p: Path) -> Path:
 # ---- the verb ----------------------------------------------------------------------------
 
 
-def parbench(*args, timeout=120):
+def parbench(*args, timeout=SUBPROCESS_TIMEOUT_S):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "200"
