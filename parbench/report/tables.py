@@ -49,7 +49,12 @@ def _caption(rows: list[Row], shared: list[Row], uniform: Tolerance | None,
         caption = ("bytes per rank per step, largest rank; 'x =' means every rank equals its "
                    "prediction on every checked step; KiB = 2^10 B, MiB = 2^20 B; golden "
                    f"runs: {stored} from committed files, {len(rows) - stored} live")
-        if uniform:
+        if uniform and uniform.derived:
+            caption += (f"; losses and gradients against the golden model at the scheme's "
+                        f"weights, to tolerances derived from each step's bf16 rounding "
+                        f"noise ({uniform.derived}); final parameters: param_atol "
+                        f"{uniform.param_atol:.0e}")
+        elif uniform:
             caption += (f"; losses and gradients against the golden model at the scheme's "
                         f"weights: rtol {uniform.rtol:.0e}, atol "
                         f"{uniform.atol:.0e} (tensor-wise); drift from the golden "
