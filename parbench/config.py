@@ -128,6 +128,11 @@ class RunConfig:
     beta1: float = _rule(0.9, "unit")
     beta2: float = _rule(0.95, "unit")
     eps: float = _rule(1e-8, "gt0")
+    #: gradient clipping by global norm (Megatron-LM's ``--clip-grad``; Pascanu et al. 2013,
+    #: Alg. 1): before each optimizer step every gradient is scaled by
+    #: min(1, clip_grad / (||g||_2 + 1e-6)), ||g|| over the whole model (parbench.model.
+    #: training.clip_coefficient); 0 = off
+    clip_grad: float = _rule(0.0, "nonneg", "max global gradient norm; 0 = off")
     dtype: str = "fp32"  # fp32 | bf16 (compute dtype; master weights fp32)
     device: str = "cpu"  # cpu | cuda
     threads_per_rank: int = _rule(1, "pos")

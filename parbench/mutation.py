@@ -130,6 +130,7 @@ def _entry(m: Mutant, row, controls_passed: bool) -> dict:
             "failure": v.failure.message if v.failure else None,
             "first_failure": str(v.first_failure) if v.first_failure else None,
             "detectable_grad_error": v.detectable_grad_error,
+            "clipped_steps": v.clipped_steps, "clip_coef_min": v.clip_coef_min,
             "max_loss_abs": v.max_loss_abs, "max_grad_abs": v.max_grad_abs,
             "max_param_abs": v.max_param_abs, "max_update_excess": v.max_update_excess,
             "controls_passed": controls_passed}

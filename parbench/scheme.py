@@ -152,6 +152,10 @@ class Scheme(ABC):
     checks_update: ClassVar[bool] = True
     #: runs MoE models (``num_experts > 0``); other schemes reject them before spawning
     supports_moe: ClassVar[bool] = False
+    #: clips gradients by global norm (``clip_grad > 0``) before its optimizer step, its
+    #: ``full_grads`` reporting the clipped gradients; other schemes reject the field before
+    #: spawning rather than run without it
+    supports_clip_grad: ClassVar[bool] = False
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -182,6 +186,9 @@ class Scheme(ABC):
         if case.model.num_experts and not cls.supports_moe:
             raise ConfigError(f"num_experts={case.model.num_experts}: scheme {cls.name} runs "
                               "dense models (MoE: expert.alltoall, hybrid)")
+        if case.run.clip_grad and not cls.supports_clip_grad:
+            raise ConfigError(f"clip_grad={case.run.clip_grad:g}: scheme {cls.name} does not "
+                              "clip gradients by global norm (set clip_grad=0)")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:

@@ -18,6 +18,8 @@ from parbench.config import CaseConfig
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Prediction, register
 
+from impls.common.clip import clip_grads_
+
 from .base import ReplicaScheme
 from .buckets import Bucket, bucket_assignment
 
@@ -29,6 +31,7 @@ class NativeDDP(ReplicaScheme):
     description = "DDP: bucketed gradient all-reduce overlapping backward"
     uses = ("dp",)
     options = ("bucket_mb",)
+    supports_clip_grad = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -47,6 +50,11 @@ class NativeDDP(ReplicaScheme):
 
     def make_optimizer(self, params):
         return make_optimizer(params, self.ctx.run)
+
+    def clip(self) -> None:
+        """Clip by global norm (``clip_grad``): after the all-reduce every replica holds the
+        whole averaged gradient, so the norm is local and needs no collective."""
+        clip_grads_([p.grad for p in self.params], self.ctx.run.clip_grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync:
@@ -72,6 +80,7 @@ class NativeDDP(ReplicaScheme):
                 if b.work is not None:
                     b.work.wait()
         with tl.span("optim"):
+            self.clip()
             self.opt.step()
         return self.reduce_loss(total / self.dp_size, self.group)
 

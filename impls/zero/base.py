@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from parbench.config import CaseConfig
-from parbench.model import build_model, compute_dtype, make_optimizer
+from parbench.model import (build_model, clip_coefficient, compute_dtype, make_optimizer,
+                            scale_grads_)
 from parbench.scheme import Prediction
 
+from impls.common.clip import clip_grads_
 from impls.data.base import DataParallelScheme
 
 from .layout import build_layout, split_units, unit_views
@@ -43,6 +45,7 @@ class ZeroScheme(DataParallelScheme):
 
     stage: int = 1
     options = ("bucket_mb",)
+    supports_clip_grad = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -97,6 +100,7 @@ class ZeroScheme(DataParallelScheme):
             g.div_(self.dp_size)
         for master, g in zip(self.masters, self.gshard):
             master.grad = g if not self.mixed else g.float()
+        self.clip()
         self.opt.step()
         for master in self.masters:
             master.grad = None
@@ -108,6 +112,15 @@ class ZeroScheme(DataParallelScheme):
         # torch's convention), which is how the memory tracker knows them as gradients
         for own, g in zip(self.owned, self.gshard):
             own.grad = g
+
+    def clip(self) -> None:
+        """Clip by global norm (``clip_grad``): the fp32 shards' squares summed over dp (the
+        padding is zero), as Megatron-LM's distributed optimizer does; the compute-dtype
+        shards, reported as the gradients, scaled by the same factor."""
+        clip = self.ctx.run.clip_grad
+        norm = clip_grads_([m.grad for m in self.masters], clip, groups=[self.group])
+        if norm is not None and self.mixed:
+            scale_grads_(self.gshard, clip_coefficient(norm, clip))
 
     # ---- comparison and accounting ------------------------------------------------------------
     def gather(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:

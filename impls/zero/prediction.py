@@ -48,7 +48,8 @@ def zero_prediction(case: CaseConfig, stage: int) -> Prediction:
     mixed = case.run.dtype == "bf16"
     par = case.layout
     pred = data_parallel.zero(shape_from(case.model), par.dp, stage, case.options.data.bucket_mb,
-                              par.num_microbatches, e, case.run.optimizer, mixed)
+                              par.num_microbatches, e, case.run.optimizer, mixed,
+                              case.run.clip_grad)
     wire = summarize(pred.transfers).get("dp", {"message_bytes": 0, "count": 0})
     out = Prediction.uniform(
         par.dp, pred.wire_bytes, pred.states, pred.calls,

@@ -16,7 +16,8 @@ Rules (the implementations in ``impls/data`` and ``impls/zero`` must follow them
   (Sec. 3.2); ZeRO-1 reduce-scatters each unit once and all-gathers it after the step,
   2 Psi' (Sec. 7.2.1); ZeRO-2 reduce-scatters each unit every micro-batch, (m + 1) Psi';
   ZeRO-3 all-gathers each unit before its forward and its backward and reduce-scatters it in
-  every micro-batch, 3 m Psi' (Sec. 7.2.2); local SGD all-reduces all fp32 parameters on a
+  every micro-batch, 3 m Psi' (Sec. 7.2.2); with gradient clipping, one 4-byte all-reduce
+  of the shards' squared norm (``analytic.clip``; DDP's replicated gradients need none); local SGD all-reduces all fp32 parameters on a
   sync step (Stich 2019). Psi' is the padded size, each message one whole unit.
 - **Model states per rank** after a step (e = compute dtype bytes; AdamW keeps two fp32
   moments per element and one 4-byte ``step`` per parameter tensor it steps; with a lower
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .clip import norm_transfers
 from .comm import Transfer, summarize
 from .memory import shard_numel
 from .prediction import RankPrediction, adamw_bytes  # noqa: F401  (adamw_bytes re-exported)
@@ -105,8 +107,11 @@ def zero_units(shape: Shape, dp: int, bucket_mb: float, elem_bytes: int) -> list
 
 
 def zero(shape: Shape, dp: int, stage: int, bucket_mb: float, num_microbatches: int = 1,
-         elem_bytes: int = 4, optimizer: str = "adamw", mixed: bool = False) -> DataPrediction:
-    """Native ZeRO stage 1, 2 or 3 (see the module docstring for the rules)."""
+         elem_bytes: int = 4, optimizer: str = "adamw", mixed: bool = False,
+         clip_grad: float = 0.0) -> DataPrediction:
+    """Native ZeRO stage 1, 2 or 3 (see the module docstring for the rules); with
+    ``clip_grad``, the gradient norm's all-reduce over the shards' dp group
+    (``analytic.clip``)."""
     units = zero_units(shape, dp, bucket_mb, elem_bytes)
     shards = [shard_numel(n, dp) for n in units]
     padded = [d * dp for d in shards]
@@ -123,6 +128,7 @@ def zero(shape: Shape, dp: int, stage: int, bucket_mb: float, num_microbatches: 
         if ag_use:
             transfers.append(Transfer("dp", "all_gather", dp, msg, ag_use * live,
                                       "parameters before use (forward and backward)"))
+    transfers += norm_transfers({"dp": dp}, clip_grad)
     full, shard = sum(padded), sum(shards)
     e = elem_bytes
     opt = adamw_bytes(shard, len(units), optimizer) + (4 * shard if mixed else 0)

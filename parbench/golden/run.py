@@ -1,7 +1,8 @@
 """The golden run: the unpartitioned model trained on one device.
 
 ``train`` trains the whole reference model on the global batch of every step (one forward
-over the whole batch, mean token cross-entropy) with the same seed, data and optimizer as the
+over the whole batch, mean token cross-entropy, gradients clipped by global norm when the run
+clips) with the same seed, data and optimizer as the
 schemes, keeping the loss, the gradients and the updated parameters of each step. An MoE
 model routes the groups its scheme routes (``parbench.model.moe``), which the caller passes
 in (``Scheme.routing_groups``).
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CaseConfig
-from ..model import GPTStage, build_model, make_optimizer, synthetic_batch
+from ..model import GPTStage, build_model, clip_local_, make_optimizer, synthetic_batch
 from ..model.moe import RoutingGroups
 
 
@@ -78,9 +79,13 @@ def train(case: CaseConfig, steps: int, routing: RoutingGroups | None = None,
 
 
 def _forward_backward(model: GPTStage, opt, case: CaseConfig, step: int) -> float:
-    """Step ``step``'s loss on the global batch; its gradients left in ``.grad``."""
+    """Step ``step``'s loss on the global batch; its gradients left in ``.grad``, clipped by
+    global norm when the run clips (``clip_grad``): the gradients the optimizer steps on, so a
+    stored run replays them as they are."""
     x, y = global_batch(case, step)
     opt.zero_grad(set_to_none=True)
     loss = model(x, y)
     loss.backward()
+    if case.run.clip_grad:
+        clip_local_([p.grad for p in model.parameters()], case.run.clip_grad)
     return float(loss.detach())

@@ -10,8 +10,10 @@ from .blocks import MLP, Attention, Embedding, Head
 from .data import synthetic_batch
 from .gpt import Block, GPTStage, build_model, build_stage, stage_layers
 from .init import init_parameters, param_seed
-from .training import compute_dtype, make_optimizer
+from .training import (clip_coefficient, clip_local_, compute_dtype, grad_norm_sq,
+                       make_optimizer, scale_grads_)
 
 __all__ = ["Attention", "Block", "Embedding", "GPTStage", "Head", "MLP", "build_model",
-           "build_stage", "compute_dtype", "init_parameters", "make_optimizer", "param_seed",
+           "build_stage", "clip_coefficient", "clip_local_", "compute_dtype", "grad_norm_sq",
+           "scale_grads_", "init_parameters", "make_optimizer", "param_seed",
            "stage_layers", "synthetic_batch"]

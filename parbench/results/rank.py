@@ -138,6 +138,11 @@ class StepCheck:
     #: a lower compute dtype's derived tolerances (``verdict.precision``): the largest
     #: tolerance relative to its tensor's scale this step (None: fp32, stated tolerances)
     detectable_grad_error: float | None = None
+    #: with gradient clipping (``clip_grad``): the reference's global gradient norm before
+    #: clipping, and the factor the step's gradients were clipped by (1: the norm was under
+    #: the threshold, the clip did not act and the step says nothing about it)
+    grad_norm: float | None = None
+    clip_coef: float | None = None
     #: step 0 only: the scheme's initial parameters equal the golden initialisation
     init_ok: bool | None = None
     init_max_abs: float | None = None

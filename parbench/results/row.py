@@ -87,6 +87,11 @@ class Verdict:
     #: a bf16 row: the largest derived gradient tolerance relative to its tensor's scale --
     #: an error of that fraction of a tensor's scale is caught on every tensor and step
     detectable_grad_error: float | None = None
+    #: with gradient clipping (``clip_grad``): the smallest factor the golden rule clipped a
+    #: checked step's gradients by, and on how many checked steps it acted (0: the clip never
+    #: acted, and the row does not test it)
+    clip_coef_min: float | None = None
+    clipped_steps: int | None = None
     losses: list[float | None] = field(default_factory=list)
     golden_losses: list[float] = field(default_factory=list)
     #: "live" (trained for this run) or "stored:<file>" (a committed golden file)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..model.training import clip_coefficient, clip_local_
 from ..results import FirstFailure, StepCheck
 from . import precision
 
@@ -135,6 +136,8 @@ class Reference:
     loss_tol: float | None = None
     tols: dict[str, float] | None = None
     detectable: float | None = None
+    #: with clipping: the global gradient norm before clipping (``grads`` are clipped)
+    grad_norm: float | None = None
 
 
 class StepwiseGolden:
@@ -154,6 +157,10 @@ class StepwiseGolden:
         from ..model import build_model, compute_dtype
         self.model = build_model(case.model, case.run.seed,
                                  routing if case.model.num_experts else None)
+        #: the run's clipping (``clip_grad``): ``at`` returns the clipped gradients, what the
+        #: optimizer steps on and a scheme reports; ``norm`` is the last global norm before
+        #: clipping (fp32 reference)
+        self.clip_grad, self.norm = case.run.clip_grad, None
         self.params = dict(self.model.named_parameters())
         self.dtype = compute_dtype(case.run)
         self.low = None
@@ -176,20 +183,23 @@ class StepwiseGolden:
         model.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
         loss.backward()
-        return float(loss.detach()), {n: p.grad.detach().float().clone()
-                                      for n, p in params.items()}
+        grads = {n: p.grad.detach().float().clone() for n, p in params.items()}
+        if self.clip_grad:
+            self.norm = clip_local_(list(grads.values()), self.clip_grad)
+        return float(loss.detach()), grads
 
     def reference(self, weights: dict[str, torch.Tensor], inputs, targets) -> Reference:
         """What checked step must produce at ``weights``, and its tolerances: the fp32
         reference, and in a lower compute dtype the tolerances derived from the same step in
         that dtype (``verdict.precision``)."""
         loss, grads = self.at(weights, inputs, targets)
+        norm = self.norm
         if self.low is None:
-            return Reference(loss, grads)
+            return Reference(loss, grads, grad_norm=norm)
         low_loss, low_grads = self.at(weights, inputs, targets, low=True)
         tols = precision.tolerances(low_grads, grads, self.dtype)
         return Reference(loss, grads, precision.loss_tolerance(low_loss, loss, self.dtype),
-                         tols, precision.relative(tols, grads))
+                         tols, precision.relative(tols, grads), grad_norm=norm)
 
 
 def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None = None,
@@ -219,6 +229,9 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
                     missing=g["missing"] + p["missing"], stepwise=reference is not None)
     if update is not None:
         out.update_excess, out.update_ok = update.check(grads, params)
+    if reference is not None and reference.grad_norm is not None:
+        out.grad_norm = reference.grad_norm
+        out.clip_coef = clip_coefficient(reference.grad_norm, run.clip_grad)
     loss_tol = run.atol + run.rtol * abs(ref_loss)
     if reference is not None and reference.tols is not None:
         loss_tol, out.detectable_grad_error = reference.loss_tol, reference.detectable

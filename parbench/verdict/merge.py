@@ -45,6 +45,10 @@ class Merged:
     #: a lower compute dtype's derived tolerances: the largest relative one over every rank
     #: and checked step (``verdict.precision``); None: fp32
     detectable_grad_error: float | None = None
+    #: with gradient clipping: the smallest clip factor over the checked steps (1: the clip
+    #: never acted, so the row says nothing about it) and the number of steps it acted on
+    clip_coef_min: float | None = None
+    clipped_steps: int | None = None
 
     @property
     def wire_measured(self) -> dict[str, float]:
@@ -68,8 +72,11 @@ class _Tally:
     losses: list = field(default_factory=list)
     first: FirstFailure | None = None
     detectable: float | None = None
+    clip_coefs: dict = field(default_factory=dict)
 
     def add(self, c, rank: int, step: int) -> None:
+        if c.clip_coef is not None:
+            self.clip_coefs[step] = c.clip_coef
         if c.detectable_grad_error is not None:
             self.detectable = max(self.detectable or 0.0, c.detectable_grad_error)
         if self.first is None and c.failure is not None:
@@ -129,7 +136,9 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
                     for s in range(steps, len(per_rank[0].wire_by_axis_per_step))],
         calls_timed=[[r.calls_by_axis_per_step[s] for r in per_rank]
                      for s in range(steps, len(per_rank[0].calls_by_axis_per_step))],
-        final_ok=final_ok, final_max_abs=final_abs, detectable_grad_error=t.detectable)
+        final_ok=final_ok, final_max_abs=final_abs, detectable_grad_error=t.detectable,
+        clip_coef_min=min(t.clip_coefs.values()) if t.clip_coefs else None,
+        clipped_steps=sum(c < 1.0 for c in t.clip_coefs.values()) if t.clip_coefs else None)
 
 
 def _final(per_rank: list[RankResult], t: _Tally) -> tuple[bool | None, float | None]:

@@ -58,6 +58,7 @@ def verdict_of(case: CaseConfig, scheme_cls, merged: Merged, golden, timed=None)
                             derived=precision.RULE if merged.detectable_grad_error is not None
                             else ""),
         detectable_grad_error=merged.detectable_grad_error,
+        clip_coef_min=merged.clip_coef_min, clipped_steps=merged.clipped_steps,
         first_failure=_earliest(merged.first_failure, timed.failure if timed else None,
                                 run.steps),
         uncovered=merged.uncovered,
