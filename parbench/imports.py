@@ -34,7 +34,10 @@ _MEGATRON_ARGS = {
     "--num-experts": ("model", "num_experts"),
     "--moe-router-topk": ("model", "moe_top_k"),
     "--vocab-size": ("model", "vocab_size"),
+    "--clip-grad": ("run", "clip_grad"),
 }
+#: Megatron arguments whose value is a float (the others are integers)
+_MEGATRON_FLOATS = frozenset({"--clip-grad"})
 
 
 #: Megatron flags without a value: name -> the bare field it sets
@@ -64,7 +67,7 @@ def megatron_values(argv: list[str]) -> dict[str, Any]:
             value, i = argv[i + 1], i + 2
         else:
             raise ConfigError(f"Megatron argument {key!r} needs a value")
-        out[key] = coerce(value, int, key)
+        out[key] = coerce(value, float if key in _MEGATRON_FLOATS else int, key)
     return out
 
 
@@ -124,7 +127,7 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
 
     Reads ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
     ``train_batch_size`` (checked: = micro * accum * dp), ``zero_optimization.stage``,
-    ``bf16``/``fp16`` and ``optimizer``. dp = world_size (no model parallelism in the JSON).
+    ``bf16``/``fp16``, ``optimizer`` and ``gradient_clipping`` (``clip_grad``). dp = world_size (no model parallelism in the JSON).
     """
     cfg = _load_json(cfg)
     rc = RunConfig()
@@ -160,6 +163,7 @@ def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
         if "betas" in params:
             rc.beta1, rc.beta2 = (float(x) for x in params["betas"])
         rc.eps = float(params.get("eps", rc.eps))
+    rc.clip_grad = float(cfg.get("gradient_clipping", rc.clip_grad))
     return CaseConfig(layout=lay, options=Options().with_values(zero_stage=zero), run=rc)
 
 
@@ -183,6 +187,8 @@ def megatron_overrides(text: str) -> dict[str, str]:
                 out[f"{sec}.{f.name}"] = str(v).lower() if isinstance(v, bool) else str(v)
     if case.options.tensor.sp:
         out["tensor.sp"] = "true"
+    if "--clip-grad" in args:
+        out["run.clip_grad"] = str(case.run.clip_grad)
     return out
 
 
@@ -203,6 +209,8 @@ def deepspeed_overrides(path_or_text: str, world_size: int | None = None) -> dic
     if cfg.get("optimizer"):
         for name in ("optimizer", "lr", "weight_decay", "beta1", "beta2", "eps"):
             out[f"run.{name}"] = str(getattr(case.run, name))
+    if "gradient_clipping" in cfg:
+        out["run.clip_grad"] = str(case.run.clip_grad)
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
 from parbench.memory import KeptForChecks
-from parbench.model import build_model, make_optimizer
+from parbench.model import build_model, clip_local_, make_optimizer
 from parbench.scheme import register
 
 from impls.data.base import DataParallelScheme
@@ -81,7 +81,7 @@ def deepspeed_config(case: CaseConfig, stage: int) -> dict:
                               "stage3_max_reuse_distance": 0,
                               "stage3_max_live_parameters": bucket},
         "bf16": {"enabled": r.dtype == "bf16"},
-        "gradient_clipping": 0.0,
+        "gradient_clipping": r.clip_grad,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -130,6 +130,7 @@ class _DeepSpeedZero(DataParallelScheme):
     options = ("bucket_mb",)
     isolated = True
     stage = 1
+    supports_clip_grad = True
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -170,11 +171,17 @@ class _DeepSpeedZero(DataParallelScheme):
         return self.reduce_loss(total / self.dp_size, self.group)
 
     def _capture_grads(self) -> None:
+        """The full gradients before ``engine.step()``; with ``clip_grad``, clipped here by
+        their global norm (DeepSpeed clips inside its step and frees them after): the
+        gradients its step should consume, so the gradient check holds DeepSpeed's unclipped
+        gradients and the update check whether its step clipped them by that factor."""
         with comm.unrecorded():
             self._grads = KeptForChecks()
             for n, p in zip(self.names, self.engine.module.parameters()):
                 g = self._ds.utils.safe_get_full_grad(p)
                 self._grads[n] = g.detach().float().clone().view(_shape(p))
+            if self.ctx.run.clip_grad:
+                clip_local_(list(self._grads.values()), self.ctx.run.clip_grad)
 
     def full_grads(self):
         return self._grads

@@ -9,7 +9,9 @@ parbench's CPU memory tracker cannot read and whose overhead would dominate a ti
 step). Gradients are reduce-scattered every
 micro-batch and accumulate in the sharded ``.grad``. With ``dtype=bf16`` a
 ``MixedPrecisionPolicy`` gathers bf16 parameters and reduces bf16 gradients; the sharded fp32
-parameters are the master weights.
+parameters are the master weights. With ``clip_grad``, ``torch.nn.utils.clip_grad_norm_``
+runs on the sharded DTensor gradients, as torchtitan clips under FSDP2 (DTensor computes the
+norm of the shards and all-reduces it over the mesh).
 
 FSDP2 runs stock: its default collectives call ``dist.all_gather_single`` /
 ``dist.reduce_scatter_single``, which parbench's ledger wraps, so its traffic lands in the
@@ -45,6 +47,7 @@ class TorchFSDP2(DataParallelScheme):
     baseline_of = "zero.3"
     description = "torch FSDP2 fully_shard (one unit per block + root)"
     uses = ("dp",)
+    supports_clip_grad = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -68,6 +71,8 @@ class TorchFSDP2(DataParallelScheme):
         for i, (xm, ym) in enumerate(mbs):
             total += self.forward_backward(self.model, xm, ym, i)
         with tl.span("optim"):
+            if self.ctx.run.clip_grad:  # on the sharded DTensor gradients: FSDP2's own norm
+                torch.nn.utils.clip_grad_norm_(self.params, self.ctx.run.clip_grad)
             for p, loc in zip(self.params, self.local):
                 loc.grad = p.grad.to_local() if p.grad is not None else None
             self.opt.step()

@@ -7,13 +7,15 @@ same pre-division by the group size, issued through ``torch.distributed.all_redu
 the ledger sees every bucket -- in every step, the timed ones included: their ledgers are
 verified like the checked steps' (issue 20), so the figures timed are those of the
 computation checked. The reducer, its buckets and their overlap with backward stay torch's;
-the hook adds one Python call per bucket.
+the hook adds one Python call per bucket. With ``clip_grad`` the step calls
+``torch.nn.utils.clip_grad_norm_`` on the replicated gradients, as a DDP training loop does.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,6 +34,7 @@ class TorchDDP(ReplicaScheme):
     description = "torch DistributedDataParallel (stock all-reduce hook, every step)"
     uses = ("dp",)
     options = ("bucket_mb",)
+    supports_clip_grad = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -63,6 +66,8 @@ class TorchDDP(ReplicaScheme):
             with self.ddp.no_sync() if not last else contextlib.nullcontext():
                 total += self.forward_backward(self.ddp, xm, ym, i)
         with tl.span("optim"):
+            if self.ctx.run.clip_grad:  # torch's own clipping, as a DDP user calls it
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ctx.run.clip_grad)
             self.opt.step()
         return self.reduce_loss(total / self.dp_size, self.group)
 

@@ -167,3 +167,14 @@ def test_preset_says_what_is_sourced():
     assert {k for k, v in src.items() if v.startswith("sourced")} == {
         "hidden_size", "num_layers", "num_heads", "num_experts"}
     assert all(v for v in src.values())
+
+
+def test_the_clipping_norm_is_one_fp32_all_reduce_per_spread_axis():
+    from parbench.analytic.clip import add_to, norm_transfers
+    assert norm_transfers({"dp": 4, "tp": 2}, 0.0) == []
+    ts = norm_transfers({"dp": 4, "tp": 1, "pp": 3}, 1.0)
+    assert [(t.axis, t.op, t.message_bytes, t.count) for t in ts] == [
+        ("dp", "all_reduce", 4, 1), ("pp", "all_reduce", 4, 1)]
+    wire, calls = {"dp": 10}, {"dp": 2}
+    add_to(wire, calls, {"dp": 4, "pp": 3}, 1.0)
+    assert wire == {"dp": 10 + 6, "pp": 2 * 2 / 3 * 4} and calls == {"dp": 3, "pp": 1}

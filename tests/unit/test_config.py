@@ -59,8 +59,9 @@ def test_megatron_arguments():
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
             "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
             "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
-            "--ffn-hidden-size", "256"]
+            "--ffn-hidden-size", "256", "--clip-grad", "1.0"]
     c = from_megatron_args(argv, world_size=8)
+    assert c.run.clip_grad == 1.0
     assert (c.layout.tp, c.layout.pp, c.layout.dp) == (2, 2, 2)
     assert c.layout.vpp == 2  # 8 layers / 2 stages / 2 layers per virtual stage
     assert c.layout.num_microbatches == 4  # 16 / (2 * 2)
@@ -75,12 +76,14 @@ def test_megatron_arguments():
 def test_deepspeed_json():
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
            "train_batch_size": 24, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+           "gradient_clipping": 0.5,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.99],
                                                     "weight_decay": 0.1}}}
     c = from_deepspeed_json(json.dumps(cfg), world_size=4)
     assert (c.layout.micro_batch_size, c.layout.num_microbatches, c.layout.dp) == (2, 3, 4)
     assert c.options.data.zero_stage == 2 and c.run.dtype == "bf16"
     assert (c.run.lr, c.run.beta2, c.run.weight_decay) == (3e-4, 0.99, 0.1)
+    assert c.run.clip_grad == 0.5
     cfg["train_batch_size"] = 25
     with pytest.raises(ConfigError, match="train_batch_size=25"):
         from_deepspeed_json(cfg, world_size=4)

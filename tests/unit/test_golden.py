@@ -231,3 +231,24 @@ def test_check_flags_stale_and_missing_tensors_and_a_missing_file(tmp_path):
     (tmp_path / entry["file"]).unlink()
     (row,) = golden.check(str(tmp_path))
     assert not row["exists"] and not row["ok"]
+
+
+def test_the_golden_run_clips_by_global_norm_and_reports_the_clipped_gradients():
+    """clip_grad: every step's gradients (what the optimizer steps on) have global norm
+    min(norm, clip), and the unclipped run's gradients are the same direction."""
+    import math
+
+    from parbench.config import CaseConfig
+    from parbench.golden.run import train
+    from parbench.model.training import clip_coefficient
+    from parbench.overrides import apply_overrides
+    case = apply_overrides(CaseConfig(), {"model": "tiny", "clip_grad": "0.5"})
+    free = apply_overrides(CaseConfig(), {"model": "tiny"})
+    clipped, unclipped = train(case, 1), train(free, 1)
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in unclipped.grads[0].values()))
+    got = math.sqrt(sum(float(g.double().pow(2).sum()) for g in clipped.grads[0].values()))
+    assert norm > 0.5 and abs(got - 0.5) < 1e-5
+    coef = clip_coefficient(norm, 0.5)
+    for n, g in unclipped.grads[0].items():
+        assert (clipped.grads[0][n] - coef * g).abs().max() <= 1e-6 * (1 + g.abs().max())
+    assert clip_coefficient(0.3, 0.5) == 1.0 and clip_coefficient(3.0, 0.0) == 1.0
