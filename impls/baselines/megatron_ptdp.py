@@ -28,7 +28,9 @@ hybrid suite's PTD-P case (tp x dp x pp, 1F1B) with Megatron-Core's machinery en
   ``finalize_model_grads`` (the schedule's ``finalize_model_grads_func``), which also runs its
   embedding and LayerNorm reductions (nothing to do here: untied embeddings, no sequence
   parallelism). Megatron's optimizer is not used: the run's AdamW
-  (``parbench.model.make_optimizer``) steps each parameter with its ``main_grad``.
+  (``parbench.model.make_optimizer``) steps each parameter with its ``main_grad``. With
+  ``clip_grad`` the norm is Megatron-Core's (``_clip``: its parameter filters, its
+  ``get_grad_norm_fp32`` over its model-parallel group).
 
 CPU shims, installed only on a CPU-only torch in these (``isolated``) rank processes; none
 changes Megatron's arithmetic:
@@ -68,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import make_optimizer, stage_layers
+from parbench.model import make_optimizer, scale_grads_, stage_layers
 from parbench.scheme import Scheme, register, registered
 
 from impls.baselines.megatron_tp import (MegatronCoreBaseline, MegatronCoreGPT,
@@ -153,6 +155,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
     name = "baseline.megatron.ptdp"
     family = "hybrid"
     baseline_of = "hybrid"
+    supports_clip_grad = True
     description = ("Megatron-Core 0.16 PTD-P: initialize_model_parallel, tensor-parallel "
                    "layers, 1F1B forward_backward_pipelining_without_interleaving, its DDP")
     uses = ("tp", "dp", "pp")
@@ -237,9 +240,37 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         for p in self.params:
             p.grad = p.main_grad
         with tl.span("optim"):
+            self._clip()
             self.opt.step()
         loss = sum(float(d["lm loss"]) for d in out) / self.m if self.model.last else 0.0
         return self.reduce_loss(loss) / (self.tp * self.dp)
+
+    def _clip(self) -> None:
+        """``clip_grad``: Megatron-Core's own norm -- the gradients its optimizer counts
+        (``param_is_not_shared`` and ``param_is_not_tensor_parallel_duplicate``: a parameter
+        replicated over tp on tp rank 0 only) through ``get_grad_norm_fp32``, all-reduced over
+        its model-parallel group (tp x pp, the mesh's ``mp``) -- and its factor max_norm /
+        (norm + 1e-6) when below 1. Shim 3: ``clip_grad_by_total_norm_fp32`` asserts CUDA
+        tensors, so on a CPU-only torch the factor is applied here; on CUDA Megatron's own
+        function applies it."""
+        clip = self.ctx.run.clip_grad
+        if not clip:
+            return
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer.clip_grads import (clip_grad_by_total_norm_fp32,
+                                                        get_grad_norm_fp32)
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+        counted = [p.grad for p in self.params
+                   if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        with self.factories():
+            norm = get_grad_norm_fp32(counted,
+                                      grad_stats_parallel_group=ps.get_model_parallel_group())
+        if torch.cuda.is_available():
+            clip_grad_by_total_norm_fp32(self.params, clip, norm)
+        else:
+            coef = clip / (norm + 1.0e-6)
+            scale_grads_([p.grad for p in self.params], coef if coef < 1.0 else 1.0)
 
     # the verdict's view: the stage's shards gathered over tp, as the tensor baselines do
     _full = TensorParallelScheme._full

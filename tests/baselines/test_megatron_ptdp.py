@@ -55,3 +55,24 @@ def test_megatron_core_ptdp_rejects_what_it_does_not_run(megatron):
                      ({"cp": 2, "dp": 1}, "cp=2 is not used")]:
         with pytest.raises(ConfigError, match=rule):
             case_for(**ov)
+
+
+def test_megatron_core_clips_wrongly_on_weights_it_did_not_initialise(pools, megatron):
+    """Finding (Megatron-Core 0.16.1): with ``perform_initialization=False`` -- weights loaded,
+    not initialised by Megatron, as the baseline loads the reference weights -- the weights of
+    its ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding carry no
+    ``tensor_model_parallel`` attribute, so ``param_is_not_tensor_parallel_duplicate`` keeps
+    them out of the gradient norm on tp rank 1 and ``clip_grad`` clips by a wrong norm: the
+    step-0 gradients leave the golden run's. Setting the attributes Megatron sets when it
+    initialises (tests/baselines/megatron_marked.py) makes the same case equal the golden run.
+    Reproducer: ``parbench run scheme=baseline.megatron.ptdp tp=2 pp=2 dp=1 schedule=1f1b
+    model=tiny vocab_size=61 num_microbatches=2 clip_grad=0.5`` (FAIL, gradient at step 0)."""
+    ov = {"dp": 1, "clip_grad": 0.5, "steps": 1}
+    stock, _ = run_on_pool(pools, case_for(**ov))
+    assert not stock.equivalent
+    assert stock.first_failure.what == "gradient" and stock.first_failure.step == 0
+    marked = "tests/baselines/megatron_marked.py:MarkedPTDP"
+    case = apply_overrides(CaseConfig(), {**BASE, **ov, "scheme": marked})
+    fixed, _ = run_on_pool(pools, case)
+    assert fixed.equivalent, fixed.first_failure
+    assert fixed.clipped_steps == 1

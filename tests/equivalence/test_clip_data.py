@@ -58,7 +58,7 @@ def test_deepspeed_clips_with_its_gradient_clipping(pools):
     assert merged.clipped_steps == 3
 
 
-@pytest.mark.parametrize("scheme", ["data.local_sgd", "baseline.megatron.ptdp"])
+@pytest.mark.parametrize("scheme", ["data.local_sgd", "baseline.torch.pipelining.1f1b"])
 def test_schemes_that_do_not_clip_refuse_before_spawning(scheme):
     with pytest.raises(ConfigError, match="clip_grad=0.5"):
         get_scheme(scheme).check(apply_overrides(CaseConfig(), {**BASE, "scheme": scheme}))
