@@ -152,6 +152,19 @@ class _DeepSpeedZero(DataParallelScheme):
                 model=model, optimizer=opt, config=deepspeed_config(ctx.case, self.stage),
                 mpu=_MeshMPU(ctx.mesh), dist_init_required=False)
         self._grads = KeptForChecks()  # the tracker's ``checks``: kept for full_grads only
+        if ctx.run.dtype == "bf16":
+            self._load_fp32_masters(build_model(ctx.model, ctx.run.seed))
+
+    def _load_fp32_masters(self, reference) -> None:
+        """bf16: DeepSpeed builds its fp32 master partitions from the module after casting it
+        to bf16, so they start at the bf16-rounded initialisation (2.4e-4 off the fp32 one on
+        the tiny model). They are set to the fp32 reference weights
+        (``safe_set_full_fp32_param``), as loading an fp32 checkpoint into the engine does, so
+        that the masters start where the golden run's fp32 weights do."""
+        ref = dict(reference.named_parameters())
+        with comm.unrecorded():
+            for n, p in zip(self.names, self.engine.module.parameters()):
+                self._ds.utils.safe_set_full_fp32_param(p, ref[n].detach().clone())
 
     def train_step(self, inputs, targets, step):
         m = self.ctx.layout.num_microbatches
@@ -188,10 +201,10 @@ class _DeepSpeedZero(DataParallelScheme):
 
     def full_params(self):
         params = list(self.engine.module.parameters())
-        if self.stage == 3:
+        if self.stage == 3 and self.ctx.run.dtype != "bf16":
             with self._ds.zero.GatheredParameters(params):
                 return {n: p.detach().float().clone() for n, p in zip(self.names, params)}
-        if self.ctx.run.dtype == "bf16":  # the fp32 master weights
+        if self.ctx.run.dtype == "bf16":  # the fp32 master weights (every stage)
             return {n: self._ds.utils.safe_get_full_fp32_param(p).detach().clone().view(_shape(p))
                     for n, p in zip(self.names, params)}
         return {n: p.detach().float().clone() for n, p in zip(self.names, params)}
