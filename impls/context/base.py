@@ -9,6 +9,13 @@ one flat buffer (``p.grad`` are views into it) that is all-reduced once per step
 dp x cp ranks (Megatron-Core's ``dp_cp`` group) and divided by cp dp -- every rank holds as
 many tokens, so this is the global mean.
 
+With ``clip_grad`` the step clips by global norm after that all-reduce (:meth:`clip`): every
+rank then holds the whole model's averaged gradient, identical across dp x cp, so the norm is
+the local one and needs no collective (as plain data parallelism; Megatron-LM's
+``clip_grad_norm_fp32`` adds nothing over dp / cp for parameters that are neither sharded nor
+split over the model-parallel group). A subclass that replaces ``train_step`` (the framework
+baselines) does not inherit ``supports_clip_grad``; it declares it if its own step clips.
+
 ``recompute`` (``shard``): ``full`` checkpoints each layer, ``selective`` the attention core;
 either repeats the core's forward communication in backward.
 
@@ -33,6 +40,7 @@ from parbench.memory import SavedActivations
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Prediction, Scheme
 
+from impls.common.clip import clip_grads_
 from impls.data.buckets import Bucket
 
 from .ring import AttentionClock, RingPeers
@@ -49,6 +57,14 @@ class ContextParallelScheme(Scheme):
     balanced: ClassVar[bool] = False
     #: the ring-neighbour helper the cores use (a class, so that a variant can replace it)
     peers_class: ClassVar[type] = RingPeers
+    #: the shared step clips by global norm (:meth:`clip`)
+    supports_clip_grad: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # a class with its own step clips only if it says so
+        if "train_step" in cls.__dict__ and "supports_clip_grad" not in cls.__dict__:
+            cls.supports_clip_grad = False
 
     # ---- checks before spawning -------------------------------------------------------------
     @classmethod
@@ -122,6 +138,7 @@ class ContextParallelScheme(Scheme):
             total += float(loss.detach())
         self.reduce_gradients()
         with tl.span("optim"):
+            self.clip()
             self.opt.step()
         self.clock.end_step(step)
         return self.reduce_loss(total / (self.cp * self.dp), self.grad_group)
@@ -130,6 +147,11 @@ class ContextParallelScheme(Scheme):
         with self.ctx.timeline.span("grad_allreduce"):
             dist.all_reduce(self.grads.buffer, group=self.grad_group)
             self.grads.buffer.div_(self.cp * self.dp)
+
+    def clip(self) -> None:
+        """Clip by global norm (``clip_grad``): the gradients are the reduced, averaged
+        ones, the same on every rank, so the local norm is the global one."""
+        clip_grads_([p.grad for p in self.params], self.ctx.run.clip_grad)
 
     def forward(self, tokens, targets, pos, measure: bool = False):
         saved = SavedActivations(exclude=self.params) if measure else None

@@ -6,6 +6,13 @@ A subclass builds ``self.model`` (a module whose ``shards()`` maps every full pa
 to its local tensor and placement, and whose ``layer_probe`` hook lets the base wrap each
 layer's forward in a saved-tensor measurement) and may override ``after_backward`` (the
 gradient reductions a scheme makes once per step).
+
+With ``clip_grad`` the step clips by global norm after those reductions (:meth:`clip`): a
+rank sums the squares of the pieces it is the first holder of (its shards, and a parameter
+replicated over tp on tp rank 0 only) and the sum is all-reduced over the tp group -- the
+rule of Megatron-LM's ``clip_grad_norm_fp32``, which counts a tp-duplicated parameter once
+(``param_is_not_tensor_parallel_duplicate``) and all-reduces the squared norm over the
+model-parallel group. Schemes that clip set ``supports_clip_grad``.
 """
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ from parbench.memory import SavedActivations
 from parbench.model import make_optimizer
 from parbench.scheme import Scheme
 
-from .shards import gather_full
+from impls.common.clip import clip_grads_
+
+from .shards import first_holder, gather_full
 
 
 class TensorParallelScheme(Scheme):
@@ -38,6 +47,7 @@ class TensorParallelScheme(Scheme):
         self._act_layers: list[int] = []
         self._measuring = False
         self._probes: list = []
+        self._norm_params: list | None = None
 
     # ---- to override ---------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -114,8 +124,34 @@ class TensorParallelScheme(Scheme):
         with tl.span("reduce"):
             self.after_backward()
         with tl.span("optim"):
+            self.clip()
             self.opt.step()
         return total
+
+    # ---- gradient clipping by global norm -------------------------------------------------
+    def norm_params(self) -> list:
+        """The local parameters whose gradients this rank adds to the norm: those whose
+        piece no lower tp index holds (``shards.first_holder``), so the sum over the tp group
+        counts every element of the model once."""
+        if self._norm_params is None:
+            self._norm_params = [local for local, pl in self.model.shards().values()
+                                 if first_holder(pl, self.tp_rank)]
+        return self._norm_params
+
+    def norm_groups(self) -> list:
+        """The groups the squared norm is all-reduced over: the tp group (one call)."""
+        return [self.group]
+
+    def clip(self) -> None:
+        """Clip every local gradient by the global norm (``clip_grad``; nothing when 0),
+        after the per-step reductions, so each rank scales the gradients it steps on and
+        reports (``full_grads``) by the same factor."""
+        clip = self.ctx.run.clip_grad
+        if not clip:
+            return
+        owned = [p.grad for p in self.norm_params() if p.grad is not None]
+        clip_grads_([p.grad for p in self.params], clip, owned=owned,
+                    groups=self.norm_groups())
 
     # ---- the verdict's view ------------------------------------------------------------------
     def _full(self, grads: bool) -> dict[str, torch.Tensor]:

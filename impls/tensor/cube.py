@@ -152,6 +152,9 @@ class Cube3D(TensorParallelScheme):
     description = "3D tensor parallelism (Bian et al. 2021) on a q x q x q cube"
     options = ()
     model_cls = CubeGPT
+    #: clips by global norm (``TensorParallelScheme.clip``): every weight block is one
+    #: rank's; a bias / LayerNorm / embedding block counted on its first holder, summed over tp
+    supports_clip_grad = True
 
     def build_model(self):
         ctx = self.ctx
@@ -196,7 +199,8 @@ class Cube3D(TensorParallelScheme):
         q = grid_model.cube_grid(p.tp)
         shape = shape_from(m)
         transfers = grid_model.cube_step_traffic(shape, p.micro_batch_size, q,
-                                                   p.num_microbatches)
+                                                 p.num_microbatches,
+                                                 clip_grad=case.run.clip_grad)
         wire, calls = tensor_model.per_rank(transfers, p.tp)
         states = tensor_model.model_states(grid_model.cube_params(shape, q),
                                            case.run.optimizer)

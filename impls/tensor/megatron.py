@@ -25,7 +25,8 @@ def megatron_prediction(case: CaseConfig, sp: bool) -> Prediction:
     shape = shape_from(m)
     tp = p.tp
     transfers = tensor_model.megatron_step_traffic(
-        shape, p.micro_batch_size, tp, p.num_microbatches, case.options.recompute, sp)
+        shape, p.micro_batch_size, tp, p.num_microbatches, case.options.recompute, sp,
+        clip_grad=case.run.clip_grad)
     wire, calls = tensor_model.per_rank(transfers, tp)
     states = tensor_model.model_states(tensor_model.megatron_params(shape, tp),
                                        case.run.optimizer)
@@ -74,6 +75,9 @@ class Megatron1D(MegatronFigures):
     options = ("recompute",)
     sp = False
     model_cls = MegatronGPT
+    #: clips by global norm (``TensorParallelScheme.clip``): shards summed over tp, the
+    #: tp-replicated parameters counted on tp rank 0 only
+    supports_clip_grad = True
 
     def build_model(self):
         ctx = self.ctx

@@ -66,6 +66,22 @@ def place(full: torch.Tensor, piece: torch.Tensor, index: tuple) -> None:
     full[grids] = piece
 
 
+def _same(a: tuple, b: tuple) -> bool:
+    return all((x is None and y is None) or
+               (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
+
+def first_holder(pl: Placement, my_index: int) -> bool:
+    """Is ``my_index`` the lowest index of the group holding this piece of ``pl``? A
+    replicated parameter belongs to index 0 only, a shard to the first rank that holds it
+    (Megatron-LM's ``param_is_not_tensor_parallel_duplicate``, generalised to pieces
+    replicated over some grid axes): the ranks that count a piece in the gradient norm."""
+    if pl.replicated:
+        return my_index == 0
+    mine = pl.index(my_index)
+    return not any(_same(pl.index(t), mine) for t in range(my_index))
+
+
 def gather_full(named: dict[str, tuple[torch.Tensor, Placement]], group, group_ranks: list[int],
                 my_index: int) -> dict[str, torch.Tensor]:
     """Full tensors from this rank's pieces (collective over ``group``; not the scheme's

@@ -156,6 +156,9 @@ class Tesseract(TensorParallelScheme):
     description = "2.5D tensor parallelism (Tesseract): SUMMA on a q x q grid x d layers"
     options = ("tp_depth",)
     model_cls = SummaGPT
+    #: clips by global norm (``TensorParallelScheme.clip``): each weight block counted on
+    #: depth layer 0, each hidden block on grid row 0 of layer 0, summed over tp
+    supports_clip_grad = True
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
@@ -201,7 +204,8 @@ class Tesseract(TensorParallelScheme):
         q, d = cls.grid_shape(case)
         shape = shape_from(m)
         transfers = grid_model.summa_step_traffic(shape, p.micro_batch_size, q, d,
-                                                    p.num_microbatches)
+                                                  p.num_microbatches,
+                                                  clip_grad=case.run.clip_grad)
         wire, calls = tensor_model.per_rank(transfers, p.tp)
         states = tensor_model.model_states(grid_model.summa_params(shape, q),
                                            case.run.optimizer)

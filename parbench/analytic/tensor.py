@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .clip import norm_transfers
 from .comm import Transfer, as_number, tp_traffic, tp_vocab_traffic, wire_factor
 from .shape import Shape, divides, require_positive_int
 
@@ -86,7 +87,7 @@ def _check(shape: Shape, tp: int) -> None:
 
 def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int = 1,
                           recompute: str = "none", sp: bool = False,
-                          e: int = 4) -> list[Transfer]:
+                          e: int = 4, clip_grad: float = 0.0) -> list[Transfer]:
     """Every tp collective of one rank in one step (m micro-batches of b sequences).
 
     Without sequence parallelism (Shoeybi et al. 2019, Sec. 3; :func:`comm.tp_traffic` and
@@ -107,7 +108,8 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
     LM head all-gathers its input (again in backward) and reduce-scatters the input gradient.
     Once per step the gradients of the parameters replicated over tp (LayerNorms, row-parallel
     biases, position embedding) are all-reduced in one buffer, as Megatron does for
-    ``sequence_parallel`` parameters.
+    ``sequence_parallel`` parameters. With ``clip_grad``, the global norm's 4-byte
+    all-reduce over tp (``analytic.clip``; Megatron-LM's ``clip_grad_norm_fp32``).
     """
     _check(shape, tp)
     require_positive_int("micro_batch", b)
@@ -118,11 +120,12 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
         return []
     s, h, L, m = shape.s, shape.h, shape.l, num_microbatches
     full = recompute == "full"
+    norm = norm_transfers({"tp": tp}, clip_grad)
     if not sp:
         return tp_traffic(b, s, h, tp, L, m, e, full) + \
-            tp_vocab_traffic(b, s, h, tp, m, e, loss_bytes=4)
+            tp_vocab_traffic(b, s, h, tp, m, e, loss_bytes=4) + norm
     S = b * s * h * e  # noqa: N806
-    out = megatron_layer_traffic(b, s, h, tp, recompute, sp, e, L * m) + [
+    return megatron_layer_traffic(b, s, h, tp, recompute, sp, e, L * m) + [
         Transfer("tp", "reduce_scatter", tp, S, m, "embedding partial lookups (fwd)"),
         Transfer("tp", "all_gather", tp, S, m, "embedding output grad (bwd)"),
         Transfer("tp", "all_gather", tp, S, 2 * m, "LM head input (fwd, bwd re-gather)"),
@@ -130,8 +133,7 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
         Transfer("tp", "all_reduce", tp, b * s * 4, 3 * m, "vocab-parallel cross-entropy"),
         Transfer("tp", "all_reduce", tp, e * megatron_params(shape, tp).replicated, 1,
                  "sequence-parallel parameter gradients (once per step)"),
-    ]
-    return out
+    ] + norm
 
 
 @dataclass(frozen=True)

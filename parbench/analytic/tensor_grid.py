@@ -12,6 +12,8 @@ Pure functions of the model shape and the degrees; nothing from ``impls``.
 from __future__ import annotations
 
 from fractions import Fraction
+
+from .clip import norm_transfers
 from .comm import Transfer
 from .shape import Shape, divides, require_positive_int
 from .tensor import (RankParams, RootedCycle)
@@ -116,7 +118,7 @@ def _grid_shared_terms(shape: Shape, tokens: int, q: int, hidden_axis: str, m: i
 
 
 def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, num_microbatches: int = 1,
-                       e: int = 4) -> list[Transfer]:
+                       e: int = 4, clip_grad: float = 0.0) -> list[Transfer]:
     """Every collective of one 2D / 2.5D rank in one step.
 
     Per linear (in -> out features) per micro-batch, with A = T in/q e the rank's input block
@@ -132,7 +134,8 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, num_microbatche
     per step an all-reduce over ``tp_col`` of the gradients of every parameter replicated over
     grid rows (biases, LayerNorms, embeddings) and, for d > 1, over ``tp_dep`` of every
     gradient (Tesseract, Sec. 3.2: the depth layers hold the same weights) -- the
-    2(d-1)/d weight term of Tesseract's O(3(q-1)(d+1)/(dq)).
+    2(d-1)/d weight term of Tesseract's O(3(q-1)(d+1)/(dq)). With ``clip_grad``, the
+    global norm's 4-byte all-reduce over the whole tp group (:func:`grid_norm_transfers`).
     """
     require_positive_int("micro_batch", b)
     check_summa(shape, b, q, d)
@@ -158,7 +161,15 @@ def summa_step_traffic(shape: Shape, b: int, q: int, d: int = 1, num_microbatche
     if d > 1:
         out.append(Transfer("tp_dep", "all_reduce", d, summa_params(shape, q).numel * e, 1,
                             "every gradient over the depth layers (once per step)"))
-    return out
+    return out + grid_norm_transfers(q * q * d, clip_grad)
+
+
+def grid_norm_transfers(tp: int, clip_grad: float) -> list[Transfer]:
+    """Clipping by global norm on a 2D / 2.5D / 3D grid: each rank adds the squares of the
+    pieces no lower tp index holds (a weight block on depth layer 0, a hidden block on one
+    rank of its replicas) and the sum is all-reduced once over the whole tp group (axis
+    ``tp``), as Megatron-LM's ``clip_grad_norm_fp32`` does over its model-parallel group."""
+    return norm_transfers({"tp": tp}, clip_grad)
 
 
 def summa_paper_traffic(shape: Shape, b: int, q: int, d: int = 1,
@@ -175,7 +186,7 @@ def summa_paper_traffic(shape: Shape, b: int, q: int, d: int = 1,
 
 
 def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
-                      e: int = 4) -> list[Transfer]:
+                      e: int = 4, clip_grad: float = 0.0) -> list[Transfer]:
     """Every collective of one 3D rank in one step (Bian et al. 2021, Sec. 3).
 
     Per linear (K -> N features) per micro-batch, with T = b s / q^2 tokens per rank,
@@ -189,7 +200,8 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
     terms of :func:`_grid_shared_terms` on ``tp_z`` (the residual stream's hidden axis), and once
     per step the replicated parameters' gradients summed over their replica axes: all over
     ``tp_x``; those with features along z (LayerNorms, embeddings, projection and fc2 biases)
-    over ``tp_y``; those along y (QKV and fc1 biases) over ``tp_z``.
+    over ``tp_y``; those along y (QKV and fc1 biases) over ``tp_z``. With ``clip_grad``,
+    the norm's all-reduce over tp (:func:`grid_norm_transfers`).
     """
     require_positive_int("micro_batch", b)
     check_cube(shape, b, q)
@@ -217,7 +229,7 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
                      "gradients of z-feature parameters over y"),
             Transfer("tp_z", "all_reduce", q, on_y * e, 1,
                      "gradients of y-feature biases over z")]
-    return out
+    return out + grid_norm_transfers(q ** 3, clip_grad)
 
 
 # ---------------------------------------------------------------------------------------

@@ -85,6 +85,19 @@ def test_context_schemes_match_golden_with_exact_bytes(pools, case):
     assert_exact(case, per_rank)
 
 
+def test_ring_attention_clips_by_the_global_norm(pools):
+    """clip_grad=0.5 (below the tiny model's norm, about 1.0: every step clips): after the
+    all-reduce over cp every rank holds the whole averaged gradient, so the norm is local --
+    the clipped gradients match the golden run's and the bytes stay the closed form's (no
+    collective added)."""
+    case = make_case("context.ring-attention", cp=2, num_microbatches=2, clip_grad=0.5)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, (merged.max_loss_abs, merged.max_grad_abs, merged.max_param_abs)
+    assert not merged.uncovered
+    assert_exact(case, per_rank)
+    assert merged.clipped_steps and merged.clipped_steps > 0, merged.clip_coef_min
+
+
 def test_bad_input_fails_before_spawning_with_one_line():
     cases_and_rules = [
         ("context.ulysses", {"cp": 4, "num_heads": 2, "hidden_size": 16},

@@ -106,6 +106,18 @@ def test_sequence_parallel_moves_tp_bytes_plus_the_regather(pools):
     assert sp_rank.metrics["act_layer_bytes"] < tp_rank.metrics["act_layer_bytes"]
 
 
+def test_sequence_parallel_clips_by_the_global_norm(pools):
+    """clip_grad=0.5 (the tiny model's norm is about 1.0, so every step clips): the shards'
+    squares and the tp-replicated parameters' once (tp rank 0) summed over tp, after the
+    LayerNorm gradients' all-reduce; the clipped gradients match the golden run's and the
+    norm's one 4-byte all-reduce per step is in the closed form ('=')."""
+    case = make_case("tensor.megatron-sp", 2, m=2, clip_grad=0.5)
+    merged, per_rank = run_on_pool(pools, case)
+    pred = assert_exact(case, merged, per_rank)
+    assert merged.clipped_steps and merged.clipped_steps > 0, merged.clip_coef_min
+    assert any(t["what"] == "gradient norm (clipping)" for t in pred.figures["transfers"])
+
+
 grid_cases = st.fixed_dictionaries({
     "scheme": st.sampled_from(["tensor.2d", "tensor.2.5d"]),
     "tp_depth": st.sampled_from([1, 4]),
