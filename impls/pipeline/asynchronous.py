@@ -38,7 +38,8 @@ check does not apply: the reference run checks the rule.
 in the first step, 2BW's batch t+1 cannot reach a stage before batch t-1 has left it, and
 the in-flight micro-batches and weight versions are the same after every step; timed_steps
 >= 1, so that the drain falls outside the checked steps (the harness compares every checked
-step with one set of model states).
+step with one set of model states); no gradient clipping (``clip_grad`` 0: each stage steps
+on its own schedule, so no rank ever holds one update's global norm).
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ class ContinuousScheme(PipelineScheme):
     """A pipeline run without flushes: one 1F1B schedule over the whole run."""
 
     checks_update = False
+    #: no clipping by global norm: a stage applies an update when its own backwards of a
+    #: (micro-)batch are done -- PipeDream after every micro-batch, 2BW's stage s a step after
+    #: the last stage -- so the norm of one update's whole gradient exists on no rank at any
+    #: moment without a pp-wide wait the asynchronous pipeline is built to avoid, and the
+    #: references of their rules (``references``) do not clip; ``clip_grad`` > 0 is refused
+    supports_clip_grad = False
 
     def executed_schedule(self):
         run = self.ctx.run

@@ -7,6 +7,7 @@ the schedules instead of restating their transfer lists.
 """
 from __future__ import annotations
 
+from parbench.analytic import clip as clip_closed
 from parbench.analytic import pipeline as closed
 from parbench.analytic.shape import shape_from
 from parbench.config import CaseConfig
@@ -44,9 +45,18 @@ def add_tied_traffic(case: CaseConfig, name: str, wire: list[dict], calls: list[
             calls[r][EMBD_AXIS] = ncalls
 
 
+def add_clip_traffic(case: CaseConfig, wire: list[dict], calls: list[dict]) -> None:
+    """Add each rank's all-reduce of the squared gradient norm over pp when the case clips
+    (``closed.clip_spread``, ``parbench.analytic.clip``: 4 bytes, one call per step)."""
+    p = case.layout.pp
+    for r in range(p):
+        clip_closed.add_to(wire[r], calls[r], closed.clip_spread(p), case.run.clip_grad)
+
+
 def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
     """Per-rank p2p wire bytes, send calls and model states of one synchronous step (and
-    the tied embedding's all-reduce, ``add_tied_traffic``)."""
+    the tied embedding's all-reduce, ``add_tied_traffic``, and the clipping norm's,
+    ``add_clip_traffic``)."""
     placement, p, m, v, shape = _layout(case, name)
     b = case.layout.micro_batch_size
     wire, calls, states = [], [], []
@@ -57,6 +67,7 @@ def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
         states.append(closed.model_states(shape, placement, p, r, v,
                                           optimizer=case.run.optimizer))
     add_tied_traffic(case, name, wire, calls)
+    add_clip_traffic(case, wire, calls)
     return Prediction(wire_bytes=wire, model_state_bytes=states, calls=calls,
                       figures=_figures(case, name, placement, p, m, v, shape))
 

@@ -19,11 +19,13 @@ delayed-update rules and are checked against a single-device run of the same rul
 (``asynchronous``), running without a flush between steps. With ``tie_embeddings`` the
 synchronous schedules keep the first stage's embedding and the last stage's output layer as
 two equal copies whose gradients are summed over the embedding group before the optimizer
-step, as Megatron-LM does (``tied``); the asynchronous ones refuse tied embeddings. The
-per-rank traffic and model states a case must measure are closed forms
-(``parbench.analytic.pipeline``, adapted in ``prediction``); the graphs and activation bytes
-a rank really holds are measured in the executor (``activations``) and shown beside the
-simulator's and the paper's counts.
+step, as Megatron-LM does (``tied``); the asynchronous ones refuse tied embeddings. With
+``clip_grad`` the synchronous schedules clip by the global gradient norm after those sums
+(``PipelineScheme.clip``: each parameter's squares counted once over the pp group, one
+4-byte all-reduce); the asynchronous ones refuse it. The per-rank traffic and model states
+a case must measure are closed forms (``parbench.analytic.pipeline``, adapted in
+``prediction``); the graphs and activation bytes a rank really holds are measured in the
+executor (``activations``) and shown beside the simulator's and the paper's counts.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ from parbench.schedules import (
     simulate,
     validate,
 )
+
+from impls.common.clip import clip_grads_
 
 from . import replicas
 from .executor import Executor
@@ -82,6 +86,9 @@ class PipelineScheme(Scheme):
     schedule_name = ""
     #: the executor class (the self-test's mutants swap in broken ones)
     executor_class = Executor
+    #: the synchronous schedules clip by the global norm over the pp group (``clip``); the
+    #: continuous ones (PipeDream, 2BW) turn it off
+    supports_clip_grad = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -152,6 +159,7 @@ class PipelineScheme(Scheme):
             with timeline.span(EMBD_AXIS):
                 self._sync_tied()
         with timeline.span("optim"):
+            self.clip()
             self.weights.step_end()
         if step >= self.ctx.run.steps - 1:
             self._step_events.append(self.measured_events(timeline.as_dicts(), step))
@@ -178,6 +186,31 @@ class PipelineScheme(Scheme):
     def _sync_tied(self):
         """Sum the tied embedding copies' gradients over the embedding group (``tied``)."""
         self.tied.sync_gradients()
+
+    # ---- gradient clipping -------------------------------------------------------------
+    def norm_owned(self) -> list[torch.Tensor]:
+        """The gradients this rank adds to the global norm, so that the pp group counts every
+        parameter of the model once: of a two-replica schedule only the pipe-0 copies (after
+        the replica exchange both copies hold the stage's whole gradient), and of the tied
+        word embedding only the first stage's copy (the output layer's copy holds the same
+        summed gradient: Megatron-LM leaves it out of ``clip_grad_norm_fp32`` by its
+        shared-embedding filter)."""
+        slots = (list(self.slots.values()) if len(self.schedule.pipes) == 1
+                 else self._replica_slots()[:1])
+        heads = {id(w) for w in self.tied.heads} if self.tied is not None else set()
+        return [p.grad for s in slots for p in s.params if id(p) not in heads]
+
+    def clip(self) -> None:
+        """Clip by global norm (``clip_grad``; Pascanu et al. 2013; Megatron-LM's
+        ``clip_grad_norm_fp32`` over the model-parallel group): the squares of
+        ``norm_owned`` all-reduced over pp (one 4-byte all-reduce), then every gradient this
+        rank steps on, replica and tied copies included, scaled by the same factor, so the
+        copies stay bit-identical. After the replica exchange and the tied sum."""
+        if not self.ctx.run.clip_grad:
+            return
+        grads = [p.grad for s in self.slots.values() for p in s.params]
+        clip_grads_(grads, self.ctx.run.clip_grad, owned=self.norm_owned(),
+                    groups=[self.group])
 
     # ---- results -----------------------------------------------------------------------
     def _reported_slots(self, check_replicas: bool) -> list[StageSlot]:

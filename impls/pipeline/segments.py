@@ -31,7 +31,7 @@ from parbench.schedules.slicing import SliceCost, slices_for, slicing_figures, u
 from parbench.scheme import Prediction
 
 from .executor import Executor, StepOutcome
-from .prediction import add_tied_traffic, pipeline_prediction
+from .prediction import add_clip_traffic, add_tied_traffic, pipeline_prediction
 from .scheme import PipelineScheme
 from .segment_forward import SliceForward
 
@@ -195,6 +195,7 @@ class SegmentScheme(PipelineScheme):
             wire.append({"pp": float(nbytes)} if nbytes else {})
             calls.append({"pp": ncalls} if ncalls else {})
         add_tied_traffic(case, cls.schedule_name, wire, calls)
+        add_clip_traffic(case, wire, calls)
         figures = dict(pred.figures, token_slices=cls.token_slices(case), segments=k)
         return Prediction(wire_bytes=wire, model_state_bytes=pred.model_state_bytes,
                           calls=calls, figures=figures)

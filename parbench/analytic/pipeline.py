@@ -30,7 +30,12 @@ The two-replica schedules then add the two copies of every stage's gradient: one
 of each rank's flat gradients with its partner rank p-1-r (one send of both stages'
 gradients, S = 2(n-1)/n S bytes at n = 2, the ring all-reduce volume). With tied
 embeddings the first and last stages' copies of the word embedding add their gradients
-over the embedding group (``tied_embedding_traffic``, on its own axis).
+over the embedding group (``tied_embedding_traffic``, on its own axis). With gradient
+clipping by global norm (Pascanu et al. 2013; Megatron-LM's ``clip_grad_norm_fp32``, which
+all-reduces the squared norm over the model-parallel group) each rank adds the squares of
+its stages' gradients -- each parameter once: one replica of a two-replica schedule, one
+copy of a tied embedding -- and the 4-byte sum is all-reduced over pp once per step
+(``clip_spread``, ``analytic.clip``); the asynchronous rules do not clip.
 
 **Model states** (the tracker's categories, fp32): the parameters of the stages a rank
 holds (``stage_numel``: embedding on stage 0, final LN and head on stage S-1, L/S layers
@@ -228,6 +233,13 @@ def tied_embedding_traffic(shape: Shape, placement: str, p: int, rank: int, v: i
     n = 2
     numel = shape.V * shape.h
     return bytes_per_element * numel * 2 * (n - 1) // n, 1
+
+
+def clip_spread(p: int) -> dict[str, int]:
+    """The axes a pipeline's gradient is spread over, for the clipping norm's all-reduce
+    (``analytic.clip.norm_transfers``): pp, each stage's gradients on one rank of p."""
+    require_positive_int("p", p)
+    return {"pp": p}
 
 
 def step_traffic(shape: Shape, placement: str, p: int, m: int, rank: int, v: int = 1, *,

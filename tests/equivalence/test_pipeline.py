@@ -78,8 +78,10 @@ def check_case(pools, case):
     states = pred.figures.get("model_state_bytes_by_step")
     for r, res in enumerate(per_rank):
         assert all(x["wire_bytes"] == 0 for x in res.ledger if x["op"] == "recv")
-        # pp only (BPipe adds its evict and load pairs: test_pipeline_bpipe)
-        assert {x["axis"] for x in res.ledger} <= {"pp", "bpipe_evict", "bpipe_load"}
+        # pp only (BPipe adds its evict and load pairs: test_pipeline_bpipe; tied embeddings
+        # their embedding group: test_pipeline_tied)
+        assert {x["axis"] for x in res.ledger} <= {"pp", "bpipe_evict", "bpipe_load"} | (
+            {"embd"} if case.model.tie_embeddings else set())
         for step in range(case.run.steps):
             assert figures_equal([res.wire_by_axis_per_step[step]], [pred.wire_at(step)[r]]), \
                 (r, step, res.wire_by_axis_per_step[step], pred.wire_at(step)[r])
@@ -146,3 +148,31 @@ def test_bad_schedule_conditions_fail_before_spawning():
     with pytest.raises(ConfigError, match="dp=2"):
         get_scheme("pipeline.1f1b").check(apply_overrides(CaseConfig(), {
             "model": "tiny", "pp": 2, "dp": 2}))
+
+
+@pytest.mark.parametrize("name, fields", [("1f1b", {"tie_embeddings": True}), ("chimera", {})],
+                         ids=["1f1b-tied", "chimera"])
+def test_clip_grad_by_global_norm(pools, name, fields):
+    """``clip_grad=0.5`` (below the tiny-4l model's gradient norm, so every step clips): the
+    norm's squares counted once over pp -- the tied embedding on one stage, one replica of
+    Chimera's two -- give the golden run's clipped gradients; bytes and calls equal the
+    closed forms, which add one 4-byte all-reduce on pp per rank and step."""
+    case = apply_overrides(CaseConfig(), {
+        "model": "tiny-4l", "pp": 2, "num_microbatches": 4, "micro_batch_size": 1,
+        "steps": 2, "timed_steps": 0, "clip_grad": 0.5, "scheme": f"pipeline.{name}",
+        **fields})
+    merged, _ = check_case(pools, case)
+    assert merged.clipped_steps == case.run.steps and merged.clip_coef_min < 1
+    cls = get_scheme(case.run.scheme)
+    pred, unclipped = cls.predict(case), cls.predict(apply_overrides(case, {"clip_grad": 0.0}))
+    for r, (w, c) in enumerate(zip(pred.wire_bytes, pred.calls)):
+        assert w["pp"] - unclipped.wire_bytes[r]["pp"] == 4.0  # 2(n-1)/n x 4 B at n = 2
+        assert c["pp"] - unclipped.calls[r]["pp"] == 1
+
+
+def test_asynchronous_schedules_refuse_clip_grad():
+    for name in ("pipedream", "2bw"):
+        with pytest.raises(ConfigError, match="clip_grad=0.5"):
+            get_scheme(f"pipeline.{name}").check(apply_overrides(CaseConfig(), {
+                "model": "tiny-4l", "pp": 2, "num_microbatches": 2, "timed_steps": 1,
+                "clip_grad": 0.5}))
