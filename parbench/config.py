@@ -133,6 +133,12 @@ class RunConfig:
     #: min(1, clip_grad / (||g||_2 + 1e-6)), ||g|| over the whole model (parbench.model.
     #: training.clip_coefficient); 0 = off
     clip_grad: float = _rule(0.0, "nonneg", "max global gradient norm; 0 = off")
+    #: a loss mask (issue 20, sec. 3): each sample's first k targets are prompt tokens left
+    #: out of the loss (ignore_index -100), k drawn per sample and step in [0, loss_mask * s];
+    #: the loss is the mean over the global batch's unmasked tokens, whatever their share of
+    #: each rank and micro-batch (Megatron-LM's --calculate-per-token-loss;
+    #: parbench.model.data.mask_prompts); 0 = every token counts
+    loss_mask: float = _rule(0.0, "unit", "largest masked prompt share of a sample; 0 = off")
     dtype: str = "fp32"  # fp32 | bf16 (compute dtype; master weights fp32)
     device: str = "cpu"  # cpu | cuda
     threads_per_rank: int = _rule(1, "pos")

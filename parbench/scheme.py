@@ -156,6 +156,9 @@ class Scheme(ABC):
     #: ``full_grads`` reporting the clipped gradients; other schemes reject the field before
     #: spawning rather than run without it
     supports_clip_grad: ClassVar[bool] = False
+    #: trains on masked targets (``loss_mask > 0``) with the loss normalised by the global
+    #: batch's counted tokens; other schemes reject the field before spawning
+    supports_loss_mask: ClassVar[bool] = False
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -189,6 +192,10 @@ class Scheme(ABC):
         if case.run.clip_grad and not cls.supports_clip_grad:
             raise ConfigError(f"clip_grad={case.run.clip_grad:g}: scheme {cls.name} does not "
                               "clip gradients by global norm (set clip_grad=0)")
+        if case.run.loss_mask and not cls.supports_loss_mask:
+            raise ConfigError(f"loss_mask={case.run.loss_mask:g}: scheme {cls.name} does not "
+                              "normalise a masked loss by the global token count "
+                              "(set loss_mask=0)")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:

@@ -131,6 +131,8 @@ class _DeepSpeedZero(DataParallelScheme):
     isolated = True
     stage = 1
     supports_clip_grad = True
+    #: the engine scales each micro-batch's loss by 1/m itself (no per-token normalisation)
+    supports_loss_mask = False
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from parbench.batching import dp_slice, microbatches
 from parbench.config import ConfigError
+from parbench.model import counted_tokens
 from parbench.probes import ModuleProbe, microbatch_rows, reference_probes
 from parbench.scheme import Scheme
 
@@ -22,7 +23,12 @@ class DataParallelScheme(Scheme):
         self.dp_size = ctx.mesh.size("dp")
         self.dp_rank = ctx.mesh.index("dp")
 
+    supports_loss_mask = True
+
     def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's micro-batches of the global batch; notes the global batch's counted
+        tokens for ``loss_scale``."""
+        self.global_tokens = counted_tokens(targets)
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp_size).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp_size).to(dev)
@@ -37,13 +43,24 @@ class DataParallelScheme(Scheme):
         calls = microbatch_rows(self.dp_rank * rows, rows, self.ctx.layout.num_microbatches)
         return reference_probes(model, calls, grad_scale=1.0 / self.dp_size)
 
+    def loss_scale(self, ym: torch.Tensor) -> float:
+        """What a micro-batch's mean token loss is multiplied by so that, after the gradients
+        are averaged over dp, they are those of the global batch's mean token loss: 1/m when
+        every token counts; with a loss mask, n_mb dp / N (n_mb: the micro-batch's counted
+        tokens, N: the global batch's) -- Megatron-LM's --calculate-per-token-loss, where
+        the token count is all-reduced; here every rank holds the global batch, so N needs
+        no collective."""
+        if not self.ctx.run.loss_mask:
+            return 1.0 / self.ctx.layout.num_microbatches
+        return counted_tokens(ym) * self.dp_size / self.global_tokens
+
     def forward_backward(self, model, xm: torch.Tensor, ym: torch.Tensor, mb: int) -> float:
-        """Forward and backward of micro-batch ``mb`` with its loss scaled by 1/m, so that the
-        accumulated gradients are the mean over the rank's batch (timeline spans F and B);
-        returns the scaled loss."""
+        """Forward and backward of micro-batch ``mb`` with its loss scaled by ``loss_scale``
+        (1/m: the accumulated gradients are the mean over the rank's batch; timeline spans F
+        and B); returns the scaled loss."""
         tl = self.ctx.timeline
         with tl.span("F", mb=mb):
-            loss = model(xm, ym) / self.ctx.layout.num_microbatches
+            loss = model(xm, ym) * self.loss_scale(ym)
         with tl.span("B", mb=mb):
             loss.backward()
         return float(loss.detach())

@@ -73,6 +73,7 @@ class LocalSGD(DataParallelScheme):
     options = ("local_sgd_period",)
     description = "local SGD: independent workers, parameters averaged every H steps"
     checks_update = False  # the update averages the workers on sync steps
+    supports_loss_mask = False  # each worker's step is its own batch's mean
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

@@ -190,7 +190,7 @@ class Zero3(ZeroScheme):
         for i, (xm, ym) in enumerate(mbs):
             self._mb = i
             with tl.span("F", mb=i):
-                loss = self._forward(xm, ym) / m
+                loss = self._forward(xm, ym) * self.loss_scale(ym)
             with tl.span("B", mb=i):
                 self._pre_backward(len(self.shards) - 1)
                 loss.backward()

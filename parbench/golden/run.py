@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CaseConfig
-from ..model import GPTStage, build_model, clip_local_, make_optimizer, synthetic_batch
+from ..model import (GPTStage, build_model, clip_local_, make_optimizer, mask_prompts,
+                     synthetic_batch)
 from ..model.moe import RoutingGroups
 
 
@@ -29,7 +30,12 @@ class GoldenRun:
 
 
 def global_batch(case: CaseConfig, step: int):
-    return synthetic_batch(case.model, case.layout.global_batch_size, case.run.seed, step)
+    """Step ``step``'s global batch (inputs, targets); with ``loss_mask``, the targets' prompt
+    tokens masked (``model.data.mask_prompts``)."""
+    x, y = synthetic_batch(case.model, case.layout.global_batch_size, case.run.seed, step)
+    if case.run.loss_mask:
+        y = mask_prompts(y, case.run.loss_mask, case.run.seed, step)
+    return x, y
 
 
 def moe_routing(case: CaseConfig, routing: RoutingGroups | None) -> RoutingGroups | None:

@@ -7,7 +7,7 @@ stages), ``init`` (seeded per-parameter initialisation), ``data`` (synthetic bat
 ``training`` (the optimizer and compute dtype every scheme and the golden run use).
 """
 from .blocks import MLP, Attention, Embedding, Head
-from .data import synthetic_batch
+from .data import IGNORE_INDEX, counted_tokens, mask_prompts, synthetic_batch
 from .gpt import Block, GPTStage, build_model, build_stage, stage_layers
 from .init import init_parameters, param_seed
 from .training import (clip_coefficient, clip_local_, compute_dtype, grad_norm_sq,
@@ -15,5 +15,5 @@ from .training import (clip_coefficient, clip_local_, compute_dtype, grad_norm_s
 
 __all__ = ["Attention", "Block", "Embedding", "GPTStage", "Head", "MLP", "build_model",
            "build_stage", "clip_coefficient", "clip_local_", "compute_dtype", "grad_norm_sq",
-           "scale_grads_", "init_parameters", "make_optimizer", "param_seed",
+           "scale_grads_", "IGNORE_INDEX", "counted_tokens", "mask_prompts", "init_parameters", "make_optimizer", "param_seed",
            "stage_layers", "synthetic_batch"]
