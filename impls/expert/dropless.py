@@ -198,7 +198,7 @@ def routed_prediction(case: CaseConfig, closed_form, routing: RoutingGroups,
     def over(steps):
         return closed_form(case.model, ep=p.ep, dp=p.dp, micro_batch_size=p.micro_batch_size,
                            num_microbatches=p.num_microbatches, loads=steps,
-                           optimizer=run.optimizer, **extra)
+                           optimizer=run.optimizer, clip_grad=run.clip_grad, **extra)
     # figures and states of the checked steps; bytes and calls of every step, the timed ones
     # included (issue 20: ``parbench.verdict.timed`` holds each timed step to its own loads)
     checked, every = over(loads[:run.steps]), over(loads)

@@ -24,6 +24,10 @@ together cover all d ranks, so **summing over edp** gives sum_r dL_r/dW_e and **
 gradients by ep (DeepSpeed divides by the dense dp size for the same reason,
 ``engine._reduce_expert_gradients``). Then one AdamW step on everything the rank holds.
 
+**Clipping** (``clip_grad``): by the global norm, the dense squares counted here and the
+experts' summed over ep (``impls.expert.clip``), after the reductions; the clipped gradients
+are the ones stepped on and reported.
+
 ``full_params`` / ``full_grads`` gather the other ep ranks' experts for the verdict, outside
 the ledger (``comm.unrecorded``). Closed forms: ``parbench.analytic.expert``.
 """
@@ -38,12 +42,13 @@ from parbench import comm
 from parbench.analytic import expert as closed
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import build_model, make_optimizer
+from parbench.model import build_model, clip_coefficient, make_optimizer, scale_grads_
 from parbench.model.moe import set_aux_scale
 from parbench.scheme import Prediction, Scheme, register
 
 from impls.data.buckets import Bucket
 
+from .clip import expert_parallel_norm
 from .dispatch import ExpertDispatch
 from .layer import is_expert_param, localize, moe_layers
 from .stats import StepStats, row_metrics
@@ -59,6 +64,7 @@ class ExpertAllToAll(Scheme):
     family = "expert"
     uses = ("ep", "dp")
     supports_moe = True
+    supports_clip_grad = True
     options: ClassVar[tuple[str, ...]] = MOE_OPTIONS
     description = ("expert parallelism (GShard / Switch): experts sharded over ep, two "
                    "all-to-alls per MoE layer each way, dense grads over dp, experts over edp")
@@ -81,6 +87,10 @@ class ExpertAllToAll(Scheme):
         if m.moe_router_skew and cls.baseline_of:
             raise ConfigError(f"moe_router_skew={m.moe_router_skew}: {cls.name} routes with "
                               "its library's own gate, which has no skew; set moe_router_skew=0")
+        # a baseline inherits this class's clipping only by declaring it itself
+        if case.run.clip_grad and cls.baseline_of and not vars(cls).get("supports_clip_grad"):
+            raise ConfigError(f"clip_grad={case.run.clip_grad:g}: baseline {cls.name} does "
+                              "not clip with its framework's own clipping; set clip_grad=0")
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -144,6 +154,7 @@ class ExpertAllToAll(Scheme):
             self.reduce_dense_gradients()
             self.reduce_expert_gradients()
         with tl.span("optim"):
+            self.clip()
             self.opt.step()
         self.step_stats.record(step, [lay.take_stats() for lay in self.layers], comm.active())
         return self.reduce_loss(total / self.dp, self.ctx.mesh.group("dp"))
@@ -159,6 +170,20 @@ class ExpertAllToAll(Scheme):
         if self.edp > 1:
             dist.all_reduce(self.experts.buffer, group=self.ctx.mesh.group("edp"))
         self.experts.buffer.div_(self.dp)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm after the reductions: dense squares here, the experts'
+        summed over ep (``impls.expert.clip``)."""
+        return expert_parallel_norm([self.dense.buffer], [self.experts.buffer],
+                                    self.ctx.mesh.group("ep"))
+
+    def clip(self) -> None:
+        """Clip every gradient the rank steps on by the global norm (``clip_grad`` 0: no
+        norm, no collective)."""
+        clip = self.ctx.run.clip_grad
+        if clip:
+            coef = clip_coefficient(self.grad_norm(), clip)
+            scale_grads_([self.dense.buffer, self.experts.buffer], coef)
 
     # ---- what the verdict compares ------------------------------------------------------------
     def _gathered(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,7 +214,8 @@ class ExpertAllToAll(Scheme):
         pred = closed.expert_prediction(case.model, ep=p.ep, dp=p.dp,
                                         micro_batch_size=p.micro_batch_size,
                                         num_microbatches=p.num_microbatches,
-                                        optimizer=case.run.optimizer)
+                                        optimizer=case.run.optimizer,
+                                        clip_grad=case.run.clip_grad)
         return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,
                                   **pred.figures)
 

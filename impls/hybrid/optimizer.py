@@ -26,11 +26,18 @@ by (the dense group's size; dp x cp for the experts, see ``scheme``).
 
 Every stage moves 2 x padded / n x (n - 1) bytes per step for ZeRO 1-3 (one reduce-scatter and
 one all-gather of the padded buffer), the all-reduce's volume.
+
+Clipping by global norm (``impls.hybrid.clip``) reads from a group the squares of the reduced
+gradient elements the rank owns (``owned_sq``: every element with ZeRO-0, the rank's slice of
+the flat buffer with ZeRO 1-3, padding excluded) and scales what the optimizer steps on and
+what the verdict is shown (``scale_``).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from parbench.model.training import grad_norm_sq, scale_grads_
 
 from impls.tensor.collectives import all_reduce_flat
 
@@ -52,6 +59,7 @@ class GradientGroup:
         """``params``: fp32 (as built); they are moved to the compute ``dtype`` here, the
         fp32 values kept as the masters of a bf16 run."""
         self.params, self.group, self.n, self.divisor = params, group, n, divisor
+        self.index = index
         self.zero, self.mixed = zero_stage, dtype != torch.float32
         if not params:
             self.masters = []
@@ -118,6 +126,34 @@ class GradientGroup:
         self.masters[0].grad = self.gown.float() if self.mixed else self.gown
         if self.zero >= 2:
             _free(self.gbuf)
+
+    def owned_sq(self, counted: set[int]) -> torch.Tensor:
+        """After ``reduce``: the fp32 sum of squares of the reduced gradient elements this
+        rank owns, of the parameters whose ids are in ``counted`` -- all of them with ZeRO-0,
+        with ZeRO 1-3 the parts of them inside the rank's slice of the flat buffer (the
+        padding belongs to no parameter)."""
+        if not self.params:
+            return grad_norm_sq([])
+        if self.zero == 0:
+            return grad_norm_sq([p.grad for p in self.params if id(p) in counted])
+        lo, hi = self.index * self.shard, (self.index + 1) * self.shard
+        parts, offset = [], 0
+        for p in self.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b and id(p) in counted:
+                parts.append(self.gown[a - lo:b - lo])
+            offset += p.numel()
+        return grad_norm_sq(parts)
+
+    def scale_(self, coef: float) -> None:
+        """After ``reduce``: multiply the reduced gradients (the ones ``full`` reports) and the
+        masters' (the ones AdamW steps on; the same tensors in fp32) by ``coef``."""
+        if not self.params:
+            return
+        reported = [p.grad for p in self.params] if self.zero == 0 else [self.gown]
+        scale_grads_(reported, coef)
+        if self.mixed:
+            scale_grads_([m.grad for m in self.masters], coef)
 
     def finish(self) -> None:
         """After the optimizer step: masters into the compute-dtype parameters (all-gathered

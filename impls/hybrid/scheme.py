@@ -21,7 +21,9 @@ which a once-per-step optimizer does not follow. After the schedule, once per st
    by dp cp: an expert's holder already has the contributions of every token its ep group
    dispatched to it, the edp replicas cover the rest, and each token's loss term carries
    its rank's 1/(tokens) of a loss that must be averaged over the dp cp token sets;
-4. one AdamW step over the rank's tensors -- or, with ``zero_stage`` 1-3, the reductions of
+4. with ``clip_grad``, every gradient scaled by the factor of the global norm, counted once
+   over tp, dp x cp / edp shards, ep and pp (``impls.hybrid.clip``);
+5. one AdamW step over the rank's tensors -- or, with ``zero_stage`` 1-3, the reductions of
    2 and 3 are reduce-scatters of one padded flat buffer per group and AdamW steps the
    rank's shard, all-gathered back (``optimizer.GradientGroup``: Megatron's distributed
    optimizer, ZeRO-2, FSDP as torchtitan runs it under a pipeline). With ``dtype=bf16`` the
@@ -56,6 +58,7 @@ from impls.pipeline.weights import StageSlot, SyncWeights
 from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
+from .clip import clip_hybrid_, counted_params, hybrid_norm, norm_axes
 from .model import CP_KINDS, HybridStage, build_core
 from .optimizer import GradientGroup
 
@@ -78,6 +81,7 @@ class HybridScheme(Scheme):
     description = "PTD-P with cp and ep: Megatron TP(+SP) x CP x EP x DP x pipeline schedule"
     uses = ("tp", "cp", "ep", "dp", "pp")
     supports_moe = True
+    supports_clip_grad = True
     #: the stage model, the gradient groups' synchronisation and their mesh axes (dense,
     #: experts); the self-test's mutants swap in broken ones
     stage_class = HybridStage
@@ -218,12 +222,31 @@ class HybridScheme(Scheme):
             for g in self.groups:
                 g.reduce()
         with tl.span("optim"):
+            self.clip()
             self.opt.step()
             for g in self.groups:
                 g.finish()
         last = any(s.module.last for s in self.slots.values())
         total = self.reduce_loss(out.loss if last else 0.0)
         return total / (self.tp * self.dp * self.cp)
+
+    def clip_counted(self) -> set[int]:
+        """Ids of the parameters whose squares this rank adds: no tp duplicate, no second
+        stage copy (``impls.hybrid.clip``)."""
+        return counted_params(self.slots, self.ctx.mesh.index("tp"), self.peer is not None)
+
+    def clip_axes(self) -> tuple[list[str], list[str]]:
+        """The axes the dense and the expert squares are summed over (then pp)."""
+        return norm_axes(self)
+
+    def grad_norm(self) -> float:
+        """The global norm of the reduced gradients (``impls.hybrid.clip``)."""
+        return hybrid_norm(self, self.clip_counted(), *self.clip_axes())
+
+    def clip(self) -> None:
+        """Clip by global norm (``clip_grad`` 0: nothing, no collective)."""
+        if self.ctx.run.clip_grad:
+            clip_hybrid_(self, self.grad_norm())
 
     def sync_replicas(self) -> None:
         """A bidirectional schedule's two stage copies: add the partner rank's gradients."""
@@ -296,7 +319,8 @@ class HybridScheme(Scheme):
         return closed.HybridStep(layout=case.layout, options=case.options,
                                  placement=str(spec.placement),
                                  chunks=spec.chunks_for(case.layout.vpp),
-                                 e=2 if case.run.dtype == "bf16" else 4)
+                                 e=2 if case.run.dtype == "bf16" else 4,
+                                 clip_grad=case.run.clip_grad)
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

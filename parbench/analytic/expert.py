@@ -25,6 +25,11 @@ tokens, T = b s tokens per routing group, e bytes per element, L_moe MoE layers)
   2(d-1)/d of 4 Psi_dense; the rank's expert gradients in one flat all-reduce over edp,
   2(n-1)/n of 4 Psi_expert / ep (Psi_expert: every expert of every MoE layer). None over a
   group of one rank.
+- **Clipping** by global norm (``clip_grad`` > 0; Pascanu et al. 2013; Megatron-LM's
+  ``clip_grad_norm_fp32`` with the experts' norm reduced over the expert-parallel group):
+  the dense gradients are whole on every rank after their all-reduce and the experts are
+  sharded over ep, so one all-reduce of the 4-byte squared norm over ep
+  (``analytic.clip``); none with ep = 1.
 - **Model states** (fp32, AdamW: two fp32 moments per element and a 4-byte step per tensor):
   the dense parameters whole, E/ep experts of every MoE layer; parameters, gradients and
   optimizer states of exactly those; nothing else held between steps.
@@ -34,6 +39,7 @@ reference model's (``parbench.model.moe``); their cost is local, no traffic.
 """
 from __future__ import annotations
 
+from .clip import norm_transfers
 from .comm import Transfer, as_number, wire_factor
 from .prediction import RankPrediction, flat_states
 from .shape import Shape, expert_capacity, require_positive_int, shape_from
@@ -94,9 +100,10 @@ def alltoall_traffic(shape: Shape, ep: int, micro_batch_size: int, num_microbatc
             ("dispatch (fwd)", "combine (fwd)", "combine grad (bwd)", "dispatch grad (bwd)")]
 
 
-def gradient_traffic(shape: Shape, ep: int, dp: int, elem_bytes: int = 4
-                     ) -> list[Transfer]:
-    """The step's two gradient all-reduces: dense over dp, the rank's experts over edp."""
+def gradient_traffic(shape: Shape, ep: int, dp: int, elem_bytes: int = 4,
+                     clip_grad: float = 0.0) -> list[Transfer]:
+    """The step's two gradient all-reduces: dense over dp, the rank's experts over edp; with
+    ``clip_grad``, the norm's all-reduce over ep (the experts' squares)."""
     require_positive_int("dp", dp)
     if dp % ep:
         raise ValueError(f"ep={ep} does not divide dp={dp}")
@@ -105,7 +112,8 @@ def gradient_traffic(shape: Shape, ep: int, dp: int, elem_bytes: int = 4
     return [Transfer("dp", "all_reduce", dp, sum(dense) * elem_bytes, int(dp > 1),
                      "dense gradients (one flat buffer), then / dp"),
             Transfer("edp", "all_reduce", edp, sum(expert) * elem_bytes, int(edp > 1),
-                     "expert gradients (one flat buffer), summed, then / dp")]
+                     "expert gradients (one flat buffer), summed, then / dp")
+            ] + norm_transfers({"ep": ep}, clip_grad)
 
 
 def rank_states(shape: Shape, ep: int, optimizer: str = "adamw", elem_bytes: int = 4
@@ -123,12 +131,13 @@ class ExpertPrediction(RankPrediction):
 
 
 def expert_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int = 1,
-                      optimizer: str = "adamw", elem_bytes: int = 4) -> ExpertPrediction:
+                      optimizer: str = "adamw", elem_bytes: int = 4,
+                      clip_grad: float = 0.0) -> ExpertPrediction:
     """Everything one rank of ``expert.alltoall`` measures in one step (``model``: a
     ``Shape`` or any object with the reference model's fields)."""
     shape = _moe_shape(model)
     tr = alltoall_traffic(shape, ep, micro_batch_size, num_microbatches, elem_bytes)
-    tr += gradient_traffic(shape, ep, dp, elem_bytes)
+    tr += gradient_traffic(shape, ep, dp, elem_bytes, clip_grad)
     tr = [t for t in tr if t.count and t.group_size > 1]
     dense, expert = rank_tensors(shape, ep)
     tokens = micro_batch_size * shape.s

@@ -21,7 +21,8 @@ ranks around it -- the Megatron layout of ``parbench.mesh`` with tp = cp = pp = 
   step, the step's global batch, one routing group per rank and micro-batch), never from the
   implementation's ledger.
 - **Gradients and model states**: those of ``expert.alltoall`` (``analytic.expert``): the
-  dense gradients all-reduced over dp, the experts over edp; the same tensors held.
+  dense gradients all-reduced over dp, the experts over edp; the same tensors held; with
+  ``clip_grad``, its norm's all-reduce over ep.
 
 Headline (MegaBlocks Fig. 1 / Sec. 3: padding wastes computation and communication): beside
 it, ``expert.alltoall``'s padded ``[E, C, h]`` buffer on the same case, 4 (ep-1)/ep E C h e
@@ -87,14 +88,16 @@ def group_loads(loads_layer: list[list[int]], dp: int, num_microbatches: int, mb
     return [loads_layer[q * num_microbatches + mb] for q in range(dp)]
 
 
-def add_gradients(step: RankStep, shape, ep: int, dp: int, elem_bytes: int) -> None:
-    for t in gradient_traffic(shape, ep, dp, elem_bytes):
+def add_gradients(step: RankStep, shape, ep: int, dp: int, elem_bytes: int,
+                  clip_grad: float = 0.0) -> None:
+    """``analytic.expert``'s gradient reductions (and the clipping norm's) into ``step``."""
+    for t in gradient_traffic(shape, ep, dp, elem_bytes, clip_grad):
         if t.count and t.group_size > 1:
             step.add(t.axis, wire_factor(t.op, t.group_size) * t.message_bytes, t.count)
 
 
 def dropless_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microbatches: int,
-                  elem_bytes: int = 4) -> RankStep:
+                  elem_bytes: int = 4, clip_grad: float = 0.0) -> RankStep:
     """One rank's step; ``loads[layer][group][expert]`` from the reference router."""
     st = RankStep()
     row = shape.h * elem_bytes
@@ -105,7 +108,7 @@ def dropless_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microb
                                        shape.num_experts)
                 st.add("ep", wire_factor("all_to_all", ep) * shape.num_experts * COUNT_BYTES)
                 st.add("ep", 2 * (out + into) * row, 4)
-    add_gradients(st, shape, ep, dp, elem_bytes)
+    add_gradients(st, shape, ep, dp, elem_bytes, clip_grad)
     return st
 
 
@@ -130,12 +133,13 @@ class DroplessPrediction:
 
 
 def dropless_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int,
-                        loads: list, optimizer: str = "adamw", elem_bytes: int = 4
-                        ) -> DroplessPrediction:
+                        loads: list, optimizer: str = "adamw", elem_bytes: int = 4,
+                        clip_grad: float = 0.0) -> DroplessPrediction:
     """Every rank's checked steps of ``expert.dropless``; ``loads[step][layer][group]``."""
     shape = _moe_shape(model)
     steps = [[dropless_step(shape, ep=ep, dp=dp, rank=r, loads=lo, num_microbatches=num_microbatches,
-                            elem_bytes=elem_bytes) for r in range(dp)] for lo in loads]
+                            elem_bytes=elem_bytes, clip_grad=clip_grad) for r in range(dp)]
+             for lo in loads]
     return DroplessPrediction(steps, rank_states(shape, ep, optimizer, elem_bytes),
                               headline(shape, steps, ep=ep, dp=dp, micro_batch_size=micro_batch_size,
                                        num_microbatches=num_microbatches, elem_bytes=elem_bytes))

@@ -21,7 +21,8 @@ rank layout; S = ``moe_shadow``; P = h f + f + f h + h elements of one expert):
   the step's micro-batches, one per shadow, layer and micro-batch): every rank but the owner
   sends P e.
 - **Gradients and model states**: ``expert.alltoall``'s (the shadow copies live only inside
-  the step).
+  the step; with ``clip_grad`` the norm's all-reduce over ep counts the owners' experts,
+  never a shadow).
 
 Headline (FasterMoE Sec. 4 / Fig. 11: under skewed routing shadowing cuts the all-to-all
 traffic; their performance model shadows an expert only when that pays): beside the total,
@@ -47,7 +48,8 @@ def choose_shadows(global_counts: list[int], count: int) -> list[int]:
 
 
 def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microbatches: int,
-                shadows: int, elem_bytes: int = 4) -> tuple[RankStep, Fraction]:
+                shadows: int, elem_bytes: int = 4, clip_grad: float = 0.0
+                ) -> tuple[RankStep, Fraction]:
     """One rank's step and, of its ep bytes, those of the token all-to-alls."""
     st, a2a = RankStep(), Fraction(0)
     E, me = shape.num_experts, rank % ep
@@ -68,13 +70,13 @@ def shadow_step(shape, *, ep: int, dp: int, rank: int, loads: list, num_microbat
                 for x in chosen:
                     st.add("ep", rooted_wire_factor("reduce", ep, me, owner(x, E, ep))
                            * param_bytes)
-    add_gradients(st, shape, ep, dp, elem_bytes)
+    add_gradients(st, shape, ep, dp, elem_bytes, clip_grad)
     return st, a2a
 
 
 def shadow_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_microbatches: int,
                       loads: list, shadows: int, optimizer: str = "adamw",
-                      elem_bytes: int = 4) -> DroplessPrediction:
+                      elem_bytes: int = 4, clip_grad: float = 0.0) -> DroplessPrediction:
     """Every rank's checked steps of ``expert.fastermoe``; ``loads[step][layer][group]``."""
     shape = _moe_shape(model)
     if shadows > shape.num_experts:
@@ -82,7 +84,8 @@ def shadow_prediction(model, *, ep: int, dp: int, micro_batch_size: int, num_mic
     steps, a2a = [], Fraction(0)
     for lo in loads:
         row = [shadow_step(shape, ep=ep, dp=dp, rank=r, loads=lo, num_microbatches=num_microbatches,
-                           shadows=shadows, elem_bytes=elem_bytes) for r in range(dp)]
+                           shadows=shadows, elem_bytes=elem_bytes, clip_grad=clip_grad)
+               for r in range(dp)]
         steps.append([s for s, _ in row])
         a2a = sum((a for _, a in row), Fraction(0))  # the last step's
     last = loads[-1] if loads else []

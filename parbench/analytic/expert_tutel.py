@@ -26,7 +26,9 @@ routing group r m + i; n_{g,x} is the reference's count of assignments of group 
 - **Adaptive**: EP iff 4 E C h a <= 2 E P_e (W-1)/W (a: the all-to-all's summed wire factor
   above), i.e. the mode with fewer wire bytes, ties to EP.
 - **Gradients** and **model states**: exactly ``analytic.expert``'s (dense all-reduce over
-  dp, expert all-reduce over edp, E/ep experts per rank); the gathered experts are transient.
+  dp, expert all-reduce over edp, E/ep experts per rank; with ``clip_grad`` the norm's
+  all-reduce over ep -- in mode dp too, whose reduce-scatter leaves each expert's gradient on
+  its owner only); the gathered experts are transient.
 """
 from __future__ import annotations
 
@@ -149,7 +151,8 @@ def tutel_prediction(case, counts: list) -> TutelPrediction:
     tokens = p.micro_batch_size * shape.s
     bound = switch_capacity(tokens, shape.num_experts, shape.moe_top_k, cf) if cf else None
     states = rank_states(shape, ep, case.run.optimizer)
-    grads = [t for t in gradient_traffic(shape, ep, p.dp) if t.count and t.group_size > 1]
+    grads = [t for t in gradient_traffic(shape, ep, p.dp, clip_grad=case.run.clip_grad)
+             if t.count and t.group_size > 1]
     wire, calls, caps0, modes0 = [], [], [], []
     for step_counts in counts:
         w_step, c_step = [], []

@@ -33,6 +33,11 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   way; ZeRO-3 as torchtitan runs FSDP under a pipeline, gathered once per step). Bytes per
   element e: 4 (fp32) or 2 (bf16 activations, parameters and gradients; the vocab-parallel
   loss's per-token values stay fp32).
+- **clipping** by global norm (``clip_grad`` > 0; Pascanu et al. 2013; Megatron-LM's
+  ``clip_grad_norm_fp32``): the squared norm, 4 bytes, all-reduced once on every axis the
+  reduced gradient is spread over (:func:`clip_spread`): tp (shards; duplicates counted on
+  one rank), dp_cp and edp with ZeRO 1-3 (the rank's shard of the flat buffer), ep for an
+  MoE model (experts sharded), pp (stages).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 
 from ..layout import Layout
 from ..options import Options
+from .clip import norm_transfers
 from .comm import Transfer
 from .context import attention_traffic
 from .pipeline import num_stages, stages_on_rank
@@ -58,6 +64,8 @@ class HybridStep:
     placement: str = "linear"
     chunks: int = 1
     e: int = 4
+    #: gradient clipping by global norm (0: off): its norm's all-reduces
+    clip_grad: float = 0.0
 
     @property
     def sp(self) -> bool:
@@ -222,9 +230,26 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
                             "gradients partial over tp (routers; SP: replicated params)"))
     out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
     out += _grad_sync("edp", t * cp * dp // lay.ep, expert, c, "expert gradients")
+    out += norm_transfers(clip_spread(shape, c), c.clip_grad)
     states = _states(c, dense, dense_tensors, dp * cp)
     ex = _states(c, expert, expert_tensors, t * cp * dp // lay.ep)
     return out, {k: states[k] + ex[k] for k in states}
+
+
+def clip_spread(shape: Shape, c: HybridStep) -> dict[str, int]:
+    """{axis: size} of the axes the reduced gradient is spread over, each carrying one
+    all-reduce of the clipping norm: tp, pp; dp_cp (dense) and, for an MoE model, edp with
+    ZeRO 1-3; ep for an MoE model. Axes of one rank are dropped by ``norm_transfers``."""
+    lay = c.layout
+    zero = c.options.data.zero_stage > 0
+    out = {"tp": lay.tp, "pp": lay.pp}
+    if zero:
+        out["dp_cp"] = lay.dp * lay.cp
+    if shape.num_experts:
+        out["ep"] = lay.ep
+        if zero:
+            out["edp"] = lay.tp * lay.cp * lay.dp // lay.ep
+    return out
 
 
 def _states(c: HybridStep, numel: int, tensors: int, n: int) -> dict[str, int]:

@@ -66,6 +66,20 @@ def test_expert_alltoall_matches_golden_with_exact_bytes(pools, case):
     assert_exact(case, per_rank)
 
 
+def test_expert_alltoall_clips_by_the_global_norm(pools):
+    """``clip_grad=0.5`` (below the tiny MoE model's norm: every checked step clips): the dense
+    squares counted once, the experts' summed over ep -- equal to the golden run clipped the
+    same way, with the norm's one 4-byte all-reduce on ep in the closed form."""
+    case = make_case(ep=2, dp=2, num_microbatches=2, clip_grad=0.5)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    assert merged.clipped_steps == case.run.steps and merged.clip_coef_min < 1.0
+    assert_exact(case, per_rank)
+    plain = get_scheme("expert.alltoall").predict(make_case(ep=2, dp=2, num_microbatches=2))
+    pred = get_scheme("expert.alltoall").predict(case)
+    assert pred.calls_at(0)[0]["ep"] - plain.calls_at(0)[0]["ep"] == 1
+
+
 @pytest.mark.parametrize("k,cf,groups", [(1, 1.0, 1), (2, 0.5, 3), (2, 0.0, 2), (1, 1.25, 4)])
 def test_moe_tokens_equals_the_reference_layer(k, cf, groups):
     """One process, every expert local: output, input gradient and every parameter gradient

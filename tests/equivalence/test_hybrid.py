@@ -124,6 +124,23 @@ def test_zero_stages_over_dp_cp_and_edp(pools, ov):
     assert_exact(case, merged, per_rank)
 
 
+def test_hybrid_clips_by_the_global_norm(pools):
+    """``clip_grad=0.5`` clips every checked step of tp x dp x ep with ZeRO-1: tp duplicates
+    counted on one tp rank, the dense and expert shards summed over dp x cp and edp, the
+    experts over ep -- the golden run's clipped numbers, and one 4-byte all-reduce per spread
+    axis in the closed form."""
+    ov = {"tp": 2, "dp": 2, "ep": 2, "etp": 1, "num_experts": 4, "zero_stage": 1}
+    case = make_case(**ov, clip_grad=0.5)
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
+    assert merged.clipped_steps == case.run.steps and merged.clip_coef_min < 1.0
+    plain = get_scheme("hybrid").predict(make_case(**ov)).calls_at(0)[0]
+    calls = get_scheme("hybrid").predict(case).calls_at(0)[0]
+    assert {a: calls[a] - plain.get(a, 0) for a in calls} == \
+        {"tp": 1, "dp_cp": 1, "ep": 1, "edp": 1, **{a: 0 for a in calls
+                                                  if a not in ("tp", "dp_cp", "ep", "edp")}}
+
+
 @pytest.mark.parametrize("ov, msg", [
     ({"tp": 2, "ep": 2, "num_experts": 4, "dp": 2}, "set etp=1"),
     ({"pp": 2, "schedule": "pipedream", "num_microbatches": 2}, "asynchronously"),
