@@ -35,6 +35,10 @@ CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgathe
              "tp-vocab-padding-unmasked", "sp-allreduce-for-reducescatter",
              "ddp-debug-allreduce", "zero3-keeps-gathered-units",
              "hybrid-moe-tokens-not-split", "ep-edp-mean", "ep-debug-alltoall",
-             "zero1-bf16-no-wd", "zero2-bf16-one-grad-summed", "hybrid-bf16-sp-ln-not-reduced")
+             "zero1-bf16-no-wd", "zero2-bf16-one-grad-summed", "hybrid-bf16-sp-ln-not-reduced",
+             "zero2-clip-local-norm", "tp-clip-replicated-counted-twice",
+             "1f1b-clip-tied-counted-twice", "cp-clip-before-grad-allreduce",
+             "ep-clip-expert-norm-local", "hybrid-clip-tp-duplicates",
+             "ddp-loss-mean-per-microbatch")
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "FAMILY_CASES", "Mutant", "load", "mutant"]

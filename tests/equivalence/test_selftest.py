@@ -49,6 +49,15 @@ def test_every_mutant_is_killed_by_a_check_and_no_control_fails():
         assert by_id[i]["max_grad_abs"] < 1e-2, by_id[i]
         assert by_id[i]["detectable_grad_error"] is not None
     assert "update" in by_id["zero1-bf16-no-wd"]["caught_by"]
+    # clipping (issue 20, sec. 3): each family's wrong norm is caught by the gradient check,
+    # on a case where the clip acted on every checked step (else it would test nothing)
+    for i in ("zero2-clip-local-norm", "tp-clip-replicated-counted-twice",
+              "1f1b-clip-tied-counted-twice", "cp-clip-before-grad-allreduce",
+              "ep-clip-expert-norm-local", "hybrid-clip-tp-duplicates"):
+        assert "golden" in by_id[i]["caught_by"], by_id[i]
+        assert by_id[i]["clipped_steps"] and by_id[i]["clip_coef_min"] < 1.0, by_id[i]
+    # a masked loss averaged per micro-batch: the loss itself differs from the golden run's
+    assert "golden" in by_id["ddp-loss-mean-per-microbatch"]["caught_by"]
     # bugs that leave the numbers alone are caught by the closed forms alone
     assert by_id["ddp-debug-allreduce"]["caught_by"] == "wire+calls"
     assert by_id["zero3-keeps-gathered-units"]["caught_by"] == "model_state"
