@@ -27,9 +27,7 @@ from impls.hybrid.clip import counted_params
 from impls.hybrid.scheme import HybridScheme
 
 from .catalogue import mutant
-
-#: a threshold below the tiny MoE model's gradient norm, so every checked step clips
-CLIP = {"clip_grad": "0.5"}
+from .mutants_clip import CLIP
 
 
 @mutant("ep-clip-expert-norm-local", base="expert.alltoall", overrides=CLIP,

@@ -22,9 +22,7 @@ from impls.common.clip import clip_grads_
 from impls.pipeline import SCHEMES
 
 from .catalogue import mutant
-
-#: a threshold below the tiny model's gradient norm (about 1.0), so every checked step clips
-CLIP = {"clip_grad": "0.5"}
+from .mutants_clip import CLIP
 
 
 def _all_grads(scheme) -> list:

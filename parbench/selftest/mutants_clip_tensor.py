@@ -22,9 +22,7 @@ from impls.context.schemes import RingAttentionScheme
 from impls.tensor.megatron import Megatron1D, MegatronSP
 
 from .catalogue import mutant
-
-#: a threshold below the tiny model's gradient norm (about 1.0), so every checked step clips
-CLIP = {"clip_grad": "0.5"}
+from .mutants_clip import CLIP
 
 
 @mutant("tp-clip-replicated-counted-twice", base="tensor.megatron", overrides=CLIP,
