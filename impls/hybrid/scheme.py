@@ -102,7 +102,7 @@ class HybridScheme(Scheme):
         kind = o.context.cp_algorithm
         if kind not in CP_KINDS:
             raise ConfigError(f"cp_algorithm={kind!r}: hybrid runs one of {', '.join(CP_KINDS)}")
-        if p.ep > 1 and p.tp > 1 and p.expert_tp != 1:
+        if m.num_experts and p.tp > 1 and p.expert_tp != 1:  # ep = 1 too (etp 0 = tp)
             raise ConfigError(f"etp={p.etp} (= tp when 0): hybrid keeps experts whole and "
                               "splits their tokens over tp; set etp=1")
         if p.pp > 1 and m.tie_embeddings:
