@@ -18,14 +18,20 @@ import torch.distributed as dist
 from parbench.model.training import clip_coefficient, grad_norm_sq, scale_grads_
 
 
-def global_norm(owned, groups=()) -> float:
-    """The global gradient norm: the squares of ``owned`` summed here, then over every group
-    of ``groups`` (each of size > 1: one all-reduce each)."""
-    sq = grad_norm_sq(owned)
+def summed_sq(tensors, groups=()) -> torch.Tensor:
+    """Squares of ``tensors`` (fp32, one element) summed here, then over each group of
+    ``groups`` of more than one rank (one all-reduce each)."""
+    sq = grad_norm_sq(tensors)
     for g in groups:
         if g is not None and dist.get_world_size(g) > 1:
             dist.all_reduce(sq, group=g)
-    return float(sq.sqrt())
+    return sq
+
+
+def global_norm(owned, groups=()) -> float:
+    """The global gradient norm: the squares of ``owned`` summed here, then over every group
+    of ``groups`` (each of size > 1: one all-reduce each)."""
+    return float(summed_sq(owned, groups).sqrt())
 
 
 def clip_grads_(grads, max_norm: float, owned=None, groups=()) -> float | None:

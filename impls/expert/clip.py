@@ -20,20 +20,9 @@ are the bugs of the self-test (``parbench.selftest.mutants_clip_expert``). Close
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from parbench.model.training import grad_norm_sq
 
-
-def summed_sq(tensors, groups=()) -> torch.Tensor:
-    """Squares of ``tensors`` (fp32, one element) summed here, then over each group of
-    ``groups`` of more than one rank (one all-reduce each)."""
-    sq = grad_norm_sq(tensors)
-    for g in groups:
-        if g is not None and dist.get_world_size(g) > 1:
-            dist.all_reduce(sq, group=g)
-    return sq
+from impls.common.clip import summed_sq
 
 
 def expert_parallel_norm(dense, experts, ep_group) -> float:
