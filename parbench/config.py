@@ -81,6 +81,11 @@ class ModelConfig:
     #: router for FasterMoE's shadow experts; parbench.model.moe); 0 = none
     moe_router_skew: float = _rule(0.0, "nonneg", "0 = unskewed router")
     init_std: float = _rule(0.02, "gt0")
+    #: packed sequences (parbench.model.packing): each sample holds 1..pack_docs documents
+    #: ended by an EOD token (the last vocabulary id); attention stays within a document and
+    #: positions restart after each EOD (Megatron-LM's --reset-attention-mask
+    #: --reset-position-ids); 0 = one sequence per sample
+    pack_docs: int = _rule(0, "nonneg", "most documents packed into a sample; 0 = unpacked")
     #: analytic only (see the class doc): grouped-query attention's K/V heads, 0 = num_heads
     num_kv_heads: int = _rule(0, "nonneg", "0 = num_heads (analytic only)")
     #: analytic only: gelu (two matrices) | swiglu (three: gate, up, down)
@@ -284,6 +289,9 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"mlp={m.mlp!r} must be gelu or swiglu")
     if m.norm not in ("layernorm", "rmsnorm"):
         raise ConfigError(f"norm={m.norm!r} must be layernorm or rmsnorm")
+    if m.pack_docs >= m.seq_length:
+        raise ConfigError(f"pack_docs={m.pack_docs} must be < seq_length={m.seq_length}: "
+                          "each document holds at least one token before its EOD")
 
 
 #: ModelConfig fields the analytic estimate reads but the reference model does not: a

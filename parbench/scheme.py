@@ -159,6 +159,9 @@ class Scheme(ABC):
     #: trains on masked targets (``loss_mask > 0``) with the loss normalised by the global
     #: batch's counted tokens; other schemes reject the field before spawning
     supports_loss_mask: ClassVar[bool] = False
+    #: trains a packed model (``pack_docs > 0``: attention within documents, positions
+    #: restarted; ``parbench.model.packing``); other schemes reject the field before spawning
+    supports_packing: ClassVar[bool] = False
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -196,6 +199,9 @@ class Scheme(ABC):
             raise ConfigError(f"loss_mask={case.run.loss_mask:g}: scheme {cls.name} does not "
                               "normalise a masked loss by the global token count "
                               "(set loss_mask=0)")
+        if case.model.pack_docs and not cls.supports_packing:
+            raise ConfigError(f"pack_docs={case.model.pack_docs}: scheme {cls.name} does not "
+                              "attend within packed documents (set pack_docs=0)")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:

@@ -24,6 +24,9 @@ class DataParallelScheme(Scheme):
         self.dp_rank = ctx.mesh.index("dp")
 
     supports_loss_mask = True
+    #: a replica runs whole samples through the reference model, which finds each sample's
+    #: documents in its tokens (``parbench.model.packing``)
+    supports_packing = True
 
     def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's micro-batches of the global batch; notes the global batch's counted

@@ -24,6 +24,7 @@ import torch
 from torch.func import functional_call
 
 from parbench.config import CaseConfig, ConfigError
+from parbench.model import documents_of
 from parbench.scheme import register
 
 from .base import ZeroScheme, all_gather_into, split_units, unit_views
@@ -157,24 +158,23 @@ class Zero3(ZeroScheme):
         self._free(i)
 
     # ---- the step -------------------------------------------------------------------------
-    def _run_unit(self, i: int, views, h, targets):
+    def _run_unit(self, i: int, views, h, targets, docs):
+        """Unit ``i``'s layers on ``h``: the head takes the targets, the embedding and the
+        blocks the micro-batch's packed documents (None: unpacked)."""
         for (ln, mod), (names, a, b) in zip(self.unit_layers[i], self.rel_names[i]):
             params = dict(zip(names, views[a:b]))
-            if ln == "head":
-                h = functional_call(mod, params, (h, targets))
-            else:
-                h = functional_call(mod, params, (h,))
+            h = functional_call(mod, params, (h, targets if ln == "head" else docs))
         return h
 
     def _forward(self, xm, ym):
         n = len(self.shards)
-        h = xm
+        h, docs = xm, documents_of(self.ctx.model, xm)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             for i in range(n):
                 self._ensure(i)
                 self._launch(i + 1)  # prefetch the next unit
                 views = _UnitParams.apply(self.shards[i], self, i)
-                h = self._run_unit(i, views, h, ym)
+                h = self._run_unit(i, views, h, ym, docs)
                 del views
                 self._free(i)
                 if i < n - 1 and h.requires_grad:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CaseConfig
-from ..model import (GPTStage, build_model, clip_local_, make_optimizer, mask_prompts,
-                     synthetic_batch)
+from ..model import (GPTStage, build_model, clip_local_, eod_token, make_optimizer,
+                     mask_prompts, pack_batch, synthetic_batch)
 from ..model.moe import RoutingGroups
 
 
@@ -30,9 +30,13 @@ class GoldenRun:
 
 
 def global_batch(case: CaseConfig, step: int):
-    """Step ``step``'s global batch (inputs, targets); with ``loss_mask``, the targets' prompt
-    tokens masked (``model.data.mask_prompts``)."""
+    """Step ``step``'s global batch (inputs, targets): packed with documents when the model
+    is (``model.packing.pack_batch``); with ``loss_mask``, the targets' prompt tokens masked
+    (``model.data.mask_prompts``)."""
     x, y = synthetic_batch(case.model, case.layout.global_batch_size, case.run.seed, step)
+    if case.model.pack_docs:
+        x, y = pack_batch(x, y, case.model.pack_docs, eod_token(case.model), case.run.seed,
+                          step)
     if case.run.loss_mask:
         y = mask_prompts(y, case.run.loss_mask, case.run.seed, step)
     return x, y

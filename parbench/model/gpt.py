@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from .blocks import MLP, Attention, Embedding, Head
 from .init import init_parameters
 from .moe import MoE, RoutingGroups, is_moe_layer
+from .packing import Documents, documents_of
 
 
 class Block(nn.Module):
@@ -27,8 +28,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size)
         self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), docs)
         return x + self.mlp(self.ln2(x))
 
 
@@ -52,15 +53,32 @@ class GPTStage(nn.Module):
         if cfg.tie_embeddings and first and last:
             self.head.out.weight = self.embed.tok.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (first stage) or hidden states in; hidden states or the loss (last) out."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        """tokens (first stage) or hidden states in; hidden states or the loss (last) out.
+
+        A packed model (``cfg.pack_docs``) attends within documents: the first stage finds
+        them in its tokens when ``docs`` is not given; a later stage must be given them."""
+        docs = self.documents_of(x, docs)
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, docs)
         for blk in self.blocks.values():
-            x = blk(x)
+            x = blk(x, docs)
         if self.head is not None:
             return self.head(x, targets)
         return x
+
+
+    def documents_of(self, x: torch.Tensor, docs: Documents | None) -> Documents | None:
+        """The documents this call attends within: ``docs``, or those of the tokens ``x``
+        (first stage); None when the model is not packed."""
+        if not self.cfg.pack_docs or docs is not None:
+            return docs
+        if self.embed is None:
+            raise ValueError(f"pack_docs={self.cfg.pack_docs}: stage of layers [{self.lo}, "
+                             f"{self.hi}) receives hidden states; pass the micro-batch's "
+                             "documents (parbench.model.packing.documents of its tokens)")
+        return documents_of(self.cfg, x)
 
 
 def build_model(cfg: ModelConfig, seed: int, routing: RoutingGroups | None = None
