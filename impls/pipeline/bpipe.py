@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parbench.config import CaseConfig
+from parbench.model import documents_of
 from parbench.scheme import Prediction, register
 from parbench.schedules.bpipe import (
     ACCEPT,
@@ -182,7 +183,7 @@ class BPipeScheme(PipelineScheme):
             b, cfg.seq_length, cfg.hidden_size, device=self.ctx.device, requires_grad=True)
         probe = EvictableActivations()
         with probe.forward([*slot.params, tokens]):
-            out = stage_forward(slot.module, inp, tokens)
+            out = stage_forward(slot.module, inp, tokens, docs=documents_of(cfg, tokens))
         nbytes = probe.bytes
         del out, inp
         return nbytes

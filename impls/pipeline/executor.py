@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
+from parbench.model import documents_of
 from parbench.schedules import Schedule
 from parbench.schedules.actions import (
     BACKWARD_FULL,
@@ -60,17 +61,19 @@ class StepOutcome:
     loss: float
 
 
-def stage_forward(module, inp, targets, param_dict=None):
+def stage_forward(module, inp, targets, param_dict=None, docs=None):
     """Forward of one stage: returns (boundary, output).
 
     The boundary is the tensor B differentiates with respect to: the received input (None on
     the first stage, whose input is tokens). With ``param_dict`` (a stashed weight version,
-    PipeDream) the stage runs on those tensors through ``functional_call``.
+    PipeDream) the stage runs on those tensors through ``functional_call``; ``docs``: the
+    micro-batch's packed documents (``parbench.model.packing``), which every stage attends
+    within, found in the micro-batch's tokens that every rank holds.
     """
     if param_dict is not None:
-        out = functional_call(module, param_dict, (inp, targets))
+        out = functional_call(module, param_dict, (inp, targets, docs))
     else:
-        out = module(inp, targets)
+        out = module(inp, targets, docs)
     return (None if module.first else inp), out
 
 
@@ -193,16 +196,21 @@ class Executor:
         param_dict = weights.forward_params(slot, a.mb)
         params = slot.params if param_dict is None else list(param_dict.values())
         key = (a.mb, a.stage, a.pipe)
+        docs = self.documents(slot, x)
         if self.track:
             with self.activations.forward([*params, x, y]):
-                boundary, out = stage_forward(slot.module, inp, y, param_dict)
+                boundary, out = stage_forward(slot.module, inp, y, param_dict, docs)
         else:
-            boundary, out = stage_forward(slot.module, inp, y, param_dict)
+            boundary, out = stage_forward(slot.module, inp, y, param_dict, docs)
         if slot.module.last:
             self._loss_sum += float(out.detach())
             out = out / weights.loss_divisor(self.m)
         self.saved[key] = {"boundary": boundary, "out": out, "params": params}
         return None if slot.module.last else out.detach()
+
+    def documents(self, slot: StageSlot, tokens: torch.Tensor):
+        """The packed documents of the micro-batch ``tokens`` (None: an unpacked model)."""
+        return documents_of(slot.module.cfg, tokens)
 
     def _fused(self, slot: StageSlot, a, saved: dict, grad_out):
         """The whole backward of one (micro-batch, stage); returns the input gradient."""

@@ -89,6 +89,10 @@ class PipelineScheme(Scheme):
     #: the synchronous schedules clip by the global norm over the pp group (``clip``); the
     #: continuous ones (PipeDream, 2BW) turn it off
     supports_clip_grad = True
+    #: every stage attends within the micro-batch's packed documents (the executor finds
+    #: them in its tokens, which every rank holds); the token-slice and continuous schemes
+    #: turn it off
+    supports_packing = True
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -135,6 +135,8 @@ class SegmentScheme(PipelineScheme):
     """A token-slice pipeline: ``seq_segments`` slices per micro-batch."""
 
     options = ("vpp", "seq_segments")
+    #: a slice attends to the cached keys of earlier slices with a causal offset only
+    supports_packing = False
     executor_class = SegmentExecutor
 
     @classmethod

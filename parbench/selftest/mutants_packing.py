@@ -8,13 +8,20 @@ had when several documents share a sample.
   sequence lengths);
 - positions not reset: the attention stays within each document but the learned position
   embedding is indexed by the position in the sample (Megatron-LM's --reset-attention-mask
-  without --reset-position-ids).
+  without --reset-position-ids);
+- the boundaries only on the first pipeline stage: the later stages, which receive hidden
+  states, attend with a plain causal mask (the packed sequence's lengths are not handed to
+  the stages that do not load the batch).
 """
 from __future__ import annotations
 
-from parbench.model import Attention, Embedding
+import torch
+
+from parbench.model import Attention, Documents, Embedding
 
 from impls.data.ddp import NativeDDP
+from impls.pipeline import SCHEMES
+from impls.pipeline.executor import Executor
 from impls.zero.replicated import Zero1
 
 from .catalogue import mutant
@@ -49,3 +56,18 @@ class Zero1PackedPositionsNotReset(Zero1):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model.embed.__class__ = _SamplePositions
+
+
+class _FirstStageOnly(Executor):
+    def documents(self, slot, tokens):
+        docs = super().documents(slot, tokens)
+        if slot.module.first:
+            return docs
+        b, s = tokens.shape  # one document per sample: plain causal
+        return Documents(torch.zeros_like(tokens), torch.arange(s, device=tokens.device).expand(b, s))
+
+
+@mutant("1f1b-packed-docs-first-stage-only", base="pipeline.1f1b", overrides=PACKED,
+        bug="only the first stage attends within documents; later stages plain causal")
+class OneFOneBPackedDocsFirstStageOnly(SCHEMES["1f1b"]):
+    executor_class = _FirstStageOnly

@@ -76,9 +76,26 @@ def test_the_data_family_trains_the_packed_model(pools, scheme):
     assert merged.equivalent, merged.first_failure
 
 
-@pytest.mark.parametrize("scheme", ["tensor.megatron", "context.ring-attention"])
+PIPE = {"model": "tiny-4l", "dp": "1", "pp": "2", "num_microbatches": "4",
+        "micro_batch_size": "1"}
+
+
+@pytest.mark.parametrize("scheme,extra", [
+    ("pipeline.1f1b", {}), ("pipeline.zb-h1", {}), ("pipeline.interleaved", {"vpp": "2"}),
+    ("pipeline.chimera", {}), ("pipeline.bpipe", {}), ("pipeline.dualpipev", {}),
+    ("pipeline.1f1b", {"micro_batch_size": "2", "num_microbatches": "2"})])
+def test_every_pipeline_stage_attends_within_documents(pools, scheme, extra):
+    """Later stages receive hidden states only: the executor gives them the micro-batch's
+    documents, found in its tokens (a stage without them refuses to run, above)."""
+    merged, _ = run_on_pool(pools, case_for(scheme, **{**PIPE, **extra}))
+    assert merged.equivalent, merged.first_failure
+
+
+@pytest.mark.parametrize("scheme", ["tensor.megatron", "context.ring-attention",
+                                    "pipeline.seq1f1b", "pipeline.pipedream"])
 def test_schemes_without_packing_refuse_before_spawning(scheme):
-    case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})
+    pp = "2" if scheme.startswith("pipeline") else "1"
+    case = apply_overrides(CaseConfig(), {**BASE, **PIPE, "pp": pp, "scheme": scheme})
     with pytest.raises(ConfigError, match="pack_docs=3"):
         get_scheme(scheme).check(case)
 
