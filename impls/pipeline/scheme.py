@@ -36,6 +36,7 @@ import torch
 from parbench.batching import microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.model import build_stage
+from parbench.probes import reference_probes
 from parbench.scheme import Prediction, Scheme
 from parbench.schedules import (
     KINDS,
@@ -51,6 +52,7 @@ from parbench.schedules import (
     simulate,
     validate,
 )
+from parbench.schedules.actions import BACKWARD_FULL, FORWARD
 
 from impls.common.clip import clip_grads_
 
@@ -235,6 +237,28 @@ class PipelineScheme(Scheme):
         return {reported_name(n, tied): g.detach()
                 for s in self._reported_slots(check_replicas=False)
                 for n, g in zip(s.names, self.weights.reported_grads(s))}
+
+    def module_probes(self):
+        """Each stage's modules as probes (issue 20, sec. 5): a slot's i-th forward computes
+        the rows of the i-th micro-batch it runs (``parbench.probes``; loss / m per
+        micro-batch: the golden run's input gradients, ``grad_scale`` 1). None where the
+        probes' call matching does not hold: a split backward (W re-enters the graph), a
+        slot whose backwards run in another order than its forwards, two replicas of a
+        stage on one rank (Chimera, DualPipe), token slices or a continuous run."""
+        sched = self.schedule
+        if sched.split_backward or sched.asynchronous or len(sched.pipes) > 1 \
+                or sched.segments > 1:
+            return None
+        b, mine = self.ctx.layout.micro_batch_size, sched.actions[self.pp_rank]
+        probes = []
+        for key, slot in self.slots.items():
+            runs = {kind: [a.mb for a in mine if a.kind == kind and (a.pipe, a.stage) == key]
+                    for kind in (FORWARD, BACKWARD_FULL)}
+            if runs[FORWARD] != runs[BACKWARD_FULL]:
+                return None
+            calls = [slice(mb * b, (mb + 1) * b) for mb in runs[FORWARD]]
+            probes += reference_probes(slot.module, calls)
+        return probes
 
     def metrics(self):
         held = max((h for h, _ in self._held), default=0)

@@ -56,3 +56,27 @@ def test_a_failing_case_names_its_first_diverging_module(tmp_path, source, says)
     assert r.returncode == 3, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if "first failure" in x)
     assert says in line, r.stdout
+
+
+PIPE_LN_EPS = HEADER + textwrap.dedent('''
+    class MyPipe(get_scheme("pipeline.1f1b")):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            for slot in self.slots.values():
+                if "3" in slot.module.blocks:
+                    slot.module.blocks["3"].ln1.eps = 1e-3
+''')
+
+PIPE_CASE = ("pp=2", "model=tiny-4l", "steps=2", "timed_steps=0", "num_microbatches=4",
+             "micro_batch_size=1")
+
+
+def test_a_pipeline_stage_names_its_first_diverging_module(tmp_path):
+    """The second stage (rank 1, layers 2-3) computes blocks.3.ln1 with another eps: its
+    forward output on that rank is named, though rank 0's stage and every gradient the
+    loss sends back through rank 0 differ too (issue 20, sec. 5)."""
+    (tmp_path / "mine.py").write_text(PIPE_LN_EPS)
+    r = verify(tmp_path, "scheme=mine.py:MyPipe", *PIPE_CASE, f"out={tmp_path / 'r'}")
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert "first divergence: forward output of blocks.3.ln1 (rank 1, step 0)" in line, r.stdout
