@@ -19,6 +19,10 @@ from .options import Options
 __all__ = ["ConfigError", "Layout", "Options", "ModelConfig", "RunConfig", "CaseConfig"]
 
 
+#: the LLaMA-style model features (``ModelConfig.features``) a scheme may declare it runs
+MODEL_FEATURES = frozenset({"rope", "gqa", "swiglu", "rmsnorm", "no-bias"})
+
+
 def _rule(default, rule: str, help: str = ""):
     """A dataclass field with its validation rule (see ``RULES``)."""
     return field(default=default, metadata={"rule": rule, "help": help})
@@ -53,11 +57,11 @@ class ModelConfig:
     ``seq_length`` is the whole sequence of one sample; context parallelism splits it over
     the cp ranks (seq_length / cp tokens each).
 
-    The architecture fields ``num_kv_heads``, ``mlp``, ``norm``, ``bias`` and
-    ``make_vocab_size_divisible_by`` describe LLaMA-style models for the analytic estimate
-    (``parbench estimate``, ``parbench.analytic``) only: the reference model that the schemes
-    run (``parbench/model.py``) is GPT-2 style, so ``validate_case`` rejects a runnable case
-    that sets any of them to a non-default value.
+    GPT-2 style by default. The LLaMA-style fields ``rope_theta``, ``num_kv_heads``, ``mlp``,
+    ``norm`` and ``bias`` run in the reference model (``parbench.model.blocks``) and in the
+    schemes that declare them (``Scheme.model_features``; ``features`` names those a case
+    uses); ``make_vocab_size_divisible_by`` is for the analytic estimate only, so
+    ``validate_case`` rejects a runnable case that sets it.
     """
 
     name: str = "custom"
@@ -86,14 +90,18 @@ class ModelConfig:
     #: positions restart after each EOD (Megatron-LM's --reset-attention-mask
     #: --reset-position-ids); 0 = one sequence per sample
     pack_docs: int = _rule(0, "nonneg", "most documents packed into a sample; 0 = unpacked")
-    #: analytic only (see the class doc): grouped-query attention's K/V heads, 0 = num_heads
-    num_kv_heads: int = _rule(0, "nonneg", "0 = num_heads (analytic only)")
-    #: analytic only: gelu (two matrices) | swiglu (three: gate, up, down)
+    #: grouped-query attention's K/V heads, 0 = num_heads
+    num_kv_heads: int = _rule(0, "nonneg", "0 = num_heads")
+    #: gelu (two matrices) | swiglu (three: gate, up, down; fc1 holds [gate; up])
     mlp: str = "gelu"
-    #: analytic only: layernorm (weight and bias) | rmsnorm (weight)
+    #: layernorm (weight and bias) | rmsnorm (weight)
     norm: str = "layernorm"
-    #: analytic only: biases on the linear layers
+    #: biases on the linear layers (and LayerNorm's)
     bias: bool = True
+    #: rotary position embedding's base (RoPE, Su et al. 2021; LLaMA-3: 500000), applied to
+    #: the query and key heads at each token's position (within its document when packed);
+    #: 0 = none
+    rope_theta: float = _rule(0.0, "nonneg", "RoPE base; 0 = no rotary embedding")
     #: analytic only: pad the vocabulary to a multiple of this x tp (Megatron-LM's
     #: --make-vocab-size-divisible-by); 1 = a multiple of tp, what the reference model does
     make_vocab_size_divisible_by: int = _rule(1, "pos", "x tp (analytic only)")
@@ -106,6 +114,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def features(self) -> dict[str, str]:
+        """The LLaMA-style features this model uses, each with the field that turns it on
+        (``Scheme.model_features`` says which a scheme runs)."""
+        on = {"rope": (self.rope_theta, f"rope_theta={self.rope_theta:g}"),
+              "gqa": (self.num_kv_heads not in (0, self.num_heads),
+                      f"num_kv_heads={self.num_kv_heads}"),
+              "swiglu": (self.mlp == "swiglu", "mlp=swiglu"),
+              "rmsnorm": (self.norm == "rmsnorm", "norm=rmsnorm"),
+              "no-bias": (not self.bias, "bias=false")}
+        return {name: field for name, (used, field) in on.items() if used}
 
 
 @dataclass
@@ -239,6 +258,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096,
                        position_embeddings=False, mlp="swiglu", norm="rmsnorm", bias=False,
                        make_vocab_size_divisible_by=128),
+    # LLaMA-3 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3; Meta's released
+    # config.json): RoPE with theta 500000, GQA with 8 KV heads, SwiGLU, RMSNorm, no biases,
+    # untied head, vocabulary 128256, context 8192. Parameters 8,030,261,248 /
+    # 70,553,706,496 / 405,853,388,800 (the model cards' 8.03B, 70.6B, 405.9B). Analytic
+    # (too large to run here); ``llama-tiny`` is the runnable model of the same blocks.
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, ffn_hidden_size=14336, seq_length=8192,
+                      position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
+                      norm="rmsnorm", bias=False),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=8192,
+                       position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
+                       norm="rmsnorm", bias=False),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128,
+                        num_kv_heads=8, ffn_hidden_size=53248, seq_length=8192,
+                        position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
+                        norm="rmsnorm", bias=False),
+    # the LLaMA-3 blocks at the size of ``tiny``: 4 query heads sharing 2 K/V heads
+    "llama-tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, ffn_hidden_size=64, seq_length=16,
+                       position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
+                       norm="rmsnorm", bias=False),
     # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
     # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
     # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole
@@ -249,7 +290,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                           position_embeddings=False),
 }
 
-LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench")
+LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny")
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -296,18 +337,25 @@ def validate_model(m: ModelConfig) -> None:
 
 #: ModelConfig fields the analytic estimate reads but the reference model does not: a
 #: runnable case must leave them at these values (the reference model's)
-ANALYTIC_ONLY_FIELDS = {"num_kv_heads": 0, "mlp": "gelu", "norm": "layernorm", "bias": True,
-                        "make_vocab_size_divisible_by": 1}
+ANALYTIC_ONLY_FIELDS = {"make_vocab_size_divisible_by": 1}
 
 
 def validate_runnable_model(m: ModelConfig) -> None:
-    """Reject the analytic-only architecture fields at non-default values: the reference
-    model (``parbench/model.py``) is GPT-2 style and would silently ignore them."""
+    """Reject the analytic-only fields at non-default values (the reference model would
+    silently ignore them) and the feature combinations it does not run."""
     for name, default in ANALYTIC_ONLY_FIELDS.items():
         v = getattr(m, name)
         if v != default:
-            raise ConfigError(f"{name}={v} is analytic only: the reference model is "
-                              f"GPT-2-style (use {name}={default}, or parbench estimate)")
+            raise ConfigError(f"{name}={v} is analytic only: the reference model does not "
+                              f"pad its vocabulary (use {name}={default}, or parbench "
+                              "estimate)")
+    if m.num_experts and (m.mlp != "gelu" or not m.bias):
+        raise ConfigError(f"num_experts={m.num_experts} with mlp={m.mlp}, bias={m.bias}: the "
+                          "reference MoE's experts are GELU MLPs with biases (set mlp=gelu, "
+                          "bias=true)")
+    if m.rope_theta and m.head_dim % 2:
+        raise ConfigError(f"rope_theta={m.rope_theta:g} needs an even head_dim (hidden_size / "
+                          f"num_heads = {m.head_dim}): RoPE rotates pairs of dimensions")
 
 
 def validate_layout(c: "CaseConfig") -> None:

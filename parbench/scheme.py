@@ -162,6 +162,9 @@ class Scheme(ABC):
     #: trains a packed model (``pack_docs > 0``: attention within documents, positions
     #: restarted; ``parbench.model.packing``); other schemes reject the field before spawning
     supports_packing: ClassVar[bool] = False
+    #: the LLaMA-style model features it runs (``ModelConfig.features``: rope, gqa, swiglu,
+    #: rmsnorm, no-bias); a case using another is rejected before spawning
+    model_features: ClassVar[frozenset] = frozenset()
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -199,9 +202,20 @@ class Scheme(ABC):
             raise ConfigError(f"loss_mask={case.run.loss_mask:g}: scheme {cls.name} does not "
                               "normalise a masked loss by the global token count "
                               "(set loss_mask=0)")
+        cls.check_model_features(case)
         if case.model.pack_docs and not cls.supports_packing:
             raise ConfigError(f"pack_docs={case.model.pack_docs}: scheme {cls.name} does not "
                               "attend within packed documents (set pack_docs=0)")
+
+    @classmethod
+    def check_model_features(cls, case: CaseConfig) -> None:
+        """Refuse a LLaMA-style feature of the model this scheme does not declare."""
+        missing = [f for name, f in case.model.features().items()
+                   if name not in cls.model_features]
+        if missing:
+            runs = ", ".join(sorted(cls.model_features)) or "none: GPT-2 blocks only"
+            raise ConfigError(f"{missing[0]}: scheme {cls.name} does not run this LLaMA-style "
+                              f"feature (it runs: {runs})")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:

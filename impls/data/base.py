@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from parbench.batching import dp_slice, microbatches
-from parbench.config import ConfigError
+from parbench.config import MODEL_FEATURES, ConfigError
 from parbench.model import counted_tokens
 from parbench.probes import ModuleProbe, microbatch_rows, reference_probes
 from parbench.scheme import Scheme
@@ -27,6 +27,7 @@ class DataParallelScheme(Scheme):
     #: a replica runs whole samples through the reference model, which finds each sample's
     #: documents in its tokens (``parbench.model.packing``)
     supports_packing = True
+    model_features = MODEL_FEATURES  # the reference model runs them all
 
     def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's micro-batches of the global batch; notes the global batch's counted

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from parbench.batching import microbatches
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import build_stage
 from parbench.probes import reference_probes
 from parbench.scheme import Prediction, Scheme
@@ -95,6 +95,7 @@ class PipelineScheme(Scheme):
     #: them in its tokens, which every rank holds); the token-slice and continuous schemes
     #: turn it off
     supports_packing = True
+    model_features = MODEL_FEATURES  # each stage is a slice of the reference model
 
     def __init__(self, ctx):
         super().__init__(ctx)

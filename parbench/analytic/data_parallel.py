@@ -34,6 +34,7 @@ from .clip import norm_transfers
 from .comm import Transfer, summarize
 from .memory import shard_numel
 from .prediction import RankPrediction, adamw_bytes  # noqa: F401  (adamw_bytes re-exported)
+from .params import dense_block_tensor_sizes, norm_tensor_sizes
 from .shape import Shape
 
 MiB = 2 ** 20
@@ -41,15 +42,16 @@ MiB = 2 ** 20
 
 def layer_tensors(shape: Shape) -> list[tuple[str, list[int]]]:
     """The reference model's layers in forward order, each with its parameter tensors' sizes
-    (see ``params.py``): embedding (tokens V h, learned positions s h), each block (LN 2 x h,
-    QKV 3h^2 + 3h, projection h^2 + h, LN 2 x h, fc1 hf + f, fc2 fh + h), head (LN 2 x h,
-    output V h unless tied). Dense models only."""
+    (see ``params.py``): embedding (tokens V h, learned positions s h), each block
+    (``params.dense_block_tensor_sizes``: LN 2 x h, QKV 3h^2 + 3h, projection h^2 + h, LN
+    2 x h, fc1 hf + f, fc2 fh + h for GPT-2), head (its norm, output V h unless tied).
+    Dense models only."""
     if shape.moe:
         raise ValueError("layer_tensors: the data-parallel closed forms cover dense models")
-    h, f, V = shape.h, shape.f, shape.V  # noqa: N806
+    h, V = shape.h, shape.V  # noqa: N806
     embed = [V * h] + ([shape.s * h] if shape.position_embeddings else [])
-    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
-    head = [h, h] + ([] if shape.tie_embeddings else [V * h])
+    block = dense_block_tensor_sizes(shape)
+    head = norm_tensor_sizes(shape) + ([] if shape.tie_embeddings else [V * h])
     return [("embed", embed)] + [(f"blocks.{i}", list(block)) for i in range(shape.l)] \
         + [("head", head)]
 

@@ -182,6 +182,24 @@ def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
             "proj": h * h // tp + b * h}
 
 
+def norm_tensor_sizes(shape: Shape) -> list[int]:
+    """A norm's parameter tensors: LayerNorm's weight and bias, RMSNorm's weight."""
+    return [shape.h] if shape.norm == "rmsnorm" else [shape.h, shape.h]
+
+
+def dense_block_tensor_sizes(shape: Shape) -> list[int]:
+    """One dense layer's parameter tensors, in the reference model's order (ln1, qkv, proj,
+    ln2, fc1, fc2; each linear's weight, then its bias when ``bias``): the table above
+    tensor by tensor -- qkv (h + 2 h_kv) x h, fc1 2f x h under SwiGLU ([gate; up])."""
+    h, f = shape.h, shape.f
+
+    def linear(rows: int, cols: int) -> list[int]:
+        return [rows * cols] + ([rows] if shape.bias else [])
+    norm = norm_tensor_sizes(shape)
+    return (norm + linear(h + 2 * shape.kv_hidden, h) + linear(h, h) + norm
+            + linear(2 * f if shape.gated else f, h) + linear(h, f))
+
+
 #: the components of :func:`layer_breakdown` that are expert parameters (the rest is dense)
 EXPERT_PARTS = ("experts",)
 

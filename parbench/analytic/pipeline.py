@@ -48,7 +48,8 @@ the micro-batches still in flight from one step to the next (``carried_activatio
 """
 from __future__ import annotations
 
-from .params import embedding_params, head_params, layer_params
+from .params import (dense_block_tensor_sizes, embedding_params, head_params, layer_params,
+                     norm_tensor_sizes)
 from .shape import Shape, require_positive_int
 
 PLACEMENTS = ("linear", "looped", "v", "bidirectional", "wave")
@@ -119,13 +120,15 @@ def stage_numel(shape: Shape, stages: int, stage: int) -> int:
 
 
 def layer_tensors(shape: Shape, moe_layer: bool | None = None) -> int:
-    """Parameter tensors of one layer: LN1, LN2 (weight, bias each), QKV and projection
-    (weight, bias each), and the MLP's two linears (weight, bias each) -- 12 dense; an MoE
+    """Parameter tensors of one layer (``params.dense_block_tensor_sizes``): LN1, LN2
+    (weight, bias each), QKV and projection (weight, bias each), and the MLP's two linears
+    (weight, bias each) -- 12 dense for GPT-2, 7 for LLaMA (RMSNorm, no biases); an MoE
     layer has a router weight and E expert MLPs of 4 tensors instead of the MLP.
     ``moe_layer`` picks the kind (default: MoE when the model has experts)."""
-    attn = 2 + 2 + 2 + 2
+    dense = len(dense_block_tensor_sizes(shape))
+    mlp = 4 if shape.bias else 2
     moe = shape.moe if moe_layer is None else moe_layer
-    return attn + (1 + 4 * shape.num_experts if moe else 4)
+    return dense - mlp + (1 + mlp * shape.num_experts if moe else mlp)
 
 
 def stage_tensors(shape: Shape, stages: int, stage: int) -> int:
@@ -137,7 +140,7 @@ def stage_tensors(shape: Shape, stages: int, stage: int) -> int:
     if stage == 0:
         out += 1 + int(shape.position_embeddings)
     if stage == stages - 1:
-        out += 2 + int(not shape.tie_embeddings or stages > 1)
+        out += len(norm_tensor_sizes(shape)) + int(not shape.tie_embeddings or stages > 1)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from .blocks import MLP, Attention, Embedding, Head
+from .blocks import MLP, Attention, Embedding, Head, make_norm
 from .init import init_parameters
 from .moe import MoE, RoutingGroups, is_moe_layer
 from .packing import Documents, documents_of
@@ -23,9 +23,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0, routing: RoutingGroups | None = None):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden_size)
+        self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size)
+        self.ln2 = make_norm(cfg)
         self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgathe
              "zero2-clip-local-norm", "tp-clip-replicated-counted-twice",
              "1f1b-clip-tied-counted-twice", "cp-clip-before-grad-allreduce",
              "ep-clip-expert-norm-local", "hybrid-clip-tp-duplicates",
-             "ddp-loss-mean-per-microbatch", "ddp-packed-attention-crosses-docs")
+             "ddp-loss-mean-per-microbatch", "ddp-packed-attention-crosses-docs",
+             "ddp-gqa-kv-heads-tiled")
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "FAMILY_CASES", "Mutant", "load", "mutant"]

@@ -350,15 +350,23 @@ def test_kv_cache_with_gqa_per_rank(capsys):
 # analytic-only fields are refused for runnable cases
 # ---------------------------------------------------------------------------------------
 
+def test_runnable_case_rejects_analytic_only_fields():
+    case = with_changes(CaseConfig(), model={"make_vocab_size_divisible_by": 128})
+    with pytest.raises(ConfigError, match="^make_vocab_size_divisible_by=128 is analytic only: "
+                                          "the reference model does not pad its vocabulary"):
+        validate_case(case)
+    # the estimate reads it
+    estimate(case.model, Layout(micro_batch_size=1))
+
+
 @pytest.mark.parametrize("field,value", [("num_kv_heads", 2), ("mlp", "swiglu"),
                                          ("norm", "rmsnorm"), ("bias", False),
-                                         ("make_vocab_size_divisible_by", 128)])
-def test_runnable_case_rejects_analytic_only_fields(field, value):
+                                         ("rope_theta", 1e4)])
+def test_llama_fields_run_and_the_estimate_reads_them(field, value):
+    """Issue 21: the reference model runs the LLaMA-style fields (a scheme that does not
+    declare one refuses it: ``Scheme.model_features``)."""
     case = with_changes(CaseConfig(), model={field: value})
-    with pytest.raises(ConfigError, match=f"^{field}={value} is analytic only: the reference "
-                                          "model is GPT-2-style"):
-        validate_case(case)
-    # the estimate reads them
+    validate_case(case)
     estimate(case.model, Layout(micro_batch_size=1))
 
 
