@@ -137,12 +137,22 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
     os._exit(0)
 
 
+#: the default start-up net: 4- and 8-rank pools took more than 120 s to start on a 2-core
+#: machine whose cores two other processes kept busy (issue 19's CI-under-load runs)
+START_TIMEOUT_S = 300.0
+
+
 class WorkerPool:
     """N local ranks started once and reused for many tasks."""
 
     def __init__(self, world_size: int, *, device: str = "cpu", timeout_s: float = 120.0,
-                 threads: int = 1, start_timeout_s: float = 120.0,
+                 threads: int = 1, start_timeout_s: float | None = None,
                  hang_timeout_s: float = 60.0):
+        """``start_timeout_s``: how long the ranks may take to start (import torch, join the
+        process group) before the pool gives up; default ``START_TIMEOUT_S`` or twice the
+        collective timeout. A rank that dies while starting is reported at once, and one
+        stuck in the rendezvous ends at ``timeout_s`` (the process group's own timeout), so
+        this is only a net under heavy load."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
@@ -157,7 +167,7 @@ class WorkerPool:
         self._next_id = 0
         self._stack_dir = tempfile.mkdtemp(prefix="parbench-stacks-")
         self._board = _Board(self._ctx, world_size)
-        self._start(start_timeout_s)
+        self._start(start_timeout_s or max(START_TIMEOUT_S, 2 * timeout_s))
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _start(self, start_timeout_s: float) -> None:
