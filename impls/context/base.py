@@ -9,6 +9,15 @@ one flat buffer (``p.grad`` are views into it) that is all-reduced once per step
 dp x cp ranks (Megatron-Core's ``dp_cp`` group) and divided by cp dp -- every rank holds as
 many tokens, so this is the global mean.
 
+With ``loss_mask`` the ranks hold different numbers of counted tokens (a cp rank's shard of
+a sample may be all prompt), so a rank's loss is the sum over its counted tokens
+(``shard.summed_loss``) times cp dp / N, N the global batch's counted tokens: after the
+all-reduce's 1/(cp dp) the gradient is that of the global mean over counted tokens
+(Megatron-LM's ``--calculate-per-token-loss``, which all-reduces the count over dp x cp; every
+rank holds the global batch here, so N needs no collective). The targets are sharded as the
+tokens are (``local_batch``), load-balanced layouts included. A subclass that replaces
+``train_step`` does not inherit ``supports_loss_mask``.
+
 With ``clip_grad`` the step clips by global norm after that all-reduce (:meth:`clip`): every
 rank then holds the whole model's averaged gradient, identical across dp x cp, so the norm is
 the local one and needs no collective (as plain data parallelism; Megatron-LM's
@@ -37,14 +46,14 @@ from parbench.analytic import context as closed
 from parbench.batching import dp_slice
 from parbench.config import CaseConfig, ConfigError
 from parbench.memory import SavedActivations
-from parbench.model import build_model, make_optimizer
+from parbench.model import build_model, counted_tokens, make_optimizer
 from parbench.scheme import Prediction, Scheme
 
 from impls.common.clip import clip_grads_
 from impls.data.buckets import Bucket
 
 from .ring import AttentionClock, RingPeers
-from .shard import embed, shard_forward
+from .shard import embed, mean_loss, shard_forward, summed_loss
 
 
 class ContextParallelScheme(Scheme):
@@ -59,12 +68,16 @@ class ContextParallelScheme(Scheme):
     peers_class: ClassVar[type] = RingPeers
     #: the shared step clips by global norm (:meth:`clip`)
     supports_clip_grad: ClassVar[bool] = True
+    #: the shared step normalises a masked loss by the global count (:meth:`loss_scale`)
+    supports_loss_mask: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # a class with its own step clips only if it says so
-        if "train_step" in cls.__dict__ and "supports_clip_grad" not in cls.__dict__:
-            cls.supports_clip_grad = False
+        # a class with its own step clips, or masks its loss, only if it says so
+        if "train_step" in cls.__dict__:
+            for flag in ("supports_clip_grad", "supports_loss_mask"):
+                if flag not in cls.__dict__:
+                    setattr(cls, flag, False)
 
     # ---- checks before spawning -------------------------------------------------------------
     @classmethod
@@ -118,6 +131,9 @@ class ContextParallelScheme(Scheme):
 
     # ---- the step -----------------------------------------------------------------------------
     def local_batch(self, inputs, targets):
+        """This rank's positions and micro-batches (its dp rows, its tokens of each: targets
+        cut as the tokens are); notes the global batch's counted tokens (``loss_scale``)."""
+        self.global_tokens = counted_tokens(targets)
         pos = self.token_positions()
         x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
         y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
@@ -132,7 +148,8 @@ class ContextParallelScheme(Scheme):
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
             with tl.span("F", mb=i):
-                loss = self.forward(xm, ym, pos, measure=step == 0 and i == 0) / m
+                loss = self.forward(xm, ym, pos, measure=step == 0 and i == 0) * \
+                    self.loss_scale(m)
             with tl.span("B", mb=i):
                 loss.backward()
             total += float(loss.detach())
@@ -142,6 +159,21 @@ class ContextParallelScheme(Scheme):
             self.opt.step()
         self.clock.end_step(step)
         return self.reduce_loss(total / (self.cp * self.dp), self.grad_group)
+
+    def loss_scale(self, m: int) -> float:
+        """What a micro-batch's loss (``forward``) is multiplied by: 1/m of its token mean;
+        with ``loss_mask``, cp dp / N of its summed loss (N: the global batch's counted
+        tokens), so that after the gradients' all-reduce and 1/(cp dp) the step's gradient
+        is that of the global mean over counted tokens (Megatron-LM's
+        --calculate-per-token-loss)."""
+        if not self.ctx.run.loss_mask:
+            return 1.0 / m
+        return self.cp * self.dp / self.global_tokens
+
+    def loss_fn(self):
+        """The loss of a rank's tokens ``forward`` computes: their mean, or with
+        ``loss_mask`` their sum over the counted ones (``shard.summed_loss``)."""
+        return summed_loss if self.ctx.run.loss_mask else mean_loss
 
     def reduce_gradients(self) -> None:
         with self.ctx.timeline.span("grad_allreduce"):
@@ -156,7 +188,7 @@ class ContextParallelScheme(Scheme):
     def forward(self, tokens, targets, pos, measure: bool = False):
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = shard_forward(self.model, tokens, pos, targets, self.core,
-                             self.ctx.options.recompute, saved, self.embed)
+                             self.ctx.options.recompute, saved, self.embed, self.loss_fn())
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()

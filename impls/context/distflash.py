@@ -68,7 +68,7 @@ class DistFlashAttnScheme(ContextParallelScheme):
             return super().forward(tokens, targets, pos, measure)
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = remat_shard_forward(self.model, tokens, pos, targets, self.core, saved,
-                                   self.embed)
+                                   self.embed, self.loss_fn())
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()

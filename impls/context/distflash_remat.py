@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .distflash_attn import ReplayAttention, dfa_forward
-from .shard import embed
+from .shard import embed, mean_loss
 
 
 def qkv(blk, x: torch.Tensor):
@@ -66,7 +66,7 @@ class RematLayer(torch.autograd.Function):
 
 
 def remat_shard_forward(model, tokens, pos, targets, core, first_layer=None,
-                        embed_fn=embed) -> torch.Tensor:
+                        embed_fn=embed, loss_fn=mean_loss) -> torch.Tensor:
     """``shard.shard_forward`` with every layer a ``RematLayer``."""
     x = embed_fn(model, tokens, pos)
     for i, blk in enumerate(model.blocks.values()):
@@ -75,4 +75,4 @@ def remat_shard_forward(model, tokens, pos, targets, core, first_layer=None,
                 x = RematLayer.apply(x, blk, core)
         else:
             x = RematLayer.apply(x, blk, core)
-    return model.head(x, targets)
+    return loss_fn(model, x, targets)

@@ -14,6 +14,7 @@ and its communication, in backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -43,10 +44,26 @@ def _layer(blk, x, core, recompute):
     return x + blk.mlp(blk.ln2(x))
 
 
+def summed_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference head's cross-entropy summed over the counted targets (those not
+    ``IGNORE_INDEX`` add nothing): a rank's part of a masked loss, whose mean over its own
+    tokens could be 0/0 (a shard of masked prompts only)."""
+    head = model.head
+    logits = head.out(head.ln(x))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           reduction="sum")
+
+
+def mean_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference head's mean token loss."""
+    return model.head(x, targets)
+
+
 def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
-                  first_layer=None, embed_fn=embed) -> torch.Tensor:
-    """The mean loss over this rank's tokens; ``first_layer`` (a context manager, e.g.
-    ``SavedActivations``) is entered around layer 0."""
+                  first_layer=None, embed_fn=embed, loss_fn=mean_loss) -> torch.Tensor:
+    """The loss of this rank's tokens (``loss_fn``: their mean, or ``summed_loss``);
+    ``first_layer`` (a context manager, e.g. ``SavedActivations``) is entered around
+    layer 0."""
     x = embed_fn(model, tokens, pos)
     for i, blk in enumerate(model.blocks.values()):
         if first_layer is not None and i == 0:
@@ -54,7 +71,7 @@ def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
                 x = layer(blk, x, core, recompute)
         else:
             x = layer(blk, x, core, recompute)
-    return model.head(x, targets)
+    return loss_fn(model, x, targets)
 
 
 class ShardedGPT(torch.nn.Module):

@@ -11,7 +11,12 @@ global token count), and so are the dropping order and the auxiliary losses, exa
 golden run is told to route (``Scheme.routing_groups``: one group per rank and micro-batch).
 Each micro-batch's loss is its token mean / m and each layer's auxiliary term is scaled by
 1/m, so that the sum over the ranks' micro-batches is the mean over all dp m groups
-(``parbench.model.moe``).
+(``parbench.model.moe``). With ``loss_mask`` the token mean is over the micro-batch's
+counted tokens n_mb and is scaled by n_mb d / N instead (N: the global batch's counted
+tokens; ``loss_scale``), so that after the 1/d of the reductions the cross-entropy is the
+global mean over counted tokens (Megatron-LM's ``--calculate-per-token-loss``; every rank
+holds the global batch, so N needs no all-reduce); the auxiliary terms, which count every
+routed token, keep their 1/m.
 
 **Gradients.** The global loss is L = (1/d) sum_r L_r (d = dp ranks, L_r rank r's loss; every
 rank holds as many tokens). A dense parameter's gradient is (1/d) sum_r dL_r: one flat
@@ -42,7 +47,8 @@ from parbench import comm
 from parbench.analytic import expert as closed
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import build_model, clip_coefficient, make_optimizer, scale_grads_
+from parbench.model import (build_model, clip_coefficient, counted_tokens, make_optimizer,
+                            scale_grads_)
 from parbench.model.moe import set_aux_scale
 from parbench.scheme import Prediction, Scheme, register
 
@@ -65,6 +71,8 @@ class ExpertAllToAll(Scheme):
     uses = ("ep", "dp")
     supports_moe = True
     supports_clip_grad = True
+    #: a masked loss normalised by the global count (``loss_scale``)
+    supports_loss_mask = True
     options: ClassVar[tuple[str, ...]] = MOE_OPTIONS
     description = ("expert parallelism (GShard / Switch): experts sharded over ep, two "
                    "all-to-alls per MoE layer each way, dense grads over dp, experts over edp")
@@ -91,6 +99,10 @@ class ExpertAllToAll(Scheme):
         if case.run.clip_grad and cls.baseline_of and not vars(cls).get("supports_clip_grad"):
             raise ConfigError(f"clip_grad={case.run.clip_grad:g}: baseline {cls.name} does "
                               "not clip with its framework's own clipping; set clip_grad=0")
+        if case.run.loss_mask and cls.baseline_of and not vars(cls).get("supports_loss_mask"):
+            raise ConfigError(f"loss_mask={case.run.loss_mask:g}: baseline {cls.name} does "
+                              "not normalise a masked loss by the global token count "
+                              "(set loss_mask=0)")
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -131,10 +143,21 @@ class ExpertAllToAll(Scheme):
         set_aux_scale(self.model, self.aux_scale(m))
 
     def local_microbatches(self, inputs, targets):
+        """This rank's micro-batches of its dp slice; notes the global batch's counted
+        tokens for ``loss_scale``."""
+        self.global_tokens = counted_tokens(targets)
         dev = self.ctx.device
         x = dp_slice(inputs, self.dp_rank, self.dp).to(dev)
         y = dp_slice(targets, self.dp_rank, self.dp).to(dev)
         return microbatches(x, y, self.ctx.layout.num_microbatches)
+
+    def loss_scale(self, ym: torch.Tensor) -> float:
+        """What a micro-batch's mean token loss is multiplied by: 1/m when every token
+        counts; with ``loss_mask``, n_mb d / N (Megatron-LM's --calculate-per-token-loss;
+        module docstring)."""
+        if not self.ctx.run.loss_mask:
+            return 1.0 / self.ctx.layout.num_microbatches
+        return counted_tokens(ym) * self.dp / self.global_tokens
 
     def train_step(self, inputs, targets, step):
         mbs = self.local_microbatches(inputs, targets)
@@ -146,7 +169,7 @@ class ExpertAllToAll(Scheme):
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
             with tl.span("F", mb=i):
-                loss = self.model(xm, ym) / m
+                loss = self.model(xm, ym) * self.loss_scale(ym)
             with tl.span("B", mb=i):
                 loss.backward()
             total += float(loss.detach())

@@ -1,6 +1,13 @@
 """What the tensor-parallel schemes share: the tp group, micro-batches of the global batch, the
-step (forward / backward per micro-batch, loss scaled by 1/m, one AdamW step over the local
-shards), the unsharded tensors for the verdict and the per-layer activation measurement.
+step (forward / backward per micro-batch, loss scaled by 1/m or its token share, one AdamW
+step over the local shards), the unsharded tensors for the verdict and the per-layer
+activation measurement.
+
+With ``loss_mask`` each micro-batch's loss is the mean over its counted tokens (targets not
+``IGNORE_INDEX``) scaled by its share of the global batch's counted tokens (:meth:`loss_scale`),
+so that the step's gradient is that of the mean over the global batch's counted tokens:
+Megatron-LM's ``--calculate-per-token-loss``, whose token count needs no collective here (every
+rank holds the global batch). Schemes whose model honours the mask set ``supports_loss_mask``.
 
 A subclass builds ``self.model`` (a module whose ``shards()`` maps every full parameter name
 to its local tensor and placement, and whose ``layer_probe`` hook lets the base wrap each
@@ -22,7 +29,7 @@ from parbench import comm
 from parbench.batching import microbatches
 from parbench.config import CaseConfig, ConfigError
 from parbench.memory import SavedActivations
-from parbench.model import make_optimizer
+from parbench.model import counted_tokens, make_optimizer
 from parbench.scheme import Scheme
 
 from impls.common.clip import clip_grads_
@@ -60,7 +67,8 @@ class TensorParallelScheme(Scheme):
         """Gradient reductions made once per step, after the last micro-batch."""
 
     def forward(self, inputs, targets) -> torch.Tensor:
-        """The mean token loss of one micro-batch."""
+        """The mean loss over the micro-batch's counted tokens (its part of it: a grid rank's
+        batch block, summed over the grid by the gradient reductions)."""
         return self.model(inputs, targets)
 
     def backward(self, loss) -> None:
@@ -102,9 +110,19 @@ class TensorParallelScheme(Scheme):
         self._probes.append(probe)
         return probe
 
+    def loss_scale(self, ym: torch.Tensor) -> float:
+        """What a micro-batch's mean token loss is multiplied by: 1/m when every token
+        counts; with ``loss_mask``, n_mb / N (n_mb: the micro-batch's counted tokens, N: the
+        global batch's, noted by ``train_step``) -- Megatron-LM's
+        ``--calculate-per-token-loss``, whose all-reduced token count every rank has here."""
+        if not self.ctx.run.loss_mask:
+            return 1.0 / self.ctx.layout.num_microbatches
+        return counted_tokens(ym) / self.global_tokens
+
     def train_step(self, inputs, targets, step):
         dev, tl = self.ctx.device, self.ctx.timeline
         m = self.ctx.layout.num_microbatches
+        self.global_tokens = counted_tokens(targets)
         for p in self.params:
             p.grad = None
         total = 0.0
@@ -113,7 +131,7 @@ class TensorParallelScheme(Scheme):
             self._probes = []
             self.model.layer_probe = self._probe if self._measuring else None
             with tl.span("F", mb=i):
-                loss = self.forward(xm, ym) / m
+                loss = self.forward(xm, ym) * self.loss_scale(ym)
             self.model.layer_probe = None
             if self._measuring:
                 self._act_layers = [p.bytes for p in self._probes]

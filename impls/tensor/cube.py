@@ -155,6 +155,10 @@ class Cube3D(TensorParallelScheme):
     #: clips by global norm (``TensorParallelScheme.clip``): every weight block is one
     #: rank's; a bias / LayerNorm / embedding block counted on its first holder, summed over tp
     supports_clip_grad = True
+    #: a masked loss: each batch block's summed loss over the micro-batch's counted tokens
+    #: (``GridGPT.token_count``), scaled by their share of the global count
+    #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
+    supports_loss_mask = True
 
     def build_model(self):
         ctx = self.ctx

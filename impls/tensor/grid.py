@@ -14,7 +14,7 @@ parallel linears the model is handled as the papers' layers handle it:
 - the LM head uses the same block of the (possibly tied) embedding: each rank's partial
   logits over the whole vocabulary are all-reduced over the hidden group (``g``), and the
   cross-entropy of the rank's tokens is computed locally (the hidden group computes it
-  q times, identically);
+  q times, identically), summed and divided by the micro-batch's counted tokens;
 - parameters replicated over some axes (LayerNorms, biases, embeddings, and every parameter
   across the 2.5D depth) have their gradients summed over those axes once per step, each
   axis's in one coalesced all-reduce.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parbench.model import build_model
+from parbench.model import build_model, counted_tokens
 
 from .collectives import AllReduceSum, ReduceFromRegion
 from .shards import Placement, take
@@ -134,9 +134,10 @@ class GridGPT(nn.Module):
                                reduction="sum")
 
     def forward(self, tokens, targets):
-        """Sum of the token losses of this rank's sequences, divided by the tokens of the
-        whole micro-batch (so that the sum over batch blocks is the mean loss)."""
-        count = tokens.numel()
+        """Sum of the token losses of this rank's sequences, divided by the counted tokens
+        of the whole micro-batch (``token_count``), so that the sum over batch blocks is the
+        micro-batch's mean loss."""
+        count = self.token_count(targets)
         rows = self.rows(tokens.shape[0])
         tokens, targets = tokens[rows], targets[rows]
         x = self.embed(tokens)
@@ -148,6 +149,14 @@ class GridGPT(nn.Module):
             if probe is not None:
                 probe.__exit__(None, None, None)
         return self.head(x, targets) / count
+
+    def token_count(self, targets: torch.Tensor) -> int:
+        """The micro-batch's counted tokens (targets not ``IGNORE_INDEX``: ``loss_mask``),
+        every batch block's: the cross-entropy's sum leaves the masked ones out, and a
+        block's share of the mean is its sum over the whole micro-batch's count, not its
+        own (Megatron-LM's ``--calculate-per-token-loss`` divides by the count all-reduced
+        over the ranks that split the batch)."""
+        return counted_tokens(targets)
 
 
 def reduce_grads(params: list[nn.Parameter], group) -> None:

@@ -78,6 +78,10 @@ class Megatron1D(MegatronFigures):
     #: clips by global norm (``TensorParallelScheme.clip``): shards summed over tp, the
     #: tp-replicated parameters counted on tp rank 0 only
     supports_clip_grad = True
+    #: a masked loss: the vocab-parallel cross-entropy's mean over the counted tokens
+    #: (``MegatronGPT.token_mean``), scaled by their share of the global count
+    #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
+    supports_loss_mask = True
 
     def build_model(self):
         ctx = self.ctx

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parbench.model import GPTStage
+from parbench.model import IGNORE_INDEX, GPTStage
 
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
@@ -202,13 +202,24 @@ class MegatronGPT(nn.Module):
         return logits.masked_fill(pad, float("-inf"))
 
     def head(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final LN, vocab-parallel LM head and cross-entropy: the mean token loss."""
+        """Final LN, vocab-parallel LM head and cross-entropy: the mean token loss over the
+        counted targets (``token_mean``)."""
         w = self.p("embed.tok.weight") if self.tied else self.p("head.out.weight")
         logits = self.column(self.layer_norm(x, "head.ln"), w, None)
         logits = self.mask_padding(logits)
-        loss = VocabParallelCrossEntropy.apply(logits, targets.t(), self.vocab_start,
-                                               self.group)
-        return loss.mean()
+        target = targets.t()
+        loss = VocabParallelCrossEntropy.apply(logits, target, self.vocab_start, self.group)
+        return self.token_mean(loss, target)
+
+    @staticmethod
+    def token_mean(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean of the per-token ``loss`` over the targets that are not ``IGNORE_INDEX``
+        (a masked prompt: ``loss_mask``). The vocab-parallel cross-entropy has no
+        ignore_index (a masked target lies in no rank's columns, so its loss is the log-sum
+        of exponentials); as in Megatron-LM, the loss mask is applied to its per-token
+        output: masked tokens add nothing, and the mean is over the counted ones."""
+        keep = target != IGNORE_INDEX
+        return loss.masked_fill(~keep, 0.0).sum() / keep.sum()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) if self.first else tokens

@@ -159,6 +159,10 @@ class Tesseract(TensorParallelScheme):
     #: clips by global norm (``TensorParallelScheme.clip``): each weight block counted on
     #: depth layer 0, each hidden block on grid row 0 of layer 0, summed over tp
     supports_clip_grad = True
+    #: a masked loss: each batch block's summed loss over the micro-batch's counted tokens
+    #: (``GridGPT.token_count``), scaled by their share of the global count
+    #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
+    supports_loss_mask = True
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:

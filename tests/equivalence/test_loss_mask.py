@@ -43,7 +43,7 @@ def test_the_data_family_normalises_by_the_global_token_count(pools, scheme):
 
 
 @pytest.mark.parametrize("scheme", ["baseline.deepspeed.zero2", "data.local_sgd",
-                                    "tensor.megatron"])
+                                    "baseline.dtensor.tp"])
 def test_schemes_that_do_not_normalise_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})
     with pytest.raises(ConfigError, match="loss_mask=0.6"):
