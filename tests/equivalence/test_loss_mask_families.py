@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from parbench.config import CaseConfig, ConfigError
+from parbench.golden.run import global_batch
+from parbench.model import counted_tokens
 from parbench.overrides import apply_overrides
 from parbench.registry import get_scheme
 from tests.helpers import run_on_pool
@@ -36,6 +38,16 @@ def case_for(scheme: str, **extra) -> CaseConfig:
 @pytest.mark.parametrize("scheme", sorted(CASES))
 def test_a_masked_loss_equals_the_golden_run(pools, scheme):
     merged, _ = run_on_pool(pools, case_for(scheme))
+    assert merged.equivalent, merged.first_failure
+
+
+def test_a_cp_shard_of_prompt_only_adds_nothing_and_is_no_nan(pools):
+    """With 90% prompts over four contiguous shards, cp rank 0 holds no counted token in a
+    whole step: its mean would be 0/0; its summed loss is 0 and the run equals the golden."""
+    case = case_for("context.ring-attention", cp="4", cp_balance="none", loss_mask="0.9")
+    _, y = global_batch(case, 0)
+    assert counted_tokens(y[:, :4]) == 0  # the first of four shards of 16 tokens
+    merged, _ = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
 
 
