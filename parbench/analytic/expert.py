@@ -42,6 +42,7 @@ from __future__ import annotations
 from .clip import norm_transfers
 from .comm import Transfer, as_number, wire_factor
 from .prediction import RankPrediction, flat_states
+from .params import dense_block_tensor_sizes, norm_tensor_sizes
 from .shape import Shape, expert_capacity, require_positive_int, shape_from
 
 
@@ -67,24 +68,27 @@ def expert_numel(shape: Shape) -> int:
 
 def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
     """Sizes of the parameter tensors one rank holds: (dense, expert). Dense: embedding (V h,
-    s h), per layer LN 2 x h, QKV 3h^2 + 3h, projection h^2 + h, LN 2 x h, and either the MLP
-    (hf + f, fh + h) or the router (E h); head LN 2 x h and V h unless tied. Expert: E/ep
-    experts of each MoE layer, each hf + f, fh + h."""
+    s h), per layer (``params.dense_block_tensor_sizes``; GPT-2: LN 2 x h, QKV 3h^2 + 3h,
+    projection h^2 + h, LN 2 x h) and either the MLP (hf + f, fh + h) or the router (E h);
+    the head's norm and V h unless tied. Expert: E/ep experts of each MoE layer, each
+    hf + f, fh + h."""
     require_positive_int("ep", ep)
     if shape.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide num_experts={shape.num_experts}")
-    h, f = shape.h, shape.f
-    mlp = [h * f, f, f * h, h]
+    h = shape.h
+    block = dense_block_tensor_sizes(shape)
+    cut = len(block) - (4 if shape.bias else 2)  # the MLP's fc1 and fc2 come last
+    attn, mlp = block[:cut], block[cut:]
     dense = [shape.V * h] + ([shape.s * h] if shape.position_embeddings else [])
     expert: list[int] = []
     for i in range(shape.l):
-        dense += [h, h, 3 * h * h, 3 * h, h * h, h, h, h]
+        dense += attn
         if shape.is_moe_layer(i):
             dense.append(shape.num_experts * h)
             expert += mlp * (shape.num_experts // ep)
         else:
             dense += mlp
-    dense += [h, h] + ([] if shape.tie_embeddings else [shape.V * h])
+    dense += norm_tensor_sizes(shape) + ([] if shape.tie_embeddings else [shape.V * h])
     return dense, expert
 
 
