@@ -15,6 +15,9 @@ Every set covers, at small cost (tiny models, world <= 4):
   layout rules allow that split oddly (head_dim 9, ffn 100 -> 50 per rank, SP's s/tp = 7);
 - an odd data-parallel degree (dp = 3 on 3 ranks) where the family has data parallelism;
 - tied embeddings, and pp x dp with tied embeddings (Megatron's embedding group);
+- the training features the scheme declares (gradient clipping, a masked loss, packed
+  documents: one case with all of them) and, where it runs them, the LLaMA-3 blocks
+  (``llama-tiny``: RoPE, GQA, SwiGLU, RMSNorm, no biases) -- ``feature_cases``;
 - every option the scheme declares (``Scheme.options``), in each of its values: the choices
   of an option field of ``parbench.options`` (``sp`` off and on, ``cp_balance`` none /
   zigzag / striped, ``recompute`` none / selective / full, ``zero_stage`` 0-3, ...) and, for
@@ -92,6 +95,32 @@ BASES: dict[str, list[dict[str, Any]]] = {
          "num_microbatches": 2},
     ],
 }
+
+#: the training features a scheme declares (``Scheme.supports_*``; issue 20, sec. 3) and the
+#: value its feature case sets: a clip below the tiny models' gradient norm (about 1), so
+#: every step clips; prompts of up to 60% of a sample masked; 1-3 documents per sample
+FEATURES = (("supports_clip_grad", "clip_grad", 0.5), ("supports_loss_mask", "loss_mask", 0.6),
+            ("supports_packing", "pack_docs", 3))
+#: the LLaMA-3 blocks' case (issue 21): ``llama-tiny`` with the odd vocabulary (RoPE needs
+#: an even head_dim, so the odd hidden size stays with the other cases)
+LLAMA = {"model": "llama-tiny", "vocab_size": ODD["vocab_size"]}
+
+
+def feature_cases(scheme_cls, family: str) -> list[dict]:
+    """Up to two cases beside the structural ones, on the family's first: every training
+    feature the scheme declares at once (``FEATURES``), and the LLaMA-3 blocks when it runs
+    all of them (``Scheme.model_features``)."""
+    from ..config import MODEL_FEATURES
+    first = {**base_fields(family)[0], "timed_steps": COMMON["timed_steps"]}
+    out = []
+    on = {name: value for attr, name, value in FEATURES if getattr(scheme_cls, attr, False)}
+    if on:
+        out.append({**first, **on})
+    if MODEL_FEATURES <= frozenset(getattr(scheme_cls, "model_features", ())):
+        plain = {k: v for k, v in first.items() if k not in ODD and k != "model"}
+        out.append({**plain, **LLAMA})
+    return out
+
 
 #: numeric fields a scheme may declare, and the values beside the default that change what
 #: it does (the choices of the other option fields are in their metadata)
@@ -219,7 +248,7 @@ def default_cases(scheme_cls, spec: str, family: str | None = None
                           "fields")
     skipped: list[str] = []
     bases = []
-    for fields_ in base_fields(fam):
+    for fields_ in base_fields(fam) + feature_cases(scheme_cls, fam):
         why = _rejection(scheme_cls, spec, fields_)
         if why:
             skipped.append(f"{_describe(fields_, {})}: {why}")

@@ -3,7 +3,9 @@ set (issue 20, section 2), and that set catches the bug classes users report whi
 small case it ran before let through: gradient accumulation (loss not divided by the
 micro-batch count), sequence-parallel LayerNorm gradients not reduced over tp, ZeRO's last
 shard mishandled when dp does not divide the parameters, tied embeddings not synchronised
-across pipeline stages (also: synchronised across pipelines, visible only with pp x dp).
+across pipeline stages (also: synchronised across pipelines, visible only with pp x dp), a
+masked loss averaged per micro-batch (the features case: a scheme that declares
+``supports_loss_mask`` is run with one).
 Each bug is a user-style scheme in ``user_schemes/`` beside its correct version, which must
 pass (no false alarm). ``test_the_bugs_escape_the_former_single_case`` shows that the set,
 not luck, catches them: on the former default case each buggy scheme is equivalent."""
@@ -24,6 +26,7 @@ BUGS = [
     ("sp_layernorm.py", "OptionalSP", "SPUnreducedNorms", ":tp2:"),
     ("tied_pipeline.py", "TiedGPipe", "NoTiedSync", "pp2:"),
     ("tied_pipeline.py", "TiedGPipe", "OneEmbeddingGroup", ":dp2-pp2:"),  # pp x dp only
+    ("masked_loss.py", "PerTokenDDP", "MeanPerMicrobatch", ":dp2:"),  # the features case
 ]
 
 
@@ -57,7 +60,7 @@ def test_verify_with_no_fields_as_a_user_runs_it(tmp_path):
 #: what the failing case's description shows (``_describe``: fields off their defaults)
 SHOWS = {"UnscaledAccumulation": "num_microbatches=", "UnevenZeRO": "dp=",
          "SPUnreducedNorms": "sp=True", "NoTiedSync": "pp=2",
-         "OneEmbeddingGroup": "dp=2"}
+         "OneEmbeddingGroup": "dp=2", "MeanPerMicrobatch": "loss_mask=0.6"}
 
 
 @pytest.mark.parametrize("file, good, bad, where", BUGS)
@@ -91,6 +94,7 @@ FORMER = {
     ("zero_padding.py", "UnevenZeRO", "data"),
     ("sp_layernorm.py", "SPUnreducedNorms", "tensor"),
     ("tied_pipeline.py", "NoTiedSync", "pipeline"),
+    ("masked_loss.py", "MeanPerMicrobatch", "data"),
 ])
 def test_the_bugs_escape_the_former_single_case(parbench_pool, file, bad, family):
     from parbench.testing import assert_equivalent
