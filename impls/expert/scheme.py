@@ -50,6 +50,7 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import (build_model, clip_coefficient, counted_tokens, make_optimizer,
                             scale_grads_)
 from parbench.model.moe import set_aux_scale
+from parbench.probes import microbatch_rows, reference_probes
 from parbench.scheme import Prediction, Scheme, register
 
 from impls.data.buckets import Bucket
@@ -73,6 +74,11 @@ class ExpertAllToAll(Scheme):
     supports_clip_grad = True
     #: a masked loss normalised by the global count (``loss_scale``)
     supports_loss_mask = True
+    #: the dense parts are the reference model's, which finds each sample's packed documents
+    #: in its tokens and runs RoPE, GQA and RMSNorm; the experts stay GELU MLPs with biases
+    #: (``config.validate_runnable_model``)
+    supports_packing = True
+    model_features: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm"})
     options: ClassVar[tuple[str, ...]] = MOE_OPTIONS
     description = ("expert parallelism (GShard / Switch): experts sharded over ep, two "
                    "all-to-alls per MoE layer each way, dense grads over dp, experts over edp")
@@ -223,6 +229,18 @@ class ExpertAllToAll(Scheme):
             for n, t in part.items():
                 out.setdefault(n, t.to(self.ctx.device))
         return out
+
+    def module_probes(self):
+        """The rank's modules as probes (issue 20, sec. 5), as the data family's: each
+        micro-batch's call computes its rows of the rank's dp slice, the MoE layers included
+        (their output for those rows, after the combine); loss / m per micro-batch on 1/d of
+        the batch, so input gradients are d times the golden's. None for the framework
+        baselines, whose modules are the framework's."""
+        if self.baseline_of:
+            return None
+        rows = self.ctx.layout.global_batch_size // self.dp
+        calls = microbatch_rows(self.dp_rank * rows, rows, self.ctx.layout.num_microbatches)
+        return reference_probes(self.model, calls, grad_scale=1.0 / self.dp)
 
     def full_params(self):
         return self._gathered({n: p.detach() for n, p in self.named_parameters()})

@@ -80,3 +80,25 @@ def test_a_pipeline_stage_names_its_first_diverging_module(tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if "first failure" in x)
     assert "first divergence: forward output of blocks.3.ln1 (rank 1, step 0)" in line, r.stdout
+
+
+EXPERT_LN_EPS = HEADER + textwrap.dedent('''
+    class MyExperts(get_scheme("expert.alltoall")):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            if self.dp_rank == 1:
+                self.model.blocks["1"].ln2.eps = 1e-3
+''')
+
+
+def test_an_expert_parallel_rank_names_its_first_diverging_module(tmp_path):
+    """The expert family maps its modules as the data family does (MoE layers included):
+    rank 1's blocks.1.ln2 is named, not the MoE layer after it, whose all-to-alls carry the
+    wrong rows to rank 0 too."""
+    (tmp_path / "mine.py").write_text(EXPERT_LN_EPS)
+    r = verify(tmp_path, "scheme=mine.py:MyExperts", "dp=2", "ep=2", "num_experts=4",
+               "model=tiny", "steps=2", "timed_steps=0", "num_microbatches=2",
+               f"out={tmp_path / 'r'}")
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert "first divergence: forward output of blocks.1.ln2 (rank 1, step 0)" in line, r.stdout

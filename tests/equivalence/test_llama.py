@@ -94,7 +94,7 @@ def test_the_pipeline_schedules_train_llama_blocks(pools, scheme, extra):
                                     "expert.alltoall"])
 def test_schemes_without_the_features_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})
-    with pytest.raises(ConfigError, match=f"rope_theta=500000: scheme {scheme} does not run"):
+    with pytest.raises(ConfigError, match=f": scheme {scheme} does not run this LLaMA-style"):
         get_scheme(scheme).check(case)
 
 

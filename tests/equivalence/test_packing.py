@@ -91,6 +91,20 @@ def test_every_pipeline_stage_attends_within_documents(pools, scheme, extra):
     assert merged.equivalent, merged.first_failure
 
 
+EXPERT = {"model": "tiny", "dp": "2", "ep": "2", "num_experts": "4", "num_microbatches": "2",
+          "micro_batch_size": "2", "moe_capacity_factor": "0", "rope_theta": "10000",
+          "num_kv_heads": "2", "norm": "rmsnorm"}
+
+
+@pytest.mark.parametrize("scheme", ["expert.alltoall", "expert.dropless",
+                                    "baseline.deepspeed.moe"])
+def test_the_expert_family_trains_packed_llama_attention(pools, scheme):
+    """The dense parts are the reference model's: documents found in the tokens, RoPE
+    restarted with them, grouped-query attention and RMSNorm; the experts route as before."""
+    merged, _ = run_on_pool(pools, case_for(scheme, **EXPERT))
+    assert merged.equivalent, merged.first_failure
+
+
 @pytest.mark.parametrize("scheme", ["tensor.megatron", "context.ring-attention",
                                     "pipeline.seq1f1b", "pipeline.pipedream"])
 def test_schemes_without_packing_refuse_before_spawning(scheme):
