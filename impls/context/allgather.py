@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parbench.model.packing import allowed
+
 from .kernels import attn_backward, attn_forward
 
 
@@ -25,11 +27,16 @@ class GatherGroup:
         self.rank = dist.get_rank(group) if self.size > 1 else 0
         self.positions = [tuple(int(x) for x in p) for p in positions]
         self.clock = clock
+        #: the micro-batch's packed documents over the whole sequence (None: unpacked)
+        self.docs = None
 
     def mask(self, device) -> torch.Tensor:
-        """(n, s) "may attend": key position <= query position."""
+        """(n, s) "may attend": key position <= query position; with packed ``docs``,
+        (b, 1, n, s): and in the same document (``parbench.model.packing.allowed``)."""
         q = torch.tensor(self.positions[self.rank], device=device)
         k = torch.tensor([x for p in self.positions for x in p], device=device)
+        if self.docs is not None:
+            return allowed(self.docs.ids[:, q], self.docs.ids[:, k], q, k)
         return k[None, :] <= q[:, None]
 
 

@@ -47,6 +47,7 @@ from parbench.batching import dp_slice
 from parbench.config import CaseConfig, ConfigError
 from parbench.memory import SavedActivations
 from parbench.model import build_model, counted_tokens, make_optimizer
+from parbench.model.packing import documents_of, shard_documents
 from parbench.scheme import Prediction, Scheme
 
 from impls.common.clip import clip_grads_
@@ -70,14 +71,23 @@ class ContextParallelScheme(Scheme):
     supports_clip_grad: ClassVar[bool] = True
     #: the shared step normalises a masked loss by the global count (:meth:`loss_scale`)
     supports_loss_mask: ClassVar[bool] = True
+    #: the shared forward (``shard.shard_forward``) runs the reference blocks with RoPE at
+    #: the tokens' global positions; grouped-query attention is refused: the cores would
+    #: move K/V expanded to every query head, which no closed form here counts
+    model_features: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # a class with its own step clips, or masks its loss, only if it says so
-        if "train_step" in cls.__dict__:
+        # a class with its own step clips, or masks its loss, only if it says so; one with
+        # its own forward (or a framework's) runs the LLaMA blocks only if it says so
+        own = cls.__dict__
+        if "train_step" in own:
             for flag in ("supports_clip_grad", "supports_loss_mask"):
-                if flag not in cls.__dict__:
+                if flag not in own:
                     setattr(cls, flag, False)
+        if ("train_step" in own or "forward" in own or getattr(cls, "baseline_of", None)) \
+                and "model_features" not in own:
+            cls.model_features = frozenset()
 
     # ---- checks before spawning -------------------------------------------------------------
     @classmethod
@@ -135,10 +145,23 @@ class ContextParallelScheme(Scheme):
         cut as the tokens are); notes the global batch's counted tokens (``loss_scale``)."""
         self.global_tokens = counted_tokens(targets)
         pos = self.token_positions()
-        x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
+        rows = dp_slice(inputs, self.dp_rank, self.dp)
+        x = rows[:, pos].to(self.ctx.device)
         y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(self.ctx.device)
         m = self.ctx.layout.num_microbatches
+        cfg, dev = self.ctx.model, self.ctx.device
+        self.mb_docs = [(None if d is None else d.to(dev), None if f is None else f.to(dev))
+                        for d, f in ((shard_documents(cfg, r, pos), documents_of(cfg, r))
+                                     for r in rows.chunk(m))]
         return pos.to(self.ctx.device), list(zip(x.chunk(m), y.chunk(m)))
+
+    def set_documents(self, i: int | None) -> None:
+        """Micro-batch ``i``'s documents for ``forward`` (``docs``: the rank's tokens'
+        positions; ``documents_of`` the whole sequences, for a core that masks packed
+        documents); None after the step: nothing but model states stays between steps."""
+        self.docs, self.full_docs = (None, None) if i is None else self.mb_docs[i]
+        if i is None:
+            self.mb_docs = None
 
     def train_step(self, inputs, targets, step):
         pos, mbs = self.local_batch(inputs, targets)
@@ -147,12 +170,14 @@ class ContextParallelScheme(Scheme):
         self.grads.reset()
         total = 0.0
         for i, (xm, ym) in enumerate(mbs):
+            self.set_documents(i)
             with tl.span("F", mb=i):
                 loss = self.forward(xm, ym, pos, measure=step == 0 and i == 0) * \
                     self.loss_scale(m)
             with tl.span("B", mb=i):
                 loss.backward()
             total += float(loss.detach())
+        self.set_documents(None)
         self.reduce_gradients()
         with tl.span("optim"):
             self.clip()
@@ -188,7 +213,8 @@ class ContextParallelScheme(Scheme):
     def forward(self, tokens, targets, pos, measure: bool = False):
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = shard_forward(self.model, tokens, pos, targets, self.core,
-                             self.ctx.options.recompute, saved, self.embed, self.loss_fn())
+                             self.ctx.options.recompute, saved, self.embed, self.loss_fn(),
+                             getattr(self, "docs", None))
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()

@@ -189,6 +189,13 @@ class AllGatherScheme(ContextParallelScheme):
     balanced = True
     options = ("cp_balance", "recompute")
     description = "all-gather CP (Llama 3): K, V gathered along the sequence"
+    #: every query sees the whole gathered sequence in one kernel, so a packed document's
+    #: mask is the gathered ids' (``GatherGroup.mask``)
+    supports_packing = True
+
+    def set_documents(self, i):
+        super().set_documents(i)
+        self.core.g.docs = self.full_docs
 
     def build_core(self):
         every = [positions(self.ctx.model.seq_length, self.cp, r, self.balance(self.ctx.case))

@@ -25,17 +25,29 @@ def embed(model, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return x if e.pos is None else x + e.pos.weight[pos]
 
 
-def layer(blk, x: torch.Tensor, core, recompute: str = "none") -> torch.Tensor:
-    """One pre-LN block (``parbench.model.Block``) with ``core`` as its attention."""
+def layer(blk, x: torch.Tensor, core, recompute: str = "none", docs=None) -> torch.Tensor:
+    """One pre-LN block (``parbench.model.Block``) with ``core`` as its attention;
+    ``docs``: the rank's tokens' positions for RoPE (``attention_inputs``)."""
     if recompute == "full":
-        return checkpoint(_layer, blk, x, core, "none", use_reentrant=True)
-    return _layer(blk, x, core, recompute)
+        return checkpoint(_layer, blk, x, core, "none", docs, use_reentrant=True)
+    return _layer(blk, x, core, recompute, docs)
 
 
-def _layer(blk, x, core, recompute):
+def attention_inputs(blk, x: torch.Tensor, docs=None):
+    """q, k, v (b, n, heads, d) of the rank's tokens: the reference projection and, with
+    ``docs`` (``parbench.model.packing.Documents`` of these tokens: their global positions,
+    or within-document ones when packed), the reference ``Attention.heads`` -- RoPE at those
+    positions, not at 0..n-1, the classic bug of a context-parallel chunk."""
     b, n, h = x.shape
-    heads = blk.attn.num_heads
-    q, k, v = blk.attn.qkv(blk.ln1(x)).view(b, n, 3, heads, h // heads).unbind(2)
+    qkv = blk.attn.qkv(blk.ln1(x))
+    if docs is None:
+        heads = blk.attn.num_heads
+        return qkv.view(b, n, 3, heads, h // heads).unbind(2)
+    return tuple(t.transpose(1, 2) for t in blk.attn.heads(qkv, docs))
+
+
+def _layer(blk, x, core, recompute, docs=None):
+    q, k, v = attention_inputs(blk, x, docs)
     if recompute == "selective":
         y = checkpoint(core, q, k, v, use_reentrant=True)
     else:
@@ -60,17 +72,18 @@ def mean_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
-                  first_layer=None, embed_fn=embed, loss_fn=mean_loss) -> torch.Tensor:
+                  first_layer=None, embed_fn=embed, loss_fn=mean_loss,
+                  docs=None) -> torch.Tensor:
     """The loss of this rank's tokens (``loss_fn``: their mean, or ``summed_loss``);
     ``first_layer`` (a context manager, e.g. ``SavedActivations``) is entered around
-    layer 0."""
-    x = embed_fn(model, tokens, pos)
+    layer 0; ``docs``: the tokens' positions for RoPE and packed documents (``layer``)."""
+    x = embed_fn(model, tokens, pos if docs is None else docs.pos)
     for i, blk in enumerate(model.blocks.values()):
         if first_layer is not None and i == 0:
             with first_layer:
-                x = layer(blk, x, core, recompute)
+                x = layer(blk, x, core, recompute, docs)
         else:
-            x = layer(blk, x, core, recompute)
+            x = layer(blk, x, core, recompute, docs)
     return loss_fn(model, x, targets)
 
 

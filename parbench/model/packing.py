@@ -65,6 +65,21 @@ def documents_of(cfg, tokens: torch.Tensor) -> Documents | None:
     return documents(tokens, eod_token(cfg)) if cfg.pack_docs else None
 
 
+def shard_documents(cfg, tokens: torch.Tensor, columns: torch.Tensor) -> Documents | None:
+    """The sequence positions ``columns`` of ``tokens`` [b, s] (a context-parallel shard) as
+    ``Documents``: their within-document positions when the model is packed, their global
+    ones otherwise -- what RoPE and the position embedding need; None when the model
+    neither packs nor rotates (the shard's learned positions are ``columns`` themselves)."""
+    if not (cfg.pack_docs or cfg.rope_theta):
+        return None
+    docs = documents_of(cfg, tokens)
+    if docs is None:
+        b, s = tokens.shape
+        col = torch.arange(s, device=tokens.device).expand(b, s)
+        docs = Documents(torch.zeros_like(tokens), col)
+    return docs.take(columns)
+
+
 def allowed(q_ids: torch.Tensor, k_ids: torch.Tensor, q_cols: torch.Tensor,
             k_cols: torch.Tensor) -> torch.Tensor:
     """[b, 1, nq, nk] boolean mask: query (column q_cols[i]) may attend to key (column
