@@ -22,20 +22,24 @@ as Megatron-Core lays them out):
   model cannot price it;
 - ZeRO stage 0-3, recompute none / selective / full.
 
-Every layout is priced by ``parbench.timemodel.predict_step``; those that do not fit in the
-device's memory are dropped, the rest ranked by step time. The schedule simulator runs only for
-layouts whose lower bound (the step without a bubble) could still make the top list (``plan``),
-so the search costs one closed-form pricing per layout and a few hundred simulations.
+Every layout's memory is counted first, as ``parbench estimate`` counts it
+(``timemodel.memory_per_rank`` = ``analytic.rank_memory``: the accounting and attention of
+``base``, MoE layers as MoE); those that do not fit in the device's memory are dropped before
+any pricing, the rest are priced by ``parbench.timemodel.predict_step`` and ranked by step
+time. The schedule simulator runs only for layouts whose lower bound (the step without a
+bubble) could still make the top list (``plan``), so the search costs one closed-form pricing
+per layout that fits and a few hundred simulations.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from .layout import ConfigError, Layout
 from .schedules import ChunkRule, get_spec
-from .timemodel import Training, predict_step
+from .timemodel import Training, memory_per_rank, predict_step
 
 
 def divisors(n: int) -> list[int]:
@@ -64,16 +68,19 @@ class PlanResult:
     evaluated: int
     over_memory: int
     seconds: float
-    best_over_memory: list = field(default_factory=list)  # the fastest that did not fit
+    #: the fastest that did not fit -- priced only when none fits (what memory cost)
+    best_over_memory: list = field(default_factory=list)
 
 
-def layouts(shape, world: int, global_batch: int, space: Space = Space()):
+def layouts(shape, world: int, global_batch: int, space: Space = Space(),
+            base: Training | None = None):
     """Every way to train ``shape`` on ``world`` devices that the layout rules accept (a
     generator of ``timemodel.Training``): the degrees pass ``Layout.fits_model`` with
     sequence parallelism on when tp > 1, then every micro-batch size, schedule, ZeRO stage
-    and recomputation of :func:`_per_degrees`."""
+    and recomputation of :func:`_per_degrees`. ``base``: what every candidate shares --
+    precision, optimizer, the memory accounting and attention (default ``Training()``)."""
     for lay in _grids(shape, world, global_batch, space):
-        yield from _per_degrees(shape, lay, global_batch, space)
+        yield from _per_degrees(shape, lay, global_batch, space, base or Training())
 
 
 def _grids(shape, world: int, global_batch: int, space: Space):
@@ -97,9 +104,9 @@ def _grids(shape, world: int, global_batch: int, space: Space):
                         yield lay
 
 
-def _per_degrees(shape, grid: Layout, global_batch: int, space: Space):
+def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Training):
     """Every micro-batch size, schedule, ZeRO stage and recomputation on one grid."""
-    base = Training.of(sp=grid.tp > 1)
+    base = base.with_values(sp=grid.tp > 1)
     options = [base.options.with_values(zero_stage=zero, recompute=rc)
                for zero in space.zero_stages if not (zero and grid.dp == 1)
                for rc in space.recomputes]  # ZeRO with dp = 1 has nothing to shard over
@@ -149,7 +156,7 @@ BOUND_SLACK = 0.95
 
 def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
          predictor: Callable | None = None, keep: int = 10,
-         exhaustive: bool = False) -> PlanResult:
+         exhaustive: bool = False, base: Training | None = None) -> PlanResult:
     """Price every layout; keep the ``keep`` fastest that fit (and the fastest few that do
     not, to say what memory cost).
 
@@ -158,31 +165,51 @@ def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
     layouts are simulated until the next bound exceeds the ``keep``-th best simulated step
     (``BOUND_SLACK``), so the top list is the exhaustive search's (``exhaustive=True``
     simulates everything: what the tests compare it with). A custom ``predictor`` is called
-    once per layout."""
+    once per layout. ``base``: precision, accounting and attention of every candidate
+    (:func:`layouts`), so the memory that prunes is ``estimate``'s under the same choices."""
     if world < 1:
         raise ConfigError(f"world={world} must be >= 1")
     if global_batch < 1:
         raise ConfigError(f"global_batch_size={global_batch} must be >= 1")
     t0 = time.perf_counter()
-    if predictor is not None or exhaustive:
-        predictor = predictor or predict_step
+    cands = layouts(shape, world, global_batch, space, base)
+    if predictor is not None:
         exact = lambda trn: predictor(shape, trn, profile)  # noqa: E731
-        priced = [(st.step_s, trn, st) for trn in layouts(shape, world, global_batch, space)
-                  for st in (exact(trn),)]
+        priced = [(st.step_s, trn, st) for trn in cands for st in (exact(trn),)]
         fits = sorted((x for x in priced if x[2].fits), key=lambda x: x[0])[:keep]
         over = sorted((x for x in priced if not x[2].fits), key=lambda x: x[0])[:3]
-        n, n_over = len(priced), sum(1 for x in priced if not x[2].fits)
+        n, n_over = len(priced), len(priced) - sum(1 for x in priced if x[2].fits)
     else:
-        bounds = [(predict_step(shape, trn, profile, bound=True), trn)
-                  for trn in layouts(shape, world, global_batch, space)]
-        n, n_over = len(bounds), sum(1 for b, _ in bounds if not b.fits)
-        exact = lambda trn: predict_step(shape, trn, profile)  # noqa: E731
-        fits = _best(((b.step_s, trn) for b, trn in bounds if b.fits), keep, exact)
-        over = _best(((b.step_s, trn) for b, trn in bounds if not b.fits), 3, exact)
+        fitting, over_mem = _by_memory(shape, cands, profile)
+        n, n_over = len(fitting) + len(over_mem), len(over_mem)
+        fits = _ranked(shape, fitting, profile, keep, exhaustive)
+        # the fastest over memory are priced only to say what memory cost when none fits
+        over = [] if fits else _ranked(shape, over_mem, profile, 3, exhaustive)
     return PlanResult(ranked=[(trn, st) for _, trn, st in fits], evaluated=n,
                       over_memory=n_over,
                       seconds=time.perf_counter() - t0,
                       best_over_memory=[(trn, st) for _, trn, st in over])
+
+
+def _by_memory(shape, cands, profile) -> tuple[list, list]:
+    """The candidates split by ``estimate``'s memory count (``timemodel.memory_per_rank``,
+    the figure ``predict_step`` checks) against the device's memory, before any pricing."""
+    cap = profile.memory_bytes or math.inf
+    fitting, over = [], []
+    for trn in cands:
+        (fitting if memory_per_rank(shape, trn)[0] <= cap else over).append(trn)
+    return fitting, over
+
+
+def _ranked(shape, cands: list, profile, k: int, exhaustive: bool) -> list:
+    """The ``k`` fastest of ``cands``: every one simulated (``exhaustive``), or branch and
+    bound over ``predict_step(..., bound=True)`` (:func:`_best`)."""
+    exact = lambda trn: predict_step(shape, trn, profile)  # noqa: E731
+    if exhaustive:
+        return sorted(((st.step_s, trn, st) for trn in cands for st in (exact(trn),)),
+                      key=lambda x: x[0])[:k]
+    bounds = ((predict_step(shape, trn, profile, bound=True).step_s, trn) for trn in cands)
+    return _best(bounds, k, exact)
 
 
 def _best(bounded, k: int, exact) -> list:

@@ -225,10 +225,10 @@ def _compute(a: EstimateArgs):
 
 def _training(a: EstimateArgs):
     """The time model's :class:`Training`: the same layout and options, the counting's
-    precision and accounting."""
+    precision, accounting and attention (so the memory it checks is this estimate's)."""
     from ..timemodel import Training
     return Training(layout=a.case.layout, options=a.case.options, dtype=a.counting.dtype,
-                    accounting=a.counting.accounting)
+                    accounting=a.counting.accounting, attention=a.counting.attention)
 
 
 def _time_model(a: EstimateArgs, trn):

@@ -1,7 +1,9 @@
 """``parbench plan model=PRESET world=N device=PROFILE [global_batch_size=] [seq_length=]
-[schedules=a,b,...]``: every parallel layout ranked by predicted step time
-(``parbench.plan``); the schedules the time model cannot price are named with the reason
-their spec gives."""
+[schedules=a,b,...] [accounting=] [attention=eager|flash]``: every parallel layout ranked by
+predicted step time (``parbench.plan``), each pruned by ``estimate``'s memory count under the
+accounting and attention given; the device line says whether the profile is calibrated or a
+datasheet bound; the schedules the time model cannot price are named with the reason their
+spec gives."""
 from __future__ import annotations
 
 import json
@@ -31,6 +33,7 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     from ..plan import Space, as_dict, plan, unpriced, why
     from ..schedules import SCHEDULES
     from ..timemodel import load_profile
+    from ..timemodel.report import device_kind
 
     ov = parse_overrides(args)
     unknown = sorted(set(ov) - set(own_keys("plan")))
@@ -51,16 +54,22 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     verbose = coerce(ov.pop("verbose", "false"), bool, "verbose")
     space = Space(**{k: coerce(ov.pop(k), t, k) for k, t in _SPACE_KEYS.items() if k in ov},
                   **_schedules(ov))
-    res = plan(shape, world, profile, batch, space, keep=top)
+    base = _counting(ov)
+    res = plan(shape, world, profile, batch, space, keep=top, base=base)
     skipped = unpriced(Space(schedules=tuple(SCHEDULES)))
     if as_json:
         print(json.dumps({"model": name, "world": world, "device": device,
+                          "calibrated": profile.calibrated, "device_kind": device_kind(profile),
+                          "accounting": _accounting(base), "attention": base.attention,
                           "global_batch_size": batch, "evaluated": res.evaluated,
                           "over_memory": res.over_memory, "seconds": res.seconds,
                           "ranked": [as_dict(trn, st) for trn, st in res.ranked],
                           "unpriced_schedules": skipped}, indent=2, default=str))
         return 0 if res.ranked else 1
     out = console()
+    out.print(f"device {profile.name} ({device_kind(profile)}); memory counted as "
+              f"`parbench estimate` counts it: {_accounting(base)} model states, "
+              f"{base.attention} attention", soft_wrap=True, highlight=False)
     _print(out, name, world, device, batch, res, why)
     for sched, reason in skipped.items():
         out.print(f"  not searched: {sched} -- {reason}", soft_wrap=True)
@@ -69,6 +78,23 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     else:
         out.print("  (--verbose: each layout's full breakdown; --json: every figure)")
     return 0 if res.ranked else 1
+
+
+def _counting(ov: dict):
+    """``accounting=`` and ``attention=``: how every candidate's memory is counted, checked
+    as ``parbench estimate`` checks them (:class:`parbench.analytic.Counting`)."""
+    from ..analytic.counting import Counting
+    from ..timemodel import Training
+    kw = {k: str(ov.pop(k)) for k in ("accounting", "attention") if k in ov}
+    Counting(**kw)  # a bad value fails here, naming the field, the value and the rule
+    return Training(**kw)
+
+
+def _accounting(base) -> str:
+    """The accounting's own name (``None``: chosen by the precision, as ``estimate`` does)."""
+    from ..analytic.counting import Counting
+    return Counting(bytes_per_element=4 if base.dtype == "fp32" else 2,
+                    accounting=base.accounting).accounting_name
 
 
 def _schedules(ov: dict) -> dict:

@@ -80,6 +80,9 @@ class _Costs:
             for ax, v in src.items():
                 dst[ax] = dst.get(ax, 0.0) + k * v
 
+    def copy(self) -> "_Costs":
+        return _Costs(self.f, self.b, self.w, self.rc, dict(self.comm_f), dict(self.comm_b))
+
     @property
     def tf(self) -> float:
         return self.f + sum(self.comm_f.values())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..analytic import activations, memory
+from ..analytic import rank_memory
+from ..analytic.counting import Counting
 from ..analytic import params as aparams
 from ..schedules import get_spec
 from .costs import _bias, _cache, _e, _gated, _kv, _LinkFn, _param_shape, _vocab
@@ -85,7 +86,7 @@ def dp_costs(shape, trn: Training, profile: Profile, stage: int, psi_rank: float
             else:  # units: whole layers grouped by the same rule
                 buckets = _bucket_count(_layer_units(tensors, shape, trn, stage), cap)
         cache[key] = buckets
-    ct = profile.collective_time
+    ct = _per_size(profile.collective_time)
     pad = lambda x: -(-x // n) * n  # noqa: E731
     detail: dict[str, float] = {}
     if opt.data.zero_stage == 0:
@@ -116,6 +117,20 @@ def dp_costs(shape, trn: Training, profile: Profile, stage: int, psi_rank: float
     return m * per_mb, m * (2 * t_ag + t_rs), detail
 
 
+def _per_size(collective_time):
+    """``collective_time`` priced once per distinct (op, group, bytes, link): the buckets of
+    a rank are mostly of one size, and the planner prices thousands of layouts."""
+    memo: dict = {}
+
+    def ct(op: str, n: int, nbytes: float, link: str) -> float:
+        key = (op, n, nbytes, link)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = collective_time(op, n, nbytes, link)
+        return hit
+    return ct
+
+
 def _layer_units(tensors: list[int], shape, trn: Training, stage: int) -> list[int]:
     """Group a rank's tensors into layer units: embedding, each block, head."""
     lay = trn.layout
@@ -142,16 +157,6 @@ def _layer_units(tensors: list[int], shape, trn: Training, stage: int) -> list[i
 # memory
 # ---------------------------------------------------------------------------------------
 
-def _call(fn, *args, **kw):
-    """Call an analytic function, dropping keywords an older signature lacks."""
-    try:
-        return fn(*args, **kw)
-    except TypeError:
-        for k in ("kv_hidden", "mlp"):
-            kw.pop(k, None)
-        return fn(*args, **kw)
-
-
 _STAGES: dict = {}
 
 
@@ -170,49 +175,38 @@ def _stage_params(shape, trn: Training) -> list[dict]:
 
 
 def memory_per_rank(shape, trn: Training) -> tuple[float, dict]:
-    """(bytes, detail) of the most loaded pipeline rank: model states + activations."""
+    """(bytes, detail) of the most loaded pipeline rank: ``estimate``'s count
+    (:func:`parbench.analytic.rank_memory.peak_rank_memory`: exact padded model states under
+    the training's accounting, MoE layers as MoE, eager or flash attention, the last stage's
+    fp32 logits) with the schedule's micro-batches in flight (:func:`_inflight`); cached per
+    layout and options, since the planner asks for the same figures again and again."""
     lay, opt = trn.layout, trn.options
-    e = _e(trn.dtype)
-    acc = trn.accounting or ("fp32_adamw" if e == 4 else "mixed_adam")
-    stages = _stage_params(shape, trn)
-    s_l = shape.s // lay.cp
-    per_layer = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size, shape.h,
-                      shape.a, lay.tp, opt.tensor.sp and lay.tp > 1, opt.recompute, shape.f,
-                      bytes_per_element=e, kv_hidden=_kv(shape),
-                      mlp=getattr(shape, "mlp", "gelu"))
+    key = (shape, lay, opt.tensor.sp, opt.recompute, opt.data.zero_stage, trn.dtype,
+           trn.accounting, trn.attention)
+    hit = _MEMORY.get(key)
+    if hit is None:
+        if len(_MEMORY) > 65536:
+            _MEMORY.clear()
+        hit = _MEMORY[key] = _peak(shape, trn)
+    return hit[0], dict(hit[1])
+
+
+_MEMORY: dict = {}
+
+
+def _peak(shape, trn: Training) -> tuple[float, dict]:
+    lay = trn.layout
+    counting = Counting(bytes_per_element=_e(trn.dtype), accounting=trn.accounting,
+                        attention=trn.attention)
     p, m, v = lay.pp, lay.num_microbatches, lay.vpp
-    layers_here = shape.l // p
-    edp = max(1, lay.tp * lay.cp * lay.dp // ((lay.etp or lay.tp) * lay.ep)) if shape.moe \
-        else 1
-    best = (0.0, {})
-    for st in stages:
-        r = st["stage"]
-        if shape.moe:
-            dense = memory.zero_model_states(st["dense"], lay.dp * lay.cp, opt.data.zero_stage,
-                                             acc).total
-            expert = memory.zero_model_states(st["expert"], edp, opt.data.zero_stage, acc).total
-            states = dense + expert
-        else:
-            states = memory.zero_model_states(st["total"], lay.dp * lay.cp, opt.data.zero_stage,
-                                              acc).total
-        inflight = _inflight(lay.schedule, p, m, r, v)
-        acts = per_layer * layers_here * inflight
-        if opt.recompute == "full":
-            # the one layer being recomputed holds its full activations meanwhile
-            full = _call(activations.layer_activation_bytes, s_l, lay.micro_batch_size,
-                         shape.h, shape.a, lay.tp, opt.tensor.sp and lay.tp > 1, "none", shape.f,
-                         bytes_per_element=e, kv_hidden=_kv(shape),
-                         mlp=getattr(shape, "mlp", "gelu"))
-            acts += full
-        logits = 0.0
-        if r == p - 1:
-            logits = 4.0 * lay.micro_batch_size * s_l * _vocab(shape, lay.tp)
-        total = states + acts + logits
-        if total > best[0]:
-            best = (total, {"stage": r, "model_states": states, "activations": acts,
-                            "logits": logits, "in_flight_microbatches": inflight,
-                            "accounting": acc, "activation_per_layer": per_layer})
-    return best
+    peak = rank_memory.peak_rank_memory(shape, lay, trn.options, counting,
+                                        lambda r: _inflight(lay.schedule, p, m, r, v))
+    return peak.total, {
+        "stage": peak.stage, "model_states": peak.model_states,
+        "activations": peak.activations + peak.recompute_working, "logits": peak.logits,
+        "in_flight_microbatches": peak.in_flight_microbatches, "accounting": peak.accounting,
+        "attention": trn.attention, "activation_per_layer": peak.activation_per_layer,
+        "activation_per_moe_layer": peak.activation_per_moe_layer}
 
 
 def _inflight(name: str, p: int, m: int, rank: int, v: int) -> float:

@@ -132,18 +132,22 @@ def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
     moe_c = layer_costs(shape, trn, profile, True) if moe_idx else None
     emb, head = _ends(shape, trn, profile)
     stage_costs: list[_Costs] = []
+    made: dict = {}  # stages alike (their MoE layers, ends) share one sum, copied
     for vs in range(nstages):
-        c = _Costs()
         lo = vs * per_chunk
-        n_moe = sum(1 for i in range(lo, lo + per_chunk) if i in moe_idx)
-        c.add(dense_c, per_chunk - n_moe)
-        if n_moe:
-            c.add(moe_c, n_moe)
-        if vs == 0:
-            c.add(emb)
-        if vs == nstages - 1:
-            c.add(head)
-        stage_costs.append(c)
+        n_moe = sum(1 for i in range(lo, lo + per_chunk) if i in moe_idx) if moe_idx else 0
+        key = (n_moe, vs == 0, vs == nstages - 1)
+        proto = made.get(key)
+        if proto is None:
+            proto = made[key] = _Costs()
+            proto.add(dense_c, per_chunk - n_moe)
+            if n_moe:
+                proto.add(moe_c, n_moe)
+            if vs == 0:
+                proto.add(emb)
+            if vs == nstages - 1:
+                proto.add(head)
+        stage_costs.append(proto.copy())
     return StageCosts(dense_c, emb, head, stage_costs)
 
 

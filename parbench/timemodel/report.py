@@ -66,10 +66,18 @@ def _headline(model: str, shape, trn: Training) -> str:
             f"{lay.micro_batch_size} per dp rank), {trn.dtype}")
 
 
+def device_kind(profile: Profile) -> str:
+    """How far the profile's figures can be trusted, in words (``estimate`` and ``plan``
+    print it beside the device): measured by ``parbench calibrate``, or a preset of
+    datasheet peaks, so that every step it prices is a lower bound."""
+    if profile.calibrated:
+        return "calibrated profile"
+    return "uncalibrated preset: datasheet peaks, so a lower bound on the step"
+
+
 def _step_lines(trn: Training, st: StepTime, profile: Profile) -> list[str]:
     """The device, memory against it, the step, where its time goes, the heaviest axis."""
-    kind = "calibrated profile" if profile.calibrated else \
-        "uncalibrated preset: datasheet peaks, so a lower bound on the step"
+    kind = device_kind(profile)
     md = st.breakdown.get("memory", {})
     verdict = "[green]fits[/]" if st.fits else "[bold red]DOES NOT FIT[/]"
     dev = f"of {_gb(st.device_memory_bytes)}" if st.device_memory_bytes else ""

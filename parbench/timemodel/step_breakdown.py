@@ -4,6 +4,7 @@ et al. 2022, Sec. 6 / App. A), memory per rank, notes and the breakdown."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 
 from ..analytic import flops as aflops
@@ -54,6 +55,13 @@ class CriticalSync:
     loss_s: float
 
 
+@lru_cache(maxsize=1024)
+def _model_flops(shape, batch: int) -> int:
+    """The step's model FLOPs (``analytic.flops.shape_training_flops``, no recomputation),
+    cached: every layout of one planner search has the same model and batch."""
+    return aflops.shape_training_flops(shape, batch, recompute=False)
+
+
 def step_time(shape, trn: Training, profile: Profile, stages: StageCosts,
                pipe: PipelineRun, sync: CriticalSync) -> StepTime:
     """The StepTime: the step, the critical rank's compute and exposed communication, the
@@ -67,7 +75,7 @@ def step_time(shape, trn: Training, profile: Profile, stages: StageCosts,
     # ---- throughput, MFU
     B = lay.micro_batch_size * lay.num_microbatches * lay.dp
     tokens = B * shape.s
-    model_flops = aflops.shape_training_flops(shape, B, recompute=False)
+    model_flops = _model_flops(shape, B)
     peak = profile.peak_flops(trn.dtype)
     mfu = model_flops / (step * lay.world_size * peak) if step > 0 else 0.0
     # ---- memory

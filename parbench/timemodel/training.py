@@ -22,7 +22,9 @@ class Training:
     model prices and the planner ranks.
 
     ``dtype``: bf16 | fp32; ``optimizer``: adamw | sgd; ``accounting``: an
-    ``analytic.memory`` name (None: by dtype); ``ranks_per_node``: None for the profile's.
+    ``analytic.memory`` name (None: by dtype); ``attention``: eager | flash, how the
+    activations are counted (``analytic.activations``); ``ranks_per_node``: None for the
+    profile's.
     The options the time model reads: ``sp``, ``zero_stage``, ``recompute``,
     ``cp_algorithm`` and ``cp_ulysses``, ``bucket_mb`` (``inf``: one flat buffer) and
     ``overlap_grad_reduce`` (False: the reduction runs after the backward, as the
@@ -34,6 +36,7 @@ class Training:
     dtype: str = "bf16"
     optimizer: str = "adamw"
     accounting: str | None = None
+    attention: str = "eager"
     ranks_per_node: int | None = None
 
     @classmethod

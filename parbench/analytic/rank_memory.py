@@ -1,0 +1,152 @@
+"""The peak bytes of each pipeline rank -- model states, the activations of the micro-batches
+in flight, the last stage's logits -- counted with the same rules as ``estimate``'s memory
+block, so that the time model's "fits" (and hence ``parbench plan``'s pruning) is
+``estimate``'s figure and not a second count.
+
+Per pipeline rank r of a layout (``stage_layer_indices``: the layers it holds, each counted
+as its kind):
+
+- **model states** (Rajbhandari et al. 2020, Sec. 5.1): the exact padded flat-buffer figure
+  of :func:`.memory.zero_model_states_exact` under the chosen accounting -- dense parameters
+  partitioned over dp x cp, on an MoE model the expert parameters over edp (Megatron-Core's
+  distributed optimizer, as :func:`.estimate_states.moe_model_states`); DeepSpeed's ZeRO-3
+  largest-layer buffer where the accounting has one (:func:`.estimate_states.with_layer_buffer`);
+- **activations** (Korthikanti et al. 2022, Table 2, eager or flash attention:
+  :func:`.activations.layer_activation_bytes`; an MoE layer's routed terms:
+  :func:`.activations.moe_layer_activation_bytes`): the rank's layers, each as its kind,
+  times the micro-batches in flight at its peak (``in_flight(r)``: the schedule's memory
+  rule; Korthikanti et al. Sec. 4.2.3 for 1F1B);
+- **full recomputation's working layer**: while a layer is recomputed it holds its full
+  activations (Korthikanti et al. 2022, Sec. 5: the recomputed layer's activations are
+  materialised again before its backward), one layer of the rank's largest kind;
+- **logits** (Korthikanti et al. 2022, Sec. 4.3): the last rank's one micro-batch of
+  ``logits_bytes`` x b s/cp V'/tp (:func:`.activations.logits_bytes`).
+
+Not counted (as in ``estimate``): allocator fragmentation, communication buffers,
+temporaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Callable
+
+from ..layout import Layout
+from ..options import Options
+from . import activations, memory
+from . import params as param_model
+from .counting import Counting
+from .estimate_traffic import routed_rows
+from .shape import Shape, moe_layer_count, shape_from
+from .stages import stage_layer_indices
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's peak bytes by term (``total``: their sum)."""
+
+    stage: int
+    model_states: float
+    activations: float
+    recompute_working: float
+    logits: float
+    in_flight_microbatches: float
+    activation_per_layer: float
+    activation_per_moe_layer: float | None
+    accounting: str
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.recompute_working + self.logits
+
+
+def padded_shape(shape: Shape, tp: int) -> Shape:
+    """``shape`` with the vocabulary padded for tp (``Shape.padded_vocab``: Megatron-LM's
+    ``_vocab_size_with_padding``), as ``estimate`` counts every figure."""
+    v = shape.padded_vocab(tp)
+    return shape if v == shape.V else replace(shape, vocab_size=v)
+
+
+def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
+                counting: Counting) -> tuple[float, float | None]:
+    """(a dense layer's, an MoE layer's or None) activation bytes per micro-batch on one
+    rank: Korthikanti's count at s/cp tokens with the counting's attention and element
+    bytes, the routed terms added on an MoE layer (``estimate``'s ``per_layer_korthikanti``
+    and ``per_moe_layer_korthikanti``)."""
+    s_local, t, e = shape.s // lay.cp, lay.tp, counting.bytes_per_element
+    dense = activations.layer_activation_bytes(
+        s_local, lay.micro_batch_size, shape.h, shape.a, t, sp, recompute, shape.f,
+        bytes_per_element=e, attention=counting.attention, kv_hidden=shape.kv_hidden,
+        mlp=shape.mlp)
+    if not shape.moe:
+        return dense, None
+    tokens, _, rows = routed_rows(shape, lay.micro_batch_size, s_local, t, sp)
+    moe = activations.moe_layer_activation_bytes(
+        dense, s=s_local, b=lay.micro_batch_size, h=shape.h, f=shape.f, tp=t, tokens=tokens,
+        rows=rows, num_experts=shape.num_experts, etp=lay.expert_tp, recompute=recompute,
+        bytes_per_element=e, mlp=shape.mlp)["total"]
+    return dense, moe
+
+
+def _states(row: dict, lay: Layout, zero: int, accounting: str) -> float:
+    """The rank's padded flat-buffer model states: dense over dp x cp, experts over edp."""
+    def exact(numel: int, group: int) -> float:
+        return memory.zero_model_states_exact(int(numel), group, zero,
+                                              accounting)["padded"].total
+    if "expert" not in row:
+        return exact(row["total"], lay.dp_cp)
+    return exact(row["dense"], lay.dp_cp) + exact(row["expert"], lay.edp)
+
+
+def _layer_buffer(shape: Shape, lay: Layout, zero: int, accounting: str) -> float:
+    """DeepSpeed's ZeRO-3 buffer of the largest module, where the accounting has one."""
+    per_param = memory.get_accounting(accounting).layer_buffer
+    if not per_param or zero != 3:
+        return 0.0
+    return per_param * param_model.largest_module_params(shape, lay.tp, lay.ep, etp=lay.etp)
+
+
+def rank_memory(shape, lay: Layout, options: Options, counting: Counting,
+                in_flight: Callable[[int], float]) -> list[RankMemory]:
+    """Every pipeline rank's peak bytes (module doc); ``in_flight(r)``: micro-batches' worth
+    of rank r's layers it holds at its peak."""
+    shp = padded_shape(shape_from(shape), lay.tp)
+    sp = options.tensor.sp and lay.tp > 1
+    grid = Layout(tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp, dp=lay.dp, pp=lay.pp,
+                  vpp=lay.vpp, micro_batch_size=lay.micro_batch_size)
+    per_rank, dense, moe = _static(shp, grid, sp, options.recompute,
+                                   options.data.zero_stage, counting)
+    return [RankMemory(stage=r, model_states=states, activations=held * in_flight(r),
+                       recompute_working=work, logits=logits,
+                       in_flight_microbatches=in_flight(r), activation_per_layer=dense,
+                       activation_per_moe_layer=moe, accounting=counting.accounting_name)
+            for r, (states, held, work, logits) in enumerate(per_rank)]
+
+
+@lru_cache(maxsize=4096)
+def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: Counting):
+    """What does not depend on the schedule: per rank (model states, one micro-batch's
+    activations of its layers, full recomputation's working layer, logits), and the dense
+    and MoE layer's bytes. Cached: the planner asks for the same grid many times."""
+    acc = counting.accounting_name
+    dense, moe = layer_bytes(shp, lay, sp, mode, counting)
+    working = layer_bytes(shp, lay, sp, "none", counting) if mode == "full" else (0.0, None)
+    rows = param_model.stage_params(shp, lay.pp, lay.tp, lay.ep, lay.vpp, etp=lay.etp or None)
+    buffer = _layer_buffer(shp, lay, zero, acc)
+    logits = activations.logits_bytes(shp.s // lay.cp, lay.micro_batch_size, shp.V, lay.tp,
+                                      counting.logits_bytes)
+    out = []
+    for r, layers in enumerate(stage_layer_indices(shp.num_layers, lay.pp, lay.vpp)):
+        n_moe = moe_layer_count(shp, layers) if moe is not None else 0
+        held = (len(layers) - n_moe) * dense + n_moe * (moe or 0.0)
+        work = (working[1] if n_moe else working[0]) or 0.0
+        out.append((_states(rows[r], lay, zero, acc) + buffer, held, work,
+                    logits if r == lay.pp - 1 else 0.0))
+    return tuple(out), dense, moe
+
+
+def peak_rank_memory(shape, lay: Layout, options: Options, counting: Counting,
+                     in_flight: Callable[[int], float]) -> RankMemory:
+    """The most loaded pipeline rank of :func:`rank_memory` (the first of equal loads)."""
+    ranks = rank_memory(shape, lay, options, counting, in_flight)
+    return max(ranks, key=lambda rm: (rm.total, -rm.stage))
