@@ -70,10 +70,12 @@ def stage_forward(module, inp, targets, param_dict=None, docs=None):
     micro-batch's packed documents (``parbench.model.packing``), which every stage attends
     within, found in the micro-batch's tokens that every rank holds.
     """
+    # an unpacked step passes two arguments: the hybrid family's stage modules take two
+    args = (inp, targets) if docs is None else (inp, targets, docs)
     if param_dict is not None:
-        out = functional_call(module, param_dict, (inp, targets, docs))
+        out = functional_call(module, param_dict, args)
     else:
-        out = module(inp, targets, docs)
+        out = module(*args)
     return (None if module.first else inp), out
 
 
