@@ -40,6 +40,8 @@ CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgathe
              "1f1b-clip-tied-counted-twice", "cp-clip-before-grad-allreduce",
              "ep-clip-expert-norm-local", "hybrid-clip-tp-duplicates",
              "ddp-loss-mean-per-microbatch", "ddp-packed-attention-crosses-docs",
-             "ddp-gqa-kv-heads-tiled", "ring-zigzag-rope-contiguous")
+             "ddp-gqa-kv-heads-tiled", "ring-zigzag-rope-contiguous",
+             "tp-ce-masked-tokens-counted", "cp-loss-shard-token-mean",
+             "ep-loss-mean-per-microbatch")
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "FAMILY_CASES", "Mutant", "load", "mutant"]
