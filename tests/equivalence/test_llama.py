@@ -66,7 +66,7 @@ def test_grouped_query_heads_share_their_kv_head():
 
 
 @pytest.mark.parametrize("scheme,extra", [
-    ("data.ddp", {}), ("zero.1", {}), ("zero.3", {}), ("baseline.torch.fsdp2", {}),
+    ("zero.1", {}), ("zero.3", {}), ("baseline.torch.fsdp2", {}),
     ("data.ddp", {"pack_docs": "3"})])
 def test_the_data_family_trains_llama_blocks(pools, scheme, extra):
     """Equal to the golden run, and every step's bytes and calls equal the closed form's
@@ -96,8 +96,7 @@ CP = {"model": "llama-tiny", "num_kv_heads": "0", "dp": "1", "cp": "2", "num_mic
 
 @pytest.mark.parametrize("scheme,extra", [
     ("context.ring-attention", {"cp_balance": "zigzag"}), ("context.ulysses", {}),
-    ("context.allgather", {"cp_balance": "striped", "pack_docs": "3"}),
-    ("context.usp", {"cp": "4", "cp_ulysses": "2"})])
+    ("context.allgather", {"cp_balance": "striped", "pack_docs": "3"})])
 def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     """RoPE on a sequence chunk at its tokens' global positions (within-document ones when
     packed), in each layout; byte-exact (K/V of every head: grouped-query attention is
@@ -108,7 +107,7 @@ def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
-@pytest.mark.parametrize("scheme", ["tensor.megatron", "context.ring-attention",
+@pytest.mark.parametrize("scheme", ["tensor.2d", "context.ring-attention",
                                     "expert.alltoall"])
 def test_schemes_without_the_features_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})
