@@ -29,7 +29,9 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), docs)
+        # unpacked: one argument, as before (baselines patch attention forwards of one)
+        a = self.ln1(x)
+        x = x + (self.attn(a) if docs is None else self.attn(a, docs))
         return x + self.mlp(self.ln2(x))
 
 
@@ -60,10 +62,11 @@ class GPTStage(nn.Module):
         A packed model (``cfg.pack_docs``) attends within documents: the first stage finds
         them in its tokens when ``docs`` is not given; a later stage must be given them."""
         docs = self.documents_of(x, docs)
+        more = () if docs is None else (docs,)  # unpacked: the modules' one-argument calls
         if self.embed is not None:
-            x = self.embed(x, docs)
+            x = self.embed(x, *more)
         for blk in self.blocks.values():
-            x = blk(x, docs)
+            x = blk(x, *more)
         if self.head is not None:
             return self.head(x, targets)
         return x
