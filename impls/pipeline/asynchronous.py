@@ -68,6 +68,7 @@ class ContinuousScheme(PipelineScheme):
     #: moment without a pp-wide wait the asynchronous pipeline is built to avoid, and the
     #: references of their rules (``references``) do not clip; ``clip_grad`` > 0 is refused
     supports_clip_grad = False
+    supports_loss_mask = False  # not yet: per-micro-batch token scaling only in sync
     supports_packing = False  # their references chain stages without documents
 
     def executed_schedule(self):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from parbench.model import documents_of
+from parbench.model import counted_tokens, documents_of
 from parbench.schedules import Schedule
 from parbench.schedules.actions import (
     BACKWARD_FULL,
@@ -110,6 +110,7 @@ class Executor:
         self.weights = weights
         self.m = m
         self.bounds = bounds
+        self.global_tokens: int | None = None  # set per step under a loss mask
         self.sync_cuda = device.type == "cuda"
         # gloo moves a message only once its receive is posted, so on CPU the receives of
         # the next action are posted one action early; on NCCL an early receive would sit
@@ -205,10 +206,20 @@ class Executor:
         else:
             boundary, out = stage_forward(slot.module, inp, y, param_dict, docs)
         if slot.module.last:
-            self._loss_sum += float(out.detach())
-            out = out / weights.loss_divisor(self.m)
+            scale = self.loss_scale(a.mb, y)
+            weight = 1.0 / self.m if self.global_tokens is None else scale
+            self._loss_sum += float(out.detach()) * weight
+            out = out * scale
         self.saved[key] = {"boundary": boundary, "out": out, "params": params}
         return None if slot.module.last else out.detach()
+
+    def loss_scale(self, mb: int, y: torch.Tensor) -> float:
+        """What micro-batch ``mb``'s mean token loss is multiplied by before its backward:
+        1/loss_divisor(m), or with a loss mask (``global_tokens`` set) n_mb / N (n_mb: its
+        counted tokens, N: the global batch's) -- Megatron-LM's --calculate-per-token-loss."""
+        if self.global_tokens is None:
+            return 1.0 / self.weights.loss_divisor(self.m)
+        return counted_tokens(y) / self.global_tokens
 
     def documents(self, slot: StageSlot, tokens: torch.Tensor):
         """The packed documents of the micro-batch ``tokens`` (None: an unpacked model)."""
@@ -296,7 +307,7 @@ class Executor:
             raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step with "
                                f"unfinished work: {sorted(self.saved)[:4]} "
                                f"{list(self._recv_buf)[:4]} {sorted(self._ready)[:4]}")
-        return StepOutcome(loss=self._loss_sum / self.m)
+        return StepOutcome(loss=self._loss_sum)
 
     def _compute(self, k: int, a, xs, ys, first_mb: int) -> None:
         """The compute action at position ``k`` of the rank's row: its input (received or

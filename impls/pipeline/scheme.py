@@ -35,7 +35,7 @@ import torch
 
 from parbench.batching import microbatches
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
-from parbench.model import build_stage
+from parbench.model import build_stage, counted_tokens
 from parbench.probes import reference_probes
 from parbench.scheme import Prediction, Scheme
 from parbench.schedules import (
@@ -95,6 +95,9 @@ class PipelineScheme(Scheme):
     #: them in its tokens, which every rank holds); the token-slice and continuous schemes
     #: turn it off
     supports_packing = True
+    #: masked loss normalised by the global batch's counted tokens (Megatron-LM's
+    #: --calculate-per-token-loss); the asynchronous and segment schemes turn it off
+    supports_loss_mask = True
     model_features = MODEL_FEATURES  # each stage is a slice of the reference model
 
     def __init__(self, ctx):
@@ -156,6 +159,8 @@ class PipelineScheme(Scheme):
         xs, ys = [x for x, _ in mbs], [y for _, y in mbs]
         checked = step < self.ctx.run.steps
         self.weights.step_begin()
+        if self.ctx.run.loss_mask:  # Megatron-LM's --calculate-per-token-loss: N global
+            self.executor.global_tokens = counted_tokens(targets)
         outcome = self.executor.run(xs, ys, step, track=checked)
         if checked:
             self._held.append((self.executor.peak_held, self.executor.peak_activation_bytes))

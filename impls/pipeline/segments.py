@@ -136,6 +136,7 @@ class SegmentScheme(PipelineScheme):
 
     options = ("vpp", "seq_segments")
     #: a slice attends to the cached keys of earlier slices with a causal offset only
+    supports_loss_mask = False  # not yet: per-micro-batch token scaling only in sync
     supports_packing = False
     executor_class = SegmentExecutor
 
