@@ -113,11 +113,18 @@ def _given_fields(ov: dict[str, str]) -> set[str]:
 
 
 def _import_megatron(ov: dict[str, str], text: str) -> None:
-    """Megatron-LM arguments as case keys; a key given on the command line wins."""
-    from ..imports import megatron_overrides
+    """Megatron-LM arguments as case keys (their run fields, optimizer and dtype, are not
+    estimate's: dropped); a key given on the command line wins; the ignored ones on stderr."""
+    import shlex
+    import sys
+    from ..imports import megatron_ignored, megatron_overrides
+    ignored = megatron_ignored(shlex.split(text))
+    if ignored:
+        print("ignored Megatron arguments (they do not change what parbench computes): "
+              + " ".join(ignored), file=sys.stderr)
     given = _given_fields({k: v for k, v in ov.items() if k != "model"})
     for key, value in megatron_overrides(text).items():
-        if resolve_key(key).name not in given:
+        if not key.startswith("run.") and resolve_key(key).name not in given:
             ov[key] = value
     ov.setdefault("model", "custom")
 

@@ -1,0 +1,165 @@
+"""``megatron_args=``: the argument lists of Megatron-LM's example scripts import (issue 21).
+
+The lists are written out here after Megatron-LM's examples (GPT-3 175B, LLaMA-3 8B / 70B,
+Mixtral 8x7B): model, layout, optimizer, data, logging and checkpoint arguments together."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from parbench.cli import main
+from parbench.config import ConfigError
+from parbench.imports import from_megatron_args, megatron_ignored, megatron_overrides
+
+GPT3_175B = """
+--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --num-layers 96
+--hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
+--attention-backend auto --micro-batch-size 1 --global-batch-size 1536
+--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+--init-method-std 0.006 --clip-grad 1.0 --bf16 --lr 6.0e-5 --lr-decay-style cosine
+--min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+--use-mcore-models --data-path /data/my-gpt3_00_text_document --vocab-file vocab.json
+--merge-file merges.txt --split 949,50,1 --log-interval 100 --save-interval 10000
+--eval-interval 1000 --save /ckpt --load /ckpt --eval-iters 10 --tensorboard-dir /tb
+"""
+
+LLAMA3_8B = """
+--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+--num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+--seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
+--rotary-base 500000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+--swiglu --init-method-std 0.0134 --attention-backend fused --normalization RMSNorm
+--disable-bias-linear --untie-embeddings-and-output-weights
+--micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000
+--lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001
+--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9
+--adam-beta2 0.95 --bf16 --cross-entropy-loss-fusion --manual-gc
+--tensor-model-parallel-size 1 --context-parallel-size 2 --sequence-parallel
+--pipeline-model-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce
+--overlap-param-gather --tokenizer-type HuggingFaceTokenizer
+--tokenizer-model meta-llama/Meta-Llama-3-8B
+--mock-data --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000
+--log-throughput --distributed-timeout-minutes 60 --vocab-size 128256
+"""
+
+LLAMA3_70B = """
+--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64
+--group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192
+--max-position-embeddings 8192 --position-embedding-type rope --rotary-base 500000
+--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --sequence-parallel
+--num-layers-per-virtual-pipeline-stage 5 --micro-batch-size 1 --global-batch-size 128
+--recompute-granularity selective --bf16 --use-distributed-optimizer --use-flash-attn
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model meta-llama/Meta-Llama-3-70B
+--data-path 0.5 /data/a_text_document 0.5 /data/b_text_document --split 99,1,0
+"""
+
+MIXTRAL_8X7B = """
+--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
+--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+--init-method-std 0.01 --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm
+--position-embedding-type rope --swiglu --untie-embeddings-and-output-weights
+--group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000
+--num-experts 8 --moe-router-load-balancing-type aux_loss --moe-router-topk 2
+--moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+--micro-batch-size 1 --global-batch-size 256 --lr 1e-4 --train-iters 500000
+--lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1
+--lr-warmup-iters 500 --clip-grad 1.0 --bf16
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8
+--use-distributed-optimizer --sequence-parallel --tokenizer-type Llama2Tokenizer
+--tokenizer-model tokenizer.model --data-path /data/mixtral_text_document --split 99990,8,2
+--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10
+--save /ckpt --load /ckpt --tensorboard-dir /tb --no-load-optim --no-load-rng
+"""
+
+
+def _case(text, world=None):
+    return from_megatron_args(shlex.split(text), world)
+
+
+def test_gpt3_175b():
+    c = _case(GPT3_175B, world=1536)
+    m = c.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.seq_length) == (96, 12288, 96, 2048)
+    assert (m.mlp, m.norm, m.bias, m.rope_theta, m.position_embeddings) == \
+        ("gelu", "layernorm", True, 0.0, True)
+    assert m.tie_embeddings and m.init_std == 0.006
+    assert (c.layout.tp, c.layout.pp, c.layout.dp) == (8, 16, 12)
+    assert c.layout.num_microbatches == 128  # 1536 / (1 * 12)
+    r = c.run
+    assert (r.lr, r.weight_decay, r.beta1, r.beta2, r.clip_grad, r.dtype) == \
+        (6.0e-5, 0.1, 0.9, 0.95, 1.0, "bf16")
+    assert "--lr-decay-style" in megatron_ignored(shlex.split(GPT3_175B))
+
+
+def test_llama3_8b():
+    c = _case(LLAMA3_8B)
+    m = c.model
+    assert (m.num_kv_heads, m.mlp, m.norm, m.bias, m.rope_theta) == \
+        (8, "swiglu", "rmsnorm", False, 500000.0)
+    assert not m.position_embeddings and not m.tie_embeddings and m.init_std == 0.0134
+    assert (m.ffn_hidden_size, m.vocab_size) == (14336, 128256)
+    assert (c.layout.cp, c.options.tensor.sp, c.run.lr) == (2, True, 0.00015)
+    ign = megatron_ignored(shlex.split(LLAMA3_8B))
+    assert {"--use-mcore-models", "--attention-backend", "--mock-data",
+            "--tokenizer-model", "--overlap-grad-reduce"} <= set(ign)
+
+
+def test_llama3_70b():
+    c = _case(LLAMA3_70B, world=64)
+    m = c.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads) == (80, 8192, 64, 8)
+    assert (c.layout.tp, c.layout.pp, c.layout.dp, c.layout.vpp) == (8, 4, 2, 4)
+    assert c.options.recompute == "selective" and c.run.dtype == "bf16"
+    assert "--data-path" in megatron_ignored(shlex.split(LLAMA3_70B))  # 4 values skipped
+
+
+def test_mixtral_8x7b():
+    c = _case(MIXTRAL_8X7B, world=64)
+    m = c.model
+    assert (m.num_experts, m.moe_top_k, m.moe_aux_loss_coef) == (8, 2, 0.01)
+    assert (m.num_kv_heads, m.rope_theta, m.position_embeddings) == (8, 1e6, False)
+    assert (c.layout.ep, c.layout.pp, c.layout.dp) == (8, 4, 16)
+    over = megatron_overrides(MIXTRAL_8X7B.replace("--expert-model-parallel-size 8", ""))
+    assert over["model.num_experts"] == "8" and over["run.dtype"] == "bf16"
+
+
+def test_llama3_8b_parameters_on_the_command_line(capsys):
+    assert main(["estimate", "megatron_args=" + " ".join(LLAMA3_8B.split()), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["parameters"]["total"] == 8_030_261_248
+    line, = [ln for ln in out.err.splitlines() if ln.startswith("ignored Megatron")]
+    assert "--use-flash-attn" not in line and "--mock-data" in line
+
+
+@pytest.mark.parametrize("text, match", [
+    ("--num-layers 2 --frobnicate 3", r"'--frobnicate' is not supported \(unknown"),
+    ("--decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers is not "
+                                              "supported: uneven pipeline stages"),
+    ("--multi-latent-attention", "multi-latent attention is not modelled"),
+    ("--fp8-format hybrid", "fp8 is not modelled"),
+    ("--fp16", "--fp16 is not supported"),
+    ("--apply-layernorm-1p", "--apply-layernorm-1p is not supported"),
+    ("--attention-dropout 0.1", r"--attention-dropout=0.1 is not supported: parbench computes"),
+    ("--rotary-percent 0.5", "--rotary-percent=0.5"),
+    ("--hidden-size 64 --num-attention-heads 4 --kv-channels 8", "ties head_dim"),
+    ("--seq-length 64 --max-position-embeddings 32", "below --seq-length=64"),
+    ("--normalization Foo", "--normalization=Foo is not supported"),
+    ("--num-layers", "needs a value"),
+])
+def test_refused_and_unknown_arguments_one_clear_line(text, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        _case(text)
+    assert "\n" not in str(e.value)
+
+
+def test_flags_and_values_parse_apart():
+    argv = shlex.split("--use-flash-attn --num-layers 4 --data-path 1 a 2 b --hidden-size 64 "
+                       "--log-interval=5 --manual-gc --num-attention-heads 4")
+    c = from_megatron_args(argv)
+    assert (c.model.num_layers, c.model.hidden_size, c.model.num_heads) == (4, 64, 4)
+    assert megatron_ignored(argv) == ["--use-flash-attn", "--data-path", "--log-interval",
+                                      "--manual-gc"]
