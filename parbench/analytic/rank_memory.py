@@ -88,14 +88,27 @@ def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
     return dense, moe
 
 
+@lru_cache(maxsize=1024)
+def _stages(shp: Shape, pp: int, tp: int, ep: int, vpp: int, etp: int):
+    """Each pipeline rank's parameters (``params.stage_params``) and its (layers, MoE
+    layers) -- cached, the same for every ZeRO stage, recomputation and micro-batch size."""
+    rows = param_model.stage_params(shp, pp, tp, ep, vpp, etp=etp or None)
+    kinds = [(len(ix), moe_layer_count(shp, ix) if shp.moe else 0)
+             for ix in stage_layer_indices(shp.num_layers, pp, vpp)]
+    return rows, kinds
+
+
+@lru_cache(maxsize=65536)
+def _exact(numel: int, group: int, zero: int, accounting: str) -> float:
+    return memory.zero_model_states_exact(numel, group, zero, accounting)["padded"].total
+
+
 def _states(row: dict, lay: Layout, zero: int, accounting: str) -> float:
     """The rank's padded flat-buffer model states: dense over dp x cp, experts over edp."""
-    def exact(numel: int, group: int) -> float:
-        return memory.zero_model_states_exact(int(numel), group, zero,
-                                              accounting)["padded"].total
     if "expert" not in row:
-        return exact(row["total"], lay.dp_cp)
-    return exact(row["dense"], lay.dp_cp) + exact(row["expert"], lay.edp)
+        return _exact(int(row["total"]), lay.dp_cp, zero, accounting)
+    return _exact(int(row["dense"]), lay.dp_cp, zero, accounting) + \
+        _exact(int(row["expert"]), lay.edp, zero, accounting)
 
 
 def _layer_buffer(shape: Shape, lay: Layout, zero: int, accounting: str) -> float:
@@ -116,11 +129,13 @@ def rank_memory(shape, lay: Layout, options: Options, counting: Counting,
                   vpp=lay.vpp, micro_batch_size=lay.micro_batch_size)
     per_rank, dense, moe = _static(shp, grid, sp, options.recompute,
                                    options.data.zero_stage, counting)
-    return [RankMemory(stage=r, model_states=states, activations=held * in_flight(r),
-                       recompute_working=work, logits=logits,
-                       in_flight_microbatches=in_flight(r), activation_per_layer=dense,
-                       activation_per_moe_layer=moe, accounting=counting.accounting_name)
-            for r, (states, held, work, logits) in enumerate(per_rank)]
+    acc = counting.accounting_name
+    return [RankMemory(stage=r, model_states=states, activations=held * flight,
+                       recompute_working=work, logits=logits, in_flight_microbatches=flight,
+                       activation_per_layer=dense, activation_per_moe_layer=moe,
+                       accounting=acc)
+            for r, (states, held, work, logits) in enumerate(per_rank)
+            for flight in (in_flight(r),)]
 
 
 @lru_cache(maxsize=4096)
@@ -131,14 +146,13 @@ def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: C
     acc = counting.accounting_name
     dense, moe = layer_bytes(shp, lay, sp, mode, counting)
     working = layer_bytes(shp, lay, sp, "none", counting) if mode == "full" else (0.0, None)
-    rows = param_model.stage_params(shp, lay.pp, lay.tp, lay.ep, lay.vpp, etp=lay.etp or None)
+    rows, kinds = _stages(shp, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
     buffer = _layer_buffer(shp, lay, zero, acc)
     logits = activations.logits_bytes(shp.s // lay.cp, lay.micro_batch_size, shp.V, lay.tp,
                                       counting.logits_bytes)
     out = []
-    for r, layers in enumerate(stage_layer_indices(shp.num_layers, lay.pp, lay.vpp)):
-        n_moe = moe_layer_count(shp, layers) if moe is not None else 0
-        held = (len(layers) - n_moe) * dense + n_moe * (moe or 0.0)
+    for r, (n_layers, n_moe) in enumerate(kinds):
+        held = (n_layers - n_moe) * dense + n_moe * (moe or 0.0)
         work = (working[1] if n_moe else working[0]) or 0.0
         out.append((_states(rows[r], lay, zero, acc) + buffer, held, work,
                     logits if r == lay.pp - 1 else 0.0))

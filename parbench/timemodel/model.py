@@ -66,7 +66,7 @@ from .costs import _cache, _Costs, _e, _LinkFn
 from .dp_memory import _rank_tensors, _stage_params, dp_costs, memory_per_rank  # noqa: F401
 from .ends import _ends
 from .training import StepTime, Training
-from .pipeline_time import busy_bound, pipeline_time
+from .pipeline_time import busy_bound, chain_bound, pipeline_time
 from .profile import Profile
 from .step_breakdown import CriticalSync, PipelineRun, StageCosts, step_time
 from .transformer_layer import layer_costs
@@ -168,7 +168,7 @@ def _pipeline(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
     if bound:
         # no bound for the V and two-pipe placements: 0, still a lower bound
         busy_ranks = busy_bound(trn, stage_costs) or [0.0] * p
-        makespan = makespan0 = max(busy_ranks)
+        makespan = makespan0 = chain_bound(trn, stage_costs, busy_ranks)
     else:
         # the latency of each cross-rank dependency (in the simulator)
         makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs, p2p)

@@ -112,3 +112,34 @@ def busy_bound(trn: Training, stage_costs: list[_Costs]) -> list[float] | None:
     lay = trn.layout
     per = [c.tf + c.tb + c.w for c in stage_costs]
     return _rank_work(priced_spec(lay.schedule), lay.pp, lay.num_microbatches, lay.vpp, per)
+
+
+#: the chain bound's margin: the simulator rounds stage costs to 3 significant figures
+CHAIN_MARGIN = 0.99
+
+
+def chain_bound(trn: Training, stage_costs: list[_Costs], busy: list[float]) -> float:
+    """A lower bound of any schedule's makespan tighter than the busiest rank: rank r can
+    start no earlier than micro-batch 0's forward through the stages before its lowest
+    one (the fill), and -- when its last action is a whole backward of its lowest stage
+    (no split backward) -- the step cannot end before that backward has run back through
+    those stages (the drain): makespan >= fill_r + busy_r + drain_r (the 1F1B makespan
+    (p - 1)(t_f + t_b) + m (t_f + t_b) on the last rank, Narayanan et al. 2021, Sec. 2.2).
+    Communication latency is left out, so it stays a bound; ``CHAIN_MARGIN`` covers the
+    simulator's rounding. Two-pipe placements: the busiest rank only."""
+    lay = trn.layout
+    spec = priced_spec(lay.schedule)
+    placement = spec.placement
+    if placement.pipes != 1 or len(stage_costs) != placement.num_stages(lay.pp, lay.vpp):
+        return max(busy)
+    lowest = [len(stage_costs)] * lay.pp
+    for (_, stage), rank in placement.ranks(lay.pp, lay.vpp).items():
+        lowest[rank] = min(lowest[rank], stage)
+    fill = [0.0]
+    drain = [0.0]
+    for c in stage_costs:
+        fill.append(fill[-1] + c.tf)
+        drain.append(drain[-1] + c.tb)
+    tail = (lambda r: 0.0) if spec.splits_backward else (lambda r: drain[lowest[r]])
+    return max(max(busy), CHAIN_MARGIN * max(fill[lowest[r]] + busy[r] + tail(r)
+                                             for r in range(lay.pp)))
