@@ -12,7 +12,7 @@ from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
 from parbench.analytic.activations import (korthikanti_layer_bytes,
                                           reference_layer_activation_bytes)
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
@@ -82,6 +82,12 @@ class Megatron1D(MegatronFigures):
     #: (``MegatronGPT.token_mean``), scaled by their share of the global count
     #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
     supports_loss_mask = True
+    #: packed documents: every rank holds whole samples and finds their documents in the
+    #: tokens (``MegatronGPT.forward``; Megatron's --reset-attention-mask / -position-ids)
+    supports_packing = True
+    #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
+    #: (t | num_kv_heads), SwiGLU's [gate; up] sharded half by half, RMSNorm, no biases
+    model_features = MODEL_FEATURES
 
     def build_model(self):
         ctx = self.ctx
@@ -93,6 +99,11 @@ class Megatron1D(MegatronFigures):
         super().check(case)
         if case.options.tensor.sp and not cls.sp:
             raise ConfigError(f"sp=true is scheme tensor.megatron-sp, not {cls.name}")
+        g, t = case.model.num_kv_heads, case.layout.tp
+        if g and g % t:
+            raise ConfigError(f"tp={t} does not divide num_kv_heads={g}: {cls.name} splits the "
+                              "query groups over tp (Megatron-Core's num_query_groups / tp); "
+                              "K/V heads replicated over tp are not implemented")
 
     def metrics(self) -> dict:
         """Plus the largest difference between this rank's gradient of a tp-replicated

@@ -7,9 +7,13 @@ One tp rank holds (t = tp, r = its index in the tp group):
   multiple of t (Megatron's ``--make-vocab-size-divisible-by``, here 1 x t; padding rows are
   zeros, never looked up, and their logits are masked to -inf so that the loss and the
   gradients are those of the unpadded vocabulary); the position embedding whole;
-- per layer: the QKV projection split by heads (column-parallel: the Q, K and V rows of heads
-  ``[r a/t, (r+1) a/t)``), the attention projection split by input features (row-parallel,
-  bias whole), fc1 column- and fc2 row-parallel, both LayerNorms whole;
+- per layer: the QKV projection split by heads (column-parallel: the Q rows of query heads
+  ``[r a/t, (r+1) a/t)`` and, with grouped-query attention, the K and V rows of K/V heads
+  ``[r g/t, (r+1) g/t)`` -- Megatron-Core splits the query groups over tp, so t must divide
+  g = num_kv_heads), the attention projection split by input features (row-parallel, bias
+  whole), fc1 column- and fc2 row-parallel (SwiGLU: the gate rows ``[r f/t, (r+1) f/t)``
+  and the up rows ``[f + r f/t, f + (r+1) f/t)``, as Megatron-Core's fused linear_fc1 shards
+  [gate; up] per rank), both norms whole (LayerNorm or RMSNorm);
 - the final LayerNorm whole and the LM head split by vocabulary rows (the token embedding
   itself when tied).
 
@@ -22,6 +26,11 @@ per step in one coalesced buffer, as Megatron does for ``sequence_parallel`` par
 The embedding's partial lookups are reduce-scattered along the sequence and each rank adds
 its shard of the position embedding (so the position embedding joins that all-reduce).
 
+Packed sequences (``pack_docs``; Megatron's --reset-position-ids / --reset-attention-mask):
+every rank holds whole samples, finds their documents in the tokens, attends within them
+(the mask also in the recomputed core) and embeds / rotates at the within-document positions
+(under sp the rank's rows of them). RoPE (Su et al. 2021) rotates the rank's q / k heads.
+
 ``recompute``: ``selective`` recomputes the attention core (softmax(QK^T)V) in backward,
 ``full`` each transformer layer from its input (Korthikanti et al. Sec. 5).
 """
@@ -32,6 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX, GPTStage
+from parbench.model.blocks import NORM_EPS, rotate
+from parbench.model.packing import documents_of, self_mask
 
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
@@ -52,9 +63,23 @@ class MegatronLayout:
         self.vp = padded_vocab(cfg.vocab_size, tp)
 
     def qkv_rows(self, r: int) -> torch.Tensor:
-        h, t = self.cfg.hidden_size, self.tp
-        w = h // t
-        return torch.cat([blocks(j * h + r * w, w) for j in range(3)])
+        """Rank r's rows of [Q (a heads); K (g heads); V (g heads)] x d: its query heads
+        and its own query groups' K/V heads (Megatron-Core's num_query_groups / tp)."""
+        cfg, t = self.cfg, self.tp
+        d, a = cfg.head_dim, cfg.num_heads
+        g = cfg.num_kv_heads or a
+        q, kv = a * d // t, g * d // t
+        return torch.cat([blocks(r * q, q), blocks(a * d + r * kv, kv),
+                          blocks((a + g) * d + r * kv, kv)])
+
+    def fc1_rows(self, r: int) -> torch.Tensor:
+        """Rank r's rows of fc1: a contiguous 1/t, or under SwiGLU its gate rows and its up
+        rows (the same columns of f in each half of [gate; up])."""
+        f, t = self.cfg.ffn, self.tp
+        w = f // t
+        if self.cfg.mlp != "swiglu":
+            return blocks(r * w, w)
+        return torch.cat([blocks(r * w, w), blocks(f + r * w, w)])
 
     def placement(self, name: str, shape: tuple) -> Placement:
         """The placement of full parameter ``name`` (of shape ``shape``)."""
@@ -69,7 +94,7 @@ class MegatronLayout:
             return Placement(name, shape, lambda r: (self.qkv_rows(r),) + (None,) *
                              (len(shape) - 1))
         if kind in ("fc1.weight", "fc1.bias"):
-            return Placement(name, shape, lambda r: (blocks(r * f // t, f // t),) + (None,) *
+            return Placement(name, shape, lambda r: (self.fc1_rows(r),) + (None,) *
                              (len(shape) - 1))
         if kind == "proj.weight":
             return Placement(name, shape, lambda r: (None, blocks(r * h // t, h // t)))
@@ -97,6 +122,7 @@ class MegatronGPT(nn.Module):
         self.sp, self.recompute = sp and tp > 1, recompute
         self.layout = self.layout_cls(cfg, tp)
         self.heads = cfg.num_heads // tp
+        self.kv_heads = (cfg.num_kv_heads or cfg.num_heads) // tp
         self.vocab_start = rank * (self.layout.vp // tp)
         self.lo, self.hi, self.first, self.last = stage or (0, cfg.num_layers, True, True)
         full = GPTStage(cfg, self.lo, self.hi, self.first, self.last, seed)
@@ -132,8 +158,14 @@ class MegatronGPT(nn.Module):
         return [self.p(n) for n, pl in self.placements.items() if pl.replicated]
 
     # ---- forward -----------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h] (sp: this rank's sequence shard)."""
+    def bias(self, name: str):
+        """Parameter ``name`` or None when the model has no such bias (``bias=false``)."""
+        key = name.replace(".", "__")
+        return self._params[key] if key in self._params else None
+
+    def embed(self, tokens: torch.Tensor, docs=None) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h] (sp: this rank's sequence shard); with packed
+        ``docs`` the learned positions are the within-document ones (this rank's rows)."""
         tok = tokens.t()
         x = vocab_parallel_embedding(tok, self.p("embed.tok.weight"), self.vocab_start)
         s = tok.shape[0]
@@ -145,7 +177,9 @@ class MegatronGPT(nn.Module):
             x = self.reduce(x)
             rows = slice(0, s)
         if self.cfg.position_embeddings:
-            x = x + self.p("embed.pos.weight")[self.positions(s)[rows]].unsqueeze(1)
+            pos = self.positions(s) if docs is None else docs.pos.t()  # [s] or [s, b]
+            emb = self.p("embed.pos.weight")[pos[rows]]
+            x = x + (emb.unsqueeze(1) if docs is None else emb)
         return x
 
     def positions(self, s: int) -> torch.Tensor:
@@ -162,36 +196,67 @@ class MegatronGPT(nn.Module):
 
     def row(self, x, weight, bias):
         y = RowParallelLinear.apply(x, weight, self.group, self.tp if self.sp else 1)
-        return y + bias
+        return y if bias is None else y + bias
 
     def layer_norm(self, x, prefix: str):
-        return F.layer_norm(x, (self.cfg.hidden_size,), self.p(f"{prefix}.weight"),
-                            self.p(f"{prefix}.bias"))
+        """The block's norm (replicated): LayerNorm, or RMSNorm (a weight only)."""
+        shape, w = (self.cfg.hidden_size,), self.p(f"{prefix}.weight")
+        if self.cfg.norm == "rmsnorm":
+            return F.rms_norm(x, shape, w, eps=NORM_EPS)
+        return F.layer_norm(x, shape, w, self.p(f"{prefix}.bias"), eps=NORM_EPS)
 
-    def attention_core(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T/sqrt(d))V of this rank's heads: [s, b, 3h/t] -> [s, b, h/t]."""
+    def local_heads(self, qkv: torch.Tensor, docs=None):
+        """q, k, v [b, heads, s, d] of this rank's heads from its qkv [s, b, (a + 2g) d / t]:
+        RoPE at the (within-document) positions, K/V heads repeated over their query group
+        (the rank's groups are whole: t divides g)."""
         s, b, _ = qkv.shape
-        hd = self.cfg.hidden_size // self.cfg.num_heads
-        q, k, v = qkv.view(s, b, 3, self.heads, hd).permute(2, 1, 3, 0, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * hd)
+        d = self.cfg.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = (t.reshape(s, b, -1, d).permute(1, 2, 0, 3) for t in (q, k, v))
+        theta = self.cfg.rope_theta
+        if theta:
+            pos = torch.arange(s, device=qkv.device) if docs is None else docs.pos
+            q, k = rotate(q, pos, theta), rotate(k, pos, theta)
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        return q, k, v
 
-    def block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def attention_core(self, qkv: torch.Tensor, docs=None) -> torch.Tensor:
+        """softmax(QK^T/sqrt(d))V of this rank's heads: [s, b, (a + 2g) d/t] -> [s, b, h/t];
+        causal, and within documents when packed (``docs``)."""
+        s, b, _ = qkv.shape
+        q, k, v = self.local_heads(qkv, docs)
+        mask = None if docs is None else self_mask(docs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.cfg.head_dim)
+
+    def core(self, qkv: torch.Tensor, docs=None) -> torch.Tensor:
+        """The attention core, recomputed in backward under selective recompute (with the
+        same documents: the closure keeps them)."""
+        fn = self.attention_core if docs is None else \
+            (lambda y: self.attention_core(y, docs))
+        return Recompute.apply(fn, qkv) if self.recompute == "selective" else fn(qkv)
+
+    def block(self, i: int, x: torch.Tensor, docs=None) -> torch.Tensor:
         pre = f"blocks.{i}"
         qkv = self.column(self.layer_norm(x, f"{pre}.ln1"), self.p(f"{pre}.attn.qkv.weight"),
-                          self.p(f"{pre}.attn.qkv.bias"))
-        if self.recompute == "selective":
-            attn = Recompute.apply(self.attention_core, qkv)
-        else:
-            attn = self.attention_core(qkv)
-        x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"), self.p(f"{pre}.attn.proj.bias"))
+                          self.bias(f"{pre}.attn.qkv.bias"))
+        attn = self.core(qkv, docs)
+        x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"),
+                         self.bias(f"{pre}.attn.proj.bias"))
         return x + self.mlp(i, self.layer_norm(x, f"{pre}.ln2"))
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel."""
+        """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
+        on the rank's [gate_r; up_r] rows."""
         pre = f"blocks.{i}.mlp"
-        u = self.column(x, self.p(f"{pre}.fc1.weight"), self.p(f"{pre}.fc1.bias"))
-        return self.row(F.gelu(u), self.p(f"{pre}.fc2.weight"), self.p(f"{pre}.fc2.bias"))
+        u = self.column(x, self.p(f"{pre}.fc1.weight"), self.bias(f"{pre}.fc1.bias"))
+        if self.cfg.mlp == "swiglu":
+            gate, up = u.chunk(2, dim=-1)
+            u = F.silu(gate) * up
+        else:
+            u = F.gelu(u)
+        return self.row(u, self.p(f"{pre}.fc2.weight"), self.bias(f"{pre}.fc2.bias"))
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits of padded vocabulary rows -> -inf (they take no part in the softmax)."""
@@ -221,16 +286,20 @@ class MegatronGPT(nn.Module):
         keep = target != IGNORE_INDEX
         return loss.masked_fill(~keep, 0.0).sum() / keep.sum()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) if self.first else tokens
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, docs=None) -> torch.Tensor:
+        """``docs``: the packed documents of the micro-batch (a pipeline stage's, from
+        ``impls.pipeline.executor``); found in ``tokens`` on the first stage when not given."""
+        if docs is None and self.first:
+            docs = documents_of(self.cfg, tokens)
+        x = self.embed(tokens, docs) if self.first else tokens
         for i in range(self.lo, self.hi):
             probe = self.layer_probe(i) if self.layer_probe else None
             if probe is not None:
                 probe.__enter__()
             if self.recompute == "full":
-                x = Recompute.apply(lambda y, i=i: self.block(i, y), x)
+                x = Recompute.apply(lambda y, i=i: self.block(i, y, docs), x)
             else:
-                x = self.block(i, x)
+                x = self.block(i, x, docs)
             if probe is not None:
                 probe.__exit__(None, None, None)
         return self.head(x, targets) if self.last else x

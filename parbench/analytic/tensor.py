@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .clip import norm_transfers
+from .params import (attention_params, dense_block_tensor_sizes, norm_tensor_sizes,
+                     shape_mlp_params)
 from .comm import Transfer, as_number, tp_traffic, tp_vocab_traffic, wire_factor
 from .shape import Shape, divides, require_positive_int
 
@@ -61,17 +63,21 @@ def model_states(p: RankParams, optimizer: str = "adamw", e: int = 4) -> dict[st
 def megatron_params(shape: Shape, tp: int) -> RankParams:
     """Parameters of one Megatron 1D rank (Shoeybi et al. 2019, Sec. 3): vocab-parallel
     embedding and head (V' h / t each; one when tied), column-parallel QKV and fc1 (weight and
-    bias / t), row-parallel projection and fc2 (weight / t, bias whole), LayerNorms and the
-    position embedding whole."""
+    bias / t; QKV with its query groups' K/V heads, fc1 with SwiGLU's gate and up rows:
+    ``params.attention_params`` / ``shape_mlp_params``), row-parallel projection and fc2
+    (weight / t, bias whole), the norms (LayerNorm or RMSNorm) and the position embedding
+    whole. Tensors are the reference model's (``params.dense_block_tensor_sizes``)."""
     _check(shape, tp)
-    h, f, L = shape.h, shape.f, shape.l
+    h, L, norm = shape.h, shape.l, shape.norm_params
     vp = padded_vocab(shape.V, tp)
     pos = shape.s * h if shape.position_embeddings else 0
-    layer_split = (3 * h * h + 3 * h + h * h + f * h + f + h * f) // tp
-    layer_repl = 2 * h + 2 * h + h + h
-    replicated = pos + L * layer_repl + 2 * h
-    numel = vp * h // tp * (1 if shape.tie_embeddings else 2) + L * layer_split + replicated
-    tensors = 1 + int(shape.position_embeddings) + 12 * L + 2 + int(not shape.tie_embeddings)
+    attn = attention_params(shape, tp)
+    layer = attn["qkv"] + attn["proj"] + shape_mlp_params(shape, tp) + 2 * norm
+    layer_repl = 2 * norm + (2 * h if shape.bias else 0)  # norms, proj and fc2 biases
+    replicated = pos + L * layer_repl + norm
+    numel = vp * h // tp * (1 if shape.tie_embeddings else 2) + L * layer + pos + norm
+    tensors = (1 + int(shape.position_embeddings) + L * len(dense_block_tensor_sizes(shape))
+               + len(norm_tensor_sizes(shape)) + int(not shape.tie_embeddings))
     return RankParams(numel, tensors, replicated)
 
 
@@ -79,6 +85,7 @@ def _check(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
     divides("tp", tp, "ffn_hidden_size", shape.f)
+    divides("tp", tp, "num_kv_heads", shape.kv_heads)
 
 
 # ---------------------------------------------------------------------------------------
