@@ -230,7 +230,7 @@ class MegatronGPT(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.cfg.head_dim)
 
-    def core(self, qkv: torch.Tensor, docs=None) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, docs=None) -> torch.Tensor:
         """The attention core, recomputed in backward under selective recompute (with the
         same documents: the closure keeps them)."""
         fn = self.attention_core if docs is None else \
@@ -241,7 +241,7 @@ class MegatronGPT(nn.Module):
         pre = f"blocks.{i}"
         qkv = self.column(self.layer_norm(x, f"{pre}.ln1"), self.p(f"{pre}.attn.qkv.weight"),
                           self.bias(f"{pre}.attn.qkv.bias"))
-        attn = self.core(qkv, docs)
+        attn = self.attend(qkv, docs)
         x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"),
                          self.bias(f"{pre}.attn.proj.bias"))
         return x + self.mlp(i, self.layer_norm(x, f"{pre}.ln2"))

@@ -78,9 +78,9 @@ class TPGQANextGroup(_with_model(Megatron1D, _NextGroup)):
 
 
 class _MasklessRecompute(MegatronGPT):
-    def core(self, qkv, docs=None):
+    def attend(self, qkv, docs=None):
         if docs is None or self.recompute != "selective":
-            return super().core(qkv, docs)
+            return super().attend(qkv, docs)
 
         def fn(y):  # the bug: backward's recomputation (grad enabled) forgets the documents
             return self.attention_core(y, None if torch.is_grad_enabled() else docs)

@@ -75,6 +75,9 @@ class SPAndRecompute(Megatron1D):
 
     name = ""
     options = ("sp", "recompute")
+    # no training features or LLaMA blocks declared: no feature cases (tested below)
+    supports_clip_grad = supports_loss_mask = supports_packing = False
+    model_features = frozenset()
 
     @classmethod
     def check(cls, case):
