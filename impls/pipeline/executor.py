@@ -207,7 +207,10 @@ class Executor:
             boundary, out = stage_forward(slot.module, inp, y, param_dict, docs)
         if slot.module.last:
             scale = self.loss_scale(a.mb, y)
-            weight = 1.0 / self.m if self.global_tokens is None else scale
+            # summed unscaled over the micro-batches (the step reports the sum / m; the
+            # token-slice executors add their slices' losses the same way); masked: each
+            # micro-batch weighted by its share of the counted tokens, times m
+            weight = 1.0 if self.global_tokens is None else scale * self.m
             self._loss_sum += float(out.detach()) * weight
             out = out * scale
         self.saved[key] = {"boundary": boundary, "out": out, "params": params}
@@ -307,7 +310,7 @@ class Executor:
             raise RuntimeError(f"pipeline executor: rank {self.pp_rank} ended the step with "
                                f"unfinished work: {sorted(self.saved)[:4]} "
                                f"{list(self._recv_buf)[:4]} {sorted(self._ready)[:4]}")
-        return StepOutcome(loss=self._loss_sum)
+        return StepOutcome(loss=self._loss_sum / self.m)
 
     def _compute(self, k: int, a, xs, ys, first_mb: int) -> None:
         """The compute action at position ``k`` of the rank's row: its input (received or
