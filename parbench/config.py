@@ -15,6 +15,7 @@ from typing import Any
 
 from .layout import ConfigError, Layout
 from .options import Options
+from .presets import PRESETS
 
 __all__ = ["ConfigError", "Layout", "Options", "ModelConfig", "RunConfig", "CaseConfig"]
 
@@ -231,64 +232,6 @@ def with_changes(case: CaseConfig, **sections: dict) -> CaseConfig:
 # --------------------------------------------------------------------------------------
 # presets
 # --------------------------------------------------------------------------------------
-
-#: Named model shapes. Tiny ones run on local CPU ranks; real ones feed the analytic model.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, seq_length=16),
-    "tiny-4l": dict(vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, seq_length=16),
-    "tiny-8l": dict(vocab_size=128, hidden_size=32, num_layers=8, num_heads=4, seq_length=16),
-    "small": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, seq_length=64),
-    "bench": dict(vocab_size=1024, hidden_size=256, num_layers=8, num_heads=8, seq_length=128),
-    # Brown et al. 2020, Table 2.1; vocabulary 50257 padded to 51200 as Megatron pads it
-    # (a multiple of 128 * tp) so vocab-parallel layers split evenly
-    "gpt3-175b": dict(vocab_size=51200, hidden_size=12288, num_layers=96, num_heads=96,
-                      seq_length=2048, tie_embeddings=True),
-    # Touvron et al. 2023, "Llama 2" (arXiv 2307.09288), Sec. 2.2 and Table 1, and Meta's
-    # released config.json (params.json): RMSNorm, SwiGLU with ffn 11008 / 28672, RoPE (no
-    # learned positions), no biases, untied head, vocabulary 32000, context 4096; grouped-query
-    # attention with 8 KV heads for 70B (Table 1: GQA for 34B and 70B). Parameters:
-    # 6,738,415,616 and 68,976,648,192 (analytic.params) -- Meta's "7B" and "70B". Analytic
-    # only (the reference model is GPT-2 style); the vocabulary is padded to a multiple of
-    # 128 x tp as Megatron-LM pads it (32000 at tp = 1, 32768 at tp = 8).
-    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                      ffn_hidden_size=11008, seq_length=4096, position_embeddings=False,
-                      mlp="swiglu", norm="rmsnorm", bias=False,
-                      make_vocab_size_divisible_by=128),
-    "llama2-70b": dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=4096,
-                       position_embeddings=False, mlp="swiglu", norm="rmsnorm", bias=False,
-                       make_vocab_size_divisible_by=128),
-    # LLaMA-3 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3; Meta's released
-    # config.json): RoPE with theta 500000, GQA with 8 KV heads, SwiGLU, RMSNorm, no biases,
-    # untied head, vocabulary 128256, context 8192. Parameters 8,030,261,248 /
-    # 70,553,706,496 / 405,853,388,800 (the model cards' 8.03B, 70.6B, 405.9B). Analytic
-    # (too large to run here); ``llama-tiny`` is the runnable model of the same blocks.
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-                      num_kv_heads=8, ffn_hidden_size=14336, seq_length=8192,
-                      position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
-                      norm="rmsnorm", bias=False),
-    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
-                       num_kv_heads=8, ffn_hidden_size=28672, seq_length=8192,
-                       position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
-                       norm="rmsnorm", bias=False),
-    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128,
-                        num_kv_heads=8, ffn_hidden_size=53248, seq_length=8192,
-                        position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
-                        norm="rmsnorm", bias=False),
-    # the LLaMA-3 blocks at the size of ``tiny``: 4 query heads sharing 2 K/V heads
-    "llama-tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
-                       num_kv_heads=2, ffn_hidden_size=64, seq_length=16,
-                       position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
-                       norm="rmsnorm", bias=False),
-    # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
-    # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
-    # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole
-    # sequence, split over cp: 8192 x cp 16 = 131072, so that `parbench estimate
-    # model=ubmesh-moe-2t tp=16 cp=16 ep=8 pp=3 dp=4 ...` gives each rank its 8192 tokens.
-    "ubmesh-moe-2t": dict(vocab_size=100000, hidden_size=12288, num_layers=96, num_heads=96,
-                          seq_length=8192 * 16, num_experts=16, moe_top_k=1,
-                          position_embeddings=False),
-}
 
 LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny")
 
