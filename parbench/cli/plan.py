@@ -2,7 +2,7 @@
 [schedules=a,b,...] [accounting=] [attention=eager|flash]``: every parallel layout ranked by
 predicted step time (``parbench.plan``), each pruned by ``estimate``'s memory count under the
 accounting and attention given; the device line says whether the profile is calibrated or a
-datasheet bound; the schedules the time model cannot price are named with the reason their
+preset of datasheet and micro-benchmark figures; the schedules the time model cannot price are named with the reason their
 spec gives."""
 from __future__ import annotations
 

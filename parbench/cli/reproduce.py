@@ -4,7 +4,8 @@ Each NAME is a module of :mod:`parbench.reproduce`; ``all`` runs every one. Each
 ``DIR/NAME.md`` (default ``results/reference``; ``out=-`` prints the markdown instead) and
 prints one summary line "N of M cells within X%". Exit status: 0 when every cell is within its
 table's tolerance or outside it for a stated cause (a printing error in the paper), 3 when a
-cell is off for no known cause, 2 on bad input (an unknown NAME: one line naming the known
+cell is off for no known cause, 2 on bad input. A goal table's misses (``throughput``: the time
+model against published runs) are printed as misses and leave the status alone (an unknown NAME: one line naming the known
 ones).
 
 ``parbench run suite=papers [out=DIR]`` is the same as ``parbench reproduce all``: the papers
@@ -57,7 +58,7 @@ def _report(r, path) -> None:
         for c in t.cells:
             if c.within(t.tolerance):
                 continue
-            kind = "known cause" if c.explained else "MISS"
+            kind = "known cause" if c.explained else "MISS (goal)" if t.goal else "MISS"
             print(f"    {kind}: {t.key}: {c.label}: published {c.published:g}, tool "
                   f"{c.tool:.6g} {c.unit}".rstrip() + (f" -- {c.note}" if c.note else ""))
 

@@ -4,7 +4,8 @@ One module per paper. Each holds the published cells as data with their source (
 or figure, and whether the values could be checked against a text copy), the configuration
 that reproduces them (each value with where it comes from), and a ``reproduce()`` that
 computes the tool's figure for every cell at run time with ``parbench.analytic`` or
-``parbench.schedules`` and returns a :class:`~.core.Reproduction`. :mod:`.render` writes it
+``parbench.schedules`` (``throughput``: the time model) and returns a
+:class:`~.core.Reproduction`. :mod:`.render` writes it
 as markdown: per table the source, the configuration, per cell published . tool . relative
 error, and the line "N of M cells within X%".
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import bubbles, deepseek_v3, korthikanti, ptdp, ubmesh, zero, zero_bubble
+from . import bubbles, deepseek_v3, korthikanti, ptdp, throughput, ubmesh, zero, zero_bubble
 from .core import Cell, Reproduction, Setting, Source, Table
 from .render import render_markdown, write_markdown
 
@@ -29,6 +30,7 @@ REPRODUCTIONS: dict[str, Callable[[], Reproduction]] = {
     "deepseek-v3": deepseek_v3.reproduce,
     "bubbles": bubbles.reproduce,
     "ubmesh": ubmesh.reproduce,
+    "throughput": throughput.reproduce,
 }
 
 

@@ -59,7 +59,8 @@ def render_markdown(r: Reproduction) -> str:
     out = [f"# {r.title}", "",
            f"Written by `parbench reproduce {r.name}`. Every *tool* figure is computed when the "
            "command runs, from the configuration shown, with parbench's closed forms "
-           "(`parbench.analytic`) or its schedule simulator (`parbench.schedules`); every "
+           "(`parbench.analytic`), its schedule simulator (`parbench.schedules`) or its time "
+           "model (`parbench.timemodel`); every "
            f"*published* figure is data in `parbench/reproduce/{r.name.replace('-', '_')}.py`"
            " with its source. A published figure marked *unconfirmed* could not be checked "
            "against a text copy of the paper. Relative error = |tool - published| / "

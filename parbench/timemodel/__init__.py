@@ -13,7 +13,8 @@ The API the planner builds on::
         # recompute_s, bubble_s, exposed_comm_s, memory_per_rank_bytes, device_memory_bytes,
         # fits, heaviest_axis, notes (+ breakdown)
 
-``profile.py`` holds the :class:`Profile` and the presets (with their sources);
+``profile.py`` holds the :class:`Profile` (and its GEMM shape model), ``devices.py`` the
+device presets with their sources;
 ``model.py`` prices a step of a ``Training`` (``training.py``) with ``transformer_layer.py``
 (one layer; its pricing helpers in ``costs.py``), ``ends.py`` (embedding, head),
 ``pipeline_time.py`` (the schedule) and ``dp_memory.py`` (gradient sync, memory), and
@@ -21,7 +22,8 @@ assembles the ``StepTime`` in ``step_breakdown.py``.
 """
 from .training import Training
 from .model import StepTime, memory_per_rank, predict_step
-from .profile import PRESETS, Fit, Link, Profile, load_profile, preset_names, profile_dir
+from .devices import PRESETS, load_profile, preset_names
+from .profile import Fit, Link, Profile, profile_dir
 
 __all__ = ["Fit", "Training", "Link", "PRESETS", "Profile", "StepTime", "load_profile",
            "memory_per_rank", "predict_step", "preset_names", "profile_dir"]

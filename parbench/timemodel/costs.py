@@ -109,11 +109,12 @@ def _gemms(profile: Profile, m: int, n_out: int, k_in: int, dt: str) -> tuple[fl
 
 
 def _dense_inventory(profile: Profile, b: int, s_l: int, h: int, a_l: int, f_l: int,
-                     kv_l: int, gated: bool, bias: bool, tp: int, T_ln: int, dt: str  # noqa: N803
-                     ) -> tuple[float, float, float, float, float]:
+                     kv_l: int, gated: bool, bias: bool, tp: int, T_ln: int, dt: str,  # noqa: N803
+                     fused: bool = True) -> tuple[float, float, float, float, float]:
     """The operator count of one dense layer at a rank's local shape, causal self-attention
-    over its own s_l tokens: (forward, backward-input, backward-weight, attention forward,
-    attention backward) seconds."""
+    over its own s_l tokens (``fused``: a flash kernel, else unfused, as
+    :meth:`Profile.attention_time` prices them): (forward, backward-input, backward-weight,
+    attention forward, attention backward) seconds."""
     e = _e(dt)
     T = b * s_l  # noqa: N806
     d = h // (max(a_l, 1) * tp)  # the head dimension h / a
@@ -124,7 +125,7 @@ def _dense_inventory(profile: Profile, b: int, s_l: int, h: int, a_l: int, f_l: 
         f += g[0]
         b_ += g[1]
         w += g[2]
-    af, ab = profile.attention_time(b, a_l, s_l, s_l, d, dt, True)
+    af, ab = profile.attention_time(b, a_l, s_l, s_l, d, dt, True, fused)
     f += af
     b_ += ab
     norm_b = 2 * T_ln * h * e

@@ -7,8 +7,10 @@ rank's local shapes -- T = b s/cp tokens, heads a/tp, widths f/tp and (h + 2 h_k
 linears' GEMMs forward, and backward the input-gradient GEMM (B) and the weight-gradient GEMM
 (W) of each (Narayanan et al. 2021 App.: backward = 2 x forward), priced by
 :meth:`Profile.gemm_time` (measured at these shapes after ``calibrate model=...``, else the
-measured rate interpolated in FLOPs, else the peak); the fused attention kernel forward and
-backward (:meth:`Profile.attention_time`); the memory-bound operators (two LayerNorms, two
+measured rate interpolated in FLOPs, else by shape on a preset: the achievable matmul rate
+times the wave efficiency, or the operands' bytes over the memory bandwidth); the attention
+core forward and backward (:meth:`Profile.attention_time`: one fused kernel under
+``attention=flash`` or on a calibrated profile, else unfused, its scores through memory); the memory-bound operators (two LayerNorms, two
 residual adds, the activation, bias gradients, gradient accumulation) as bytes over the memory
 bandwidth; and every eager operator and autograd node at the profile's fixed costs (zero on the
 GPU presets: kernel launches run ahead of the device). Embedding (first stage) and the LM head

@@ -10,6 +10,10 @@ Fields (SI units: seconds, bytes, FLOP/s, bytes/s):
 
 - ``matmul_flops``: dense matrix-multiply throughput per dtype (``fp32``, ``bf16``); measured:
   the best of the square GEMMs timed by ``calibrate``; preset: the datasheet's dense peak;
+- ``matmul_achievable``: the best matmul throughput per dtype a published micro-benchmark
+  reached on the device (presets; :mod:`.devices` names the source), and ``sm_count`` its
+  streaming multiprocessors: an uncalibrated profile prices a GEMM by its shape from these
+  (:meth:`Profile.gemm_time`);
 - ``gemms``: measured GEMMs ``{"m", "n", "k", "dtype", "seconds"}`` (C[m,n] = A[m,k] B[k,n]),
   at the model's own shapes when ``calibrate`` was given a model; the model interpolates the
   achieved rate in log(FLOPs) between them (:meth:`Profile.gemm_time`);
@@ -51,7 +55,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
 
 #: where ``parbench calibrate`` writes by default, and where ``load_profile`` looks up names
 PROFILE_DIR_ENV = "PARBENCH_PROFILE_DIR"
@@ -94,6 +97,28 @@ class Link:
     source: str = ""
 
 
+#: the output tiles (rows, columns) a GEMM library picks among on NVIDIA GPUs since Ampere
+#: (the Matrix Multiplication Background guide's examples: 256x128, 128x256, 128x128)
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+
+def wave_efficiency(m: int, n: int, sms: int) -> float:
+    """The share of the streaming multiprocessors' tile slots an m x n output fills: tiles /
+    (ceil(tiles / SMs) x SMs), the best over :data:`GEMM_TILES` (1 when ``sms`` is 0: no
+    wave model). A tile only partly inside the output costs a whole one (tile
+    quantization); an output narrower than a tile is cut into tiles of its own width,
+    rounded up to the 16 of a tensor-core fragment (the library's skinny kernels)."""
+    if sms <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tm, tn = min(tm, -(-m // 16) * 16), min(tn, -(-n // 16) * 16)
+        tiles = -(-m // tm) * -(-n // tn)
+        useful = (m * n) / (tm * tn)
+        best = max(best, useful / (-(-tiles // sms) * sms))
+    return best
+
+
 #: per-rank bytes one rank sends per message byte, ring algorithms (parbench.analytic.comm)
 def wire_factor(op: str, n: int) -> float:
     if n <= 1:
@@ -123,6 +148,8 @@ class Profile:
     source: str = ""
     memory_bytes: float = 0.0
     matmul_flops: dict[str, float] = field(default_factory=dict)
+    matmul_achievable: dict[str, float] = field(default_factory=dict)
+    sm_count: int = 0
     mem_bandwidth: float = 0.0
     op_overhead_s: float = 0.0
     bwd_op_overhead_s: float = 0.0
@@ -192,30 +219,66 @@ class Profile:
     def gemm_time(self, m: int, n: int, k: int, dtype: str) -> float:
         """Seconds of C[m,n] = A[m,k] B[k,n]: the measured time when this exact GEMM was
         timed, else FLOPs over the interpolated rate (measured profiles: includes the call's
-        fixed cost), else over the peak plus one operator's overhead."""
+        fixed cost), else the shape model of :meth:`shaped_gemm_time` plus one operator's
+        overhead."""
         t = self._exact.get((m, n, k, dtype))
         if t is not None:
             return t
         flops = 2.0 * m * n * k
         if self._rates.get(dtype) or (self.calibrated and self._rates):
             return flops / self.gemm_rate(flops, dtype)
-        return self.op_overhead_s + flops / self.peak_flops(dtype)
+        return self.op_overhead_s + self.shaped_gemm_time(m, n, k, dtype)
+
+    def shaped_gemm_time(self, m: int, n: int, k: int, dtype: str) -> float:
+        """An uncalibrated device's GEMM priced by its shape (NVIDIA, "Matrix Multiplication
+        Background User's Guide", sections on math- vs memory-bound GEMMs and on tile and
+        wave quantization): the slower of
+
+        - compute: 2mnk FLOPs at the achievable matmul rate (``matmul_achievable``, else the
+          datasheet peak) times the wave efficiency -- the output is cut into tiles, one
+          per streaming multiprocessor at a time, and the last wave runs partly empty:
+          tiles / (waves x SMs), the best over the library's usual tiles
+          (:data:`GEMM_TILES`);
+        - memory: A, B read and C written once, e (m k + k n + m n) bytes over the memory
+          bandwidth.
+        """
+        flops = 2.0 * m * n * k
+        rate = self.matmul_achievable.get(dtype) or self.peak_flops(dtype)
+        compute = flops / (rate * wave_efficiency(m, n, self.sm_count))
+        nbytes = (4 if dtype == "fp32" else 2) * (m * k + k * n + m * n)
+        return max(compute, nbytes / self.mem_bandwidth if self.mem_bandwidth else 0.0)
 
     def attention_time(self, b: int, heads: int, sq: int, skv: int, d: int, dtype: str,
-                       causal: bool = True) -> tuple[float, float]:
-        """(forward, backward) seconds of one fused attention kernel: measured when timed at
-        this shape, else as GEMMs of 4 b heads sq skv d FLOPs forward (QK^T and AV) and
-        2.5x that backward (the scores recomputed), halved when causal (masked blocks are
-        skipped), plus one operator's overhead each way."""
+                       causal: bool = True, fused: bool = True) -> tuple[float, float]:
+        """(forward, backward) seconds of one attention core: measured when timed at this
+        shape, else priced.
+
+        ``fused`` (FlashAttention, Dao et al. 2022): 4 b heads sq skv d FLOPs forward (QK^T
+        and AV) and 2.5x that backward (the scores recomputed), halved when causal (masked
+        blocks are skipped), plus one operator's overhead each way. Unfused (Megatron's
+        attention before flash, as Korthikanti et al. 2022 ran it): the two batched GEMMs
+        over every score, masked or not, plus the scores' round trips through memory --
+        forward the scores written, the fused scale-mask-softmax reading them and writing
+        probabilities, dropout reading those and writing its output and a one-byte mask,
+        the AV GEMM reading it (6 e + 1 bytes a score); backward the reverse, with the
+        softmax output read again (8 e + 1) -- the elements Korthikanti et al. Table 2 count
+        as 5as^2b bytes of activations."""
         hit = self._attn.get((b, heads, sq, skv, d, dtype))
         if hit is not None:
             return hit
-        flops = 4.0 * b * heads * sq * skv * d * (0.5 if causal and sq == skv else 1.0)
+        half = 0.5 if causal and sq == skv and fused else 1.0
+        flops = 4.0 * b * heads * sq * skv * d * half
         per_head = 2.0 * sq * skv * d
         rate = self.gemm_rate(per_head * b * heads, dtype) if self._rates else \
-            self.peak_flops(dtype)
+            self.matmul_achievable.get(dtype) or self.peak_flops(dtype)
         fwd = self.op_overhead_s + flops / rate
-        bwd = self.bwd_op_overhead_s + self.op_overhead_s + 2.5 * flops / rate
+        bwd = self.bwd_op_overhead_s + self.op_overhead_s + (2.5 if fused else 2.0) * \
+            flops / rate
+        if not fused:
+            e = 4 if dtype == "fp32" else 2
+            scores = float(b * heads * sq * skv)
+            fwd += self.mem_time((6 * e + 1) * scores, 4)
+            bwd += self.mem_time((8 * e + 1) * scores, 4)
         return fwd, bwd
 
     @staticmethod
@@ -319,82 +382,3 @@ class Profile:
             out.setdefault("links", {})[lk] = {"GB_per_s": v.bandwidth / 1e9,
                                                "latency_us": v.latency_s * 1e6}
         return out
-
-
-# ---------------------------------------------------------------------------------------
-# presets from published specifications (uncalibrated)
-# ---------------------------------------------------------------------------------------
-
-_A100_SRC = ("NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB: BF16 Tensor Core "
-             "312 TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, TF32 156 TFLOPS, HBM2e "
-             "2,039 GB/s, 80GB, NVLink 600 GB/s (both directions: 300 GB/s each way); "
-             "inter-node: DGX A100, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU each way)")
-_H100_SRC = ("NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM 80GB: BF16 Tensor Core "
-             "989 TFLOPS dense (1,979 with sparsity), FP32 67 TFLOPS, TF32 494.5 TFLOPS "
-             "dense, HBM3 3.35 TB/s, 80GB, NVLink 900 GB/s (450 GB/s each way); inter-node: "
-             "DGX H100, 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU each way)")
-_H200_SRC = ("NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM 141GB: BF16 Tensor Core "
-             "989 TFLOPS dense (1,979 with sparsity), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141GB, "
-             "NVLink 900 GB/s (450 GB/s each way); inter-node as DGX H100 (8 x 400 Gb/s NDR, "
-             "50 GB/s per GPU each way)")
-#: not in any datasheet: stated assumptions for the latency terms of the presets
-_LATENCY_NOTE = ("latencies are assumptions, not datasheet figures: 10 us per ring step "
-                 "inside a node (NVLink), 20 us between nodes (InfiniBand), 1 us kernel "
-                 "launch hidden behind the queue (op overhead 0)")
-
-
-def _gpu(name: str, desc: str, src: str, bf16: float, fp32: float, hbm: float, mem: float,
-         nvlink_each_way: float, ib_each_way: float) -> Profile:
-    return Profile(
-        name=name, device="cuda", description=desc, calibrated=False,
-        source=src + "; " + _LATENCY_NOTE, memory_bytes=mem,
-        matmul_flops={"bf16": bf16, "fp16": bf16, "fp32": fp32},
-        mem_bandwidth=hbm, op_overhead_s=0.0, bwd_op_overhead_s=0.0, backward_call_s=0.0,
-        optimizer={"per_tensor_s": 0.0, "bytes_per_element": 32.0},
-        ranks_per_node=8,
-        links={"intra": Link(nvlink_each_way, 10e-6, "NVLink, per GPU each way"),
-               "inter": Link(ib_each_way, 20e-6, "InfiniBand, per GPU each way")},
-        overlap=1.0)
-
-
-PRESETS: dict[str, Profile] = {
-    "a100-80gb": _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB, DGX A100 node (8 GPUs)",
-                      _A100_SRC, 312e12, 19.5e12, 2.039e12, 80e9, 300e9, 25e9),
-    "h100-80gb": _gpu("h100-80gb", "NVIDIA H100 SXM5 80GB, DGX H100 node (8 GPUs)",
-                      _H100_SRC, 989e12, 67e12, 3.35e12, 80e9, 450e9, 50e9),
-    "h200-141gb": _gpu("h200-141gb", "NVIDIA H200 SXM 141GB, HGX H200 node (8 GPUs)",
-                       _H200_SRC, 989e12, 67e12, 4.8e12, 141e9, 450e9, 50e9),
-}
-ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb",
-           "a100-sxm": "a100-80gb", "h100-sxm": "h100-80gb", "h200-sxm": "h200-141gb",
-           "cpu": "cpu-local"}
-
-
-def preset_names() -> list[str]:
-    return list(PRESETS)
-
-
-def load_profile(name_or_path: str) -> Profile:
-    """A profile by preset name (``a100-80gb``, ``h100-80gb``, ``h200-141gb``), by the name
-    of a profile ``parbench calibrate`` saved (``cpu-local`` by default, in
-    :func:`profile_dir`), or from a JSON path. Raises ``ConfigError`` naming what exists."""
-    key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
-    if key in PRESETS:
-        return Profile.from_dict(PRESETS[key].to_dict())
-    path = Path(name_or_path)
-    if path.suffix == ".json" or path.exists():
-        if not path.exists():
-            raise ConfigError(f"device={name_or_path!r}: no such profile file")
-        try:
-            return Profile.load(path)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"device={name_or_path!r} is not a profile: {e}") from None
-    saved = profile_dir() / f"{key}.json"
-    if saved.exists():
-        return Profile.load(saved)
-    have = sorted(p.stem for p in profile_dir().glob("*.json")) if profile_dir().exists() \
-        else []
-    hint = " (run `parbench calibrate` to write cpu-local)" if key == "cpu-local" else ""
-    raise ConfigError(f"device={name_or_path!r} is not a preset ({', '.join(PRESETS)}), a "
-                      f"calibrated profile ({', '.join(have) or 'none saved in ' + str(profile_dir())}) "
-                      f"or a JSON file{hint}")

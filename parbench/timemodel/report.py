@@ -68,11 +68,12 @@ def _headline(model: str, shape, trn: Training) -> str:
 
 def device_kind(profile: Profile) -> str:
     """How far the profile's figures can be trusted, in words (``estimate`` and ``plan``
-    print it beside the device): measured by ``parbench calibrate``, or a preset of
-    datasheet peaks, so that every step it prices is a lower bound."""
+    print it beside the device): measured by ``parbench calibrate``, or a preset written
+    from datasheets and published micro-benchmarks (``timemodel.devices``), not measured on
+    the user's machines."""
     if profile.calibrated:
         return "calibrated profile"
-    return "uncalibrated preset: datasheet peaks, so a lower bound on the step"
+    return "uncalibrated preset: datasheet and published micro-benchmark figures"
 
 
 def _step_lines(trn: Training, st: StepTime, profile: Profile) -> list[str]:

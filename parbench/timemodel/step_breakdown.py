@@ -118,8 +118,9 @@ def _notes(shape, profile: Profile, mem: float) -> list[str]:
         notes.append(f"over memory: {mem / 1e9:.1f} GB per rank > {dev / 1e9:.1f} GB of "
                      f"{profile.name}")
     if not profile.calibrated:
-        notes.append(f"{profile.name} is an uncalibrated preset (datasheet peaks): step "
-                     "time is a lower bound, MFU an upper bound")
+        notes.append(f"{profile.name} is an uncalibrated preset (datasheet and published "
+                     "micro-benchmark figures, not measured here; `parbench reproduce "
+                     "throughput` compares it with published runs)")
     if shape.moe:
         notes.append("MoE: experts assumed balanced (k T rows per rank); routing and "
                      "dispatch costs approximate")

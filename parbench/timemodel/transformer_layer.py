@@ -34,7 +34,7 @@ def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False)
     lay, opt = trn.layout, trn.options
     key = ("layer", shape, lay.tp, lay.cp, lay.ep, lay.etp, opt.tensor.sp, opt.recompute,
            lay.micro_batch_size, trn.dtype, opt.context.cp_algorithm,
-           opt.context.cp_ulysses, moe_layer, trn.ranks_per_node)
+           opt.context.cp_ulysses, moe_layer, trn.ranks_per_node, trn.attention)
     cache = _cache(profile)
     hit = cache.get(key)
     if hit is not None:
@@ -42,6 +42,14 @@ def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False)
     c = _layer_costs(shape, trn, profile, moe_layer)
     cache[key] = c
     return c
+
+
+def fused_attention(trn: Training, profile: Profile) -> bool:
+    """Whether the attention core is priced as one fused (flash) kernel: ``attention=flash``,
+    or a calibrated profile (it timed parbench's own model, which runs PyTorch's fused
+    ``scaled_dot_product_attention``); ``attention=eager`` on a preset prices the unfused
+    core (Megatron before flash attention)."""
+    return trn.attention == "flash" or profile.calibrated
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,10 @@ class _LocalLayer:
     bias: bool
     dt: str
     e: int
+    fused: bool
 
     @classmethod
-    def of(cls, shape, trn: Training) -> _LocalLayer:
+    def of(cls, shape, trn: Training, profile: Profile) -> _LocalLayer:
         lay = trn.layout
         tp, cp, b = lay.tp, lay.cp, lay.micro_batch_size
         s_l = shape.s // cp
@@ -75,14 +84,14 @@ class _LocalLayer:
         return cls(tp=tp, cp=cp, b=b, s_l=s_l, T=T, T_ln=T_ln, h=shape.h,
                    a_l=max(shape.a // tp, 1), d=shape.h // shape.a,
                    kv_l=max(_kv(shape) // tp, 1), gated=_gated(shape), bias=_bias(shape),
-                   dt=trn.dtype, e=_e(trn.dtype))
+                   dt=trn.dtype, e=_e(trn.dtype), fused=fused_attention(trn, profile))
 
 
 def _layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool) -> _Costs:
     """One layer's costs (``layer_costs``): its compute, attention under context
     parallelism, recomputation, then the exposed tp / cp / ep communication."""
     lay = trn.layout
-    loc = _LocalLayer.of(shape, trn)
+    loc = _LocalLayer.of(shape, trn, profile)
     c = _Costs()
     af_self, ab_self = _layer_compute(c, shape, trn, profile, loc, moe_layer)
     af, hop_block = _cp_attention(c, shape, trn, profile, loc, af_self, ab_self)
@@ -105,7 +114,7 @@ def _layer_compute(c: _Costs, shape, trn: Training, profile: Profile, loc: _Loca
     (forward, backward) seconds."""
     f_l = shape.f // loc.tp
     inv = _dense_inventory(profile, loc.b, loc.s_l, loc.h, loc.a_l, f_l, loc.kv_l, loc.gated,
-                           loc.bias, loc.tp, loc.T_ln, loc.dt)
+                           loc.bias, loc.tp, loc.T_ln, loc.dt, loc.fused)
     f0, b0, w0, af_self, ab_self = inv
     if moe_layer:
         f0, b0, w0 = _moe_mlp(shape, trn, profile, loc, f0, b0, w0)
@@ -156,9 +165,10 @@ def _cp_attention(c: _Costs, shape, trn: Training, profile: Profile, loc: _Local
     hop_block = 0.0
     if kind == "ulysses":
         af, ab = profile.attention_time(b, max(loc.a_l // cp, 1), shape.s, shape.s, d, dt,
-                                        True)
+                                        True, loc.fused)
     elif kind == "allgather":
-        af, ab = profile.attention_time(b, loc.a_l, loc.s_l, shape.s, d, dt, False)
+        af, ab = profile.attention_time(b, loc.a_l, loc.s_l, shape.s, d, dt, False,
+                                        loc.fused)
         af, ab = 0.5 * (af + profile.op_overhead_s), 0.5 * (ab + profile.op_overhead_s)
     else:  # ring attention (and RSA, USP's ring): cp causal blocks of s_l x s_l
         bf, bb = af_self, ab_self

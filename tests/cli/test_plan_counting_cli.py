@@ -16,7 +16,7 @@ ARGS = ["plan", "model=small", "world=8", "device=a100-80gb", "global_batch_size
 def test_plan_says_a_preset_is_a_datasheet_bound(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
-    assert "uncalibrated preset: datasheet peaks" in out
+    assert "uncalibrated preset: datasheet" in out
     assert main(ARGS + ["--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     assert js["calibrated"] is False and "datasheet" in js["device_kind"]

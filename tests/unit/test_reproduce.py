@@ -30,7 +30,12 @@ def reproductions():
 def test_every_cell_within_tolerance_or_explained(reproductions, name):
     r = reproductions[name]
     assert r.cells, name
+    # only the time model's comparison with published runs is a goal table: no published
+    # formula or figure may dodge the verdict by calling itself a goal
+    assert all(t.goal == (name == "throughput") for t in r.tables), name
     for t in r.tables:
+        if t.goal:
+            continue
         assert t.tolerance <= 0.03, (name, t.key)   # no table hides behind a loose tolerance
         for c in t.cells:
             assert c.within(t.tolerance) or (c.explained and c.note), (name, t.key, c.label,
@@ -40,7 +45,7 @@ def test_every_cell_within_tolerance_or_explained(reproductions, name):
 
 def test_the_only_cells_outside_tolerance_are_ubmesh_printing_errors(reproductions):
     outside = [(name, c.label) for name, r in reproductions.items() for t in r.tables
-               for c in t.cells if not c.within(t.tolerance)]
+               for c in t.cells if not c.within(t.tolerance) and not t.goal]
     assert outside == [("ubmesh", "TP AllReduce: total volume"), ("ubmesh", "PP P2P: share")]
     cells = {c.label: c for c in reproductions["ubmesh"].cells}
     # TARGETS.md: the printed TP total (1775 GB) is a typo for 360 x 4992 / 1024 = 1755 GB;
@@ -172,3 +177,31 @@ def test_committed_reference_is_the_tools_output(reproductions, name):
     assert path.exists(), f"run: parbench reproduce all out={REFERENCE.relative_to(ROOT)}"
     assert f"**Summary: {reproductions[name].summary()}.**" in path.read_text(), \
         f"stale: run parbench reproduce all out={REFERENCE.relative_to(ROOT)}"
+
+
+def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(reproductions):
+    """PTD-P Table 1's first row: published = Eq. 3 (96 B s l h^2 (1 + s/6h + V/16lh)) over
+    X n, computed here; tool = the time model's step for the row's layout, priced here."""
+    from parbench.analytic.shape import Shape
+    from parbench.timemodel import Training, load_profile, predict_step
+    table = reproductions["throughput"].tables[0]
+    from parbench.reproduce.ptdp import TABLE1
+    _, a, h, l, t, p, n, B, x = TABLE1[0]  # noqa: E741
+    s, V = 2048, 51200
+    eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert table.cells[0].published == pytest.approx(eq3 / (x * 1e12 * n), rel=1e-9)
+    shape = Shape(vocab_size=V, hidden_size=h, num_layers=l, num_heads=a, seq_length=s,
+                  tie_embeddings=True, make_vocab_size_divisible_by=128)
+    d = n // (t * p)
+    trn = Training.of(tp=t, pp=p, dp=d, micro_batch_size=1, num_microbatches=B // d,
+                      schedule="1f1b", recompute="full", sp=False, zero_stage=0,
+                      attention="eager")
+    assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb")).step_s
+
+
+def test_a_goal_tables_misses_are_reported_not_excused(reproductions):
+    r = reproductions["throughput"]
+    assert all(t.goal for t in r.tables)
+    short = sum(len(t.misses) for t in r.tables)
+    assert (f"{short} outside the goal" in r.summary()) == (short > 0)
+    assert all(not c.explained for t in r.tables for c in t.cells)

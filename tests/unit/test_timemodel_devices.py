@@ -1,0 +1,75 @@
+"""The device presets and the uncalibrated GEMM / attention pricing (issue 22, sec. 1): the
+wave model's definition, the memory roofline, unfused attention, and the presets' sources."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from parbench.timemodel import PRESETS, load_profile
+from parbench.timemodel.profile import GEMM_TILES, wave_efficiency
+
+SMS = 108
+
+
+@pytest.mark.parametrize("waves", [1, 2, 5])
+def test_an_output_of_whole_waves_fills_every_sm(waves):
+    """128 x 128 tiles, waves x SMs of them: nothing idle, nothing wasted."""
+    assert wave_efficiency(128, 128 * SMS * waves, SMS) == 1.0
+
+
+def test_one_tile_past_a_wave_leaves_most_of_the_last_wave_idle():
+    """The 128 x 128 tile count for one more column of tiles than a full wave; no tile shape
+    of GEMM_TILES can do better than every tile slot of the waves it needs."""
+    n = 128 * (SMS + 1)
+    eff = wave_efficiency(128, n, SMS)
+    assert eff < 1.0
+    for tm, tn in GEMM_TILES:
+        tiles = math.ceil(128 / tm) * math.ceil(n / tn)
+        assert eff >= (128 * n) / (tm * tn) / (math.ceil(tiles / SMS) * SMS) - 1e-12
+
+
+def test_no_wave_model_without_an_sm_count():
+    assert wave_efficiency(7, 13, 0) == 1.0
+
+
+def test_a_skinny_gemm_is_memory_bound_and_a_large_one_compute_bound():
+    a100 = load_profile("a100-80gb")
+    # one row: 2 (k + k n + n) bytes over the bandwidth, far above its FLOPs' time
+    k = n = 8192
+    t = a100.shaped_gemm_time(1, n, k, "bf16")
+    assert t == pytest.approx(2 * (k + k * n + n) / a100.mem_bandwidth)
+    # a large square GEMM: no faster than the achievable rate, slower than the peak
+    m = 8192
+    big = a100.shaped_gemm_time(m, m, m, "bf16")
+    assert big >= 2 * m ** 3 / a100.matmul_achievable["bf16"]
+    assert big > 2 * m ** 3 / a100.peak_flops("bf16")
+
+
+def test_unfused_attention_computes_every_score_and_moves_them_through_memory():
+    """Megatron's attention before flash: no causal skipping, the scores' bytes priced."""
+    a100 = load_profile("a100-80gb")
+    b, heads, s, d = 1, 12, 2048, 128
+    ff, fb = a100.attention_time(b, heads, s, s, d, "bf16", True, True)
+    uf, ub = a100.attention_time(b, heads, s, s, d, "bf16", True, False)
+    scores = b * heads * s * s
+    rate = a100.matmul_achievable["bf16"]
+    assert ff == pytest.approx(0.5 * 4 * scores * d / rate)
+    assert uf == pytest.approx(4 * scores * d / rate + 13 * scores / a100.mem_bandwidth)
+    assert ub == pytest.approx(2 * 4 * scores * d / rate + 17 * scores / a100.mem_bandwidth)
+    assert uf > ff
+
+
+@pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb",
+                                  "b200-180gb"])
+def test_every_generation_has_a_preset_with_its_sources(name):
+    prof = PRESETS[name]
+    assert 0 < prof.matmul_achievable["bf16"] < prof.matmul_flops["bf16"]
+    assert prof.sm_count > 0 and prof.memory_bytes > 0 and prof.mem_bandwidth > 0
+    for needle in ("datasheet", "Maximum Achievable Matmul", "nccl#1054"):
+        assert needle in prof.source
+
+
+def test_b200_alias_and_40gb_memory():
+    assert load_profile("b200").name == "b200-180gb"
+    assert load_profile("a100-40gb").mem_bandwidth < load_profile("a100-80gb").mem_bandwidth
