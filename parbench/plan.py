@@ -58,6 +58,11 @@ class Space:
     vpps: tuple[int, ...] = (2, 3, 4)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recomputes: tuple[str, ...] = ("none", "selective", "full")
+    #: the context-parallel attention algorithms searched where cp > 1
+    cp_algorithms: tuple[str, ...] = ("ring-attention", "ulysses", "allgather")
+    #: expert tensor-parallel sizes searched for MoE models: 0 = tp (Megatron-Core's
+    #: default), 1 = experts whole on each rank (``--expert-tensor-parallel-size 1``)
+    etps: tuple[int, ...] = (0, 1)
 
 
 @dataclass
@@ -84,8 +89,7 @@ def layouts(shape, world: int, global_batch: int, space: Space = Space(),
 
 
 def _grids(shape, world: int, global_batch: int, space: Space):
-    """The degrees (tp, cp, ep, dp, pp) of every layout the rules accept."""
-    experts = shape.num_experts
+    """The degrees (tp, cp, ep, etp, dp, pp) of every layout the rules accept."""
     for tp in divisors(world):
         if tp > space.max_tp:
             continue
@@ -96,20 +100,36 @@ def _grids(shape, world: int, global_batch: int, space: Space):
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                for ep in (divisors(experts) if experts else [1]):
-                    if (cp * dp) % ep:
-                        continue
-                    lay = Layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, micro_batch_size=1)
+                for ep, etp in _expert_degrees(shape, tp, tp * cp * dp, space):
+                    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp,
+                                 micro_batch_size=1)
                     if lay.fits_model(shape, sp=tp > 1, cp_balance="zigzag"):
                         yield lay
 
 
+def _expert_degrees(shape, tp: int, stage: int, space: Space):
+    """(ep, etp) of a stage of ``stage`` ranks: every ep dividing the experts and every etp
+    of the space (0 = tp; 1 searched only where it differs) with etp ep dividing the stage
+    (Megatron-Core's expert grid etp x ep x edp = tp x cp x dp); (1, 0) for a dense model."""
+    if not shape.num_experts:
+        yield 1, 0
+        return
+    for ep in divisors(shape.num_experts):
+        for etp in space.etps:
+            if etp and (etp >= tp or tp % etp):
+                continue  # etp = tp is the 0 already searched; etp must divide tp
+            if stage % ((etp or tp) * ep) == 0:
+                yield ep, etp
+
+
 def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Training):
-    """Every micro-batch size, schedule, ZeRO stage and recomputation on one grid."""
+    """Every micro-batch size, schedule, ZeRO stage, recomputation and context-parallel
+    algorithm on one grid."""
     base = base.with_values(sp=grid.tp > 1)
-    options = [base.options.with_values(zero_stage=zero, recompute=rc)
+    options = [base.options.with_values(zero_stage=zero, recompute=rc, cp_algorithm=algo)
                for zero in space.zero_stages if not (zero and grid.dp == 1)
-               for rc in space.recomputes]  # ZeRO with dp = 1 has nothing to shard over
+               for rc in space.recomputes  # ZeRO with dp = 1 has nothing to shard over
+               for algo in _cp_algorithms(shape, grid, space, base)]
     per_rank = global_batch // grid.dp
     for b in space.micro_batch_sizes:
         if per_rank % b:
@@ -122,6 +142,17 @@ def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Tra
                           num_microbatches=m)
             for opts in options:
                 yield replace(base, layout=lay, options=opts)
+
+
+def _cp_algorithms(shape, grid: Layout, space: Space, base: Training) -> tuple[str, ...]:
+    """The context-parallel algorithms searched on ``grid``: the base's alone without cp;
+    else those of the space the model admits -- Ulysses splits each tensor-parallel rank's
+    heads (query and key-value) over cp (Jacobs et al. 2023, Sec. 3), so cp divides both."""
+    if grid.cp == 1:
+        return (base.options.context.cp_algorithm,)
+    kv = shape.kv_heads
+    heads_ok = (shape.a // grid.tp) % grid.cp == 0 and max(kv // grid.tp, 1) % grid.cp == 0
+    return tuple(a for a in space.cp_algorithms if a != "ulysses" or heads_ok)
 
 
 def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):

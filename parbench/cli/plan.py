@@ -142,7 +142,7 @@ def _print(out, name, world, device, batch, res, why) -> None:
     for i, (trn, st) in enumerate(res.ranked, 1):
         lay, opt = trn.layout, trn.options
         sched = lay.schedule + (f" v{lay.vpp}" if lay.vpp > 1 else "") if lay.pp > 1 else "—"
-        t.add_row(str(i), str(lay.tp), str(lay.cp), str(lay.ep), str(lay.dp), str(lay.pp),
+        t.add_row(str(i), str(lay.tp), _cp(trn), _ep(trn), str(lay.dp), str(lay.pp),
                   sched, str(opt.data.zero_stage), opt.recompute,
                   f"{lay.micro_batch_size}×{lay.num_microbatches}", f"{st.step_s:.3g}",
                   f"{st.tokens_per_s:.3g}", f"{100 * st.mfu:.1f}%",
@@ -154,7 +154,19 @@ def _print(out, name, world, device, batch, res, why) -> None:
         out.print(f"  {i:>2}. {why(st)}", soft_wrap=True)
 
 
+def _cp(trn) -> str:
+    """cp, with its attention algorithm where cp > 1 (``4 ulysses``)."""
+    cp = trn.layout.cp
+    return f"{cp} {trn.options.context.cp_algorithm}" if cp > 1 else str(cp)
+
+
+def _ep(trn) -> str:
+    """ep, with the expert tensor-parallel size where it is not tp (``8 etp1``)."""
+    lay = trn.layout
+    return f"{lay.ep} etp{lay.etp}" if lay.etp and lay.etp != lay.tp else str(lay.ep)
+
+
 def _degrees(trn) -> str:
     lay, opt = trn.layout, trn.options
-    return (f"tp{lay.tp} cp{lay.cp} ep{lay.ep} dp{lay.dp} pp{lay.pp} {lay.schedule} "
+    return (f"tp{lay.tp} cp{_cp(trn)} ep{_ep(trn)} dp{lay.dp} pp{lay.pp} {lay.schedule} "
             f"zero{opt.data.zero_stage} {opt.recompute} b{lay.micro_batch_size}")

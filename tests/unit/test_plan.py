@@ -159,3 +159,45 @@ def test_unpriced_schedules_are_skipped_with_their_reason():
     reasons = unpriced(Space(schedules=tuple(SCHEDULES)))
     assert set(reasons) == {"seq1f1b", "terapipe"}
     assert all("token-slice" in why for why in reasons.values())
+
+
+def test_the_search_covers_the_context_parallel_algorithms_and_expert_tp():
+    """Issue 22, sec. 2: cp > 1 is searched with every algorithm the model admits (Ulysses
+    only where cp divides each tensor-parallel rank's query and key-value heads), and a MoE
+    model with etp = 1 as well as etp = tp, always inside Megatron-Core's expert grid."""
+    llama = shape_from(model_preset("llama3-70b"))  # 64 heads, 8 key-value heads
+    algos = {}
+    for trn in layouts(llama, 64, 64, Space(recomputes=("none",), zero_stages=(0,),
+                                            micro_batch_sizes=(1,), schedules=("1f1b",))):
+        lay, algo = trn.layout, trn.options.context.cp_algorithm
+        if lay.cp > 1:
+            algos.setdefault((lay.tp, lay.cp), set()).add(algo)
+            if algo == "ulysses":
+                assert (64 // lay.tp) % lay.cp == 0 and max(8 // lay.tp, 1) % lay.cp == 0
+    assert algos[(1, 8)] == {"ring-attention", "ulysses", "allgather"}
+    assert algos[(8, 2)] == {"ring-attention", "allgather"}  # 1 kv head per tp rank
+    moe = shape_from(model_preset("ubmesh-moe-2t"))
+    etps = set()
+    for trn in layouts(moe, 64, 64, Space(recomputes=("none",), zero_stages=(0,),
+                                          micro_batch_sizes=(1,), schedules=("1f1b",),
+                                          cp_algorithms=("ring-attention",))):
+        lay = trn.layout
+        etp = lay.etp or lay.tp
+        assert lay.tp % etp == 0 and (lay.tp * lay.cp * lay.dp) % (etp * lay.ep) == 0
+        etps.add((lay.tp, etp))
+    assert (4, 1) in etps and (4, 4) in etps
+
+
+def test_the_planner_ranks_whatever_algorithm_wins():
+    shape = shape_from(model_preset("llama3-70b"))
+
+    def fake(shape, trn, profile):  # Ulysses fastest; cp = 8 needed to fit
+        lay = trn.layout
+        fast = trn.options.context.cp_algorithm == "ulysses"
+        return FakeStep(step_s=1.0 if fast else 2.0, fits=lay.cp == 8)
+
+    res = plan(shape, 64, None, 64, Space(recomputes=("none",), zero_stages=(0,),
+                                          micro_batch_sizes=(1,), schedules=("1f1b",)),
+               predictor=fake, keep=3)
+    assert all(t.layout.cp == 8 and t.options.context.cp_algorithm == "ulysses"
+               for t, _ in res.ranked)
