@@ -1,121 +1,38 @@
-"""Importing configurations: Megatron-LM command-line arguments and DeepSpeed JSON configs.
+"""Importing Megatron-LM command-line arguments as a case.
 
-Reachable from the command line: ``parbench run suite=data deepspeed_config=ds.json`` and
-``parbench estimate megatron_args="--num-layers 96 --hidden-size 12288 ..."``.
+Reachable from the command line: ``parbench estimate megatron_args="--num-layers 96
+--hidden-size 12288 ..."``. The tables of what each argument does live in
+:mod:`parbench.megatron_args`; DeepSpeed JSON configs in :mod:`parbench.import_deepspeed`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shlex
 from typing import Any
 
 from dataclasses import replace
 
-from .config import CaseConfig, ConfigError, RunConfig
+from .config import CaseConfig, ConfigError
 from .layout import Layout
-from .options import Options
+from .megatron_args import (
+    MEGATRON_ARGS,
+    MEGATRON_CHECKED,
+    MEGATRON_CHECKED_FLAGS,
+    MEGATRON_CHOICES,
+    MEGATRON_DERIVED,
+    MEGATRON_FIXED,
+    MEGATRON_FLAGS,
+    MEGATRON_IGNORED_FLAGS,
+    MEGATRON_IGNORED_VALUED,
+    MEGATRON_REFUSED,
+)
 from .overrides import apply_overrides, coerce
-
-# imports from Megatron arguments and DeepSpeed JSON
-# --------------------------------------------------------------------------------------
-
-#: Megatron arguments with one value that set a case field: name -> (bare field, type)
-_MEGATRON_ARGS = {
-    "--tensor-model-parallel-size": ("tp", int), "--pipeline-model-parallel-size": ("pp", int),
-    "--context-parallel-size": ("cp", int), "--expert-model-parallel-size": ("ep", int),
-    "--expert-tensor-parallel-size": ("etp", int), "--micro-batch-size": ("micro_batch_size", int),
-    "--num-layers": ("num_layers", int), "--hidden-size": ("hidden_size", int),
-    "--num-attention-heads": ("num_heads", int), "--ffn-hidden-size": ("ffn_hidden_size", int),
-    "--seq-length": ("seq_length", int), "--vocab-size": ("vocab_size", int),
-    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", int),
-    "--init-method-std": ("init_std", float), "--num-experts": ("num_experts", int),
-    "--moe-router-topk": ("moe_top_k", int), "--moe-aux-loss-coeff": ("moe_aux_loss_coef", float),
-    "--moe-z-loss-coeff": ("moe_z_loss_coef", float),
-    "--moe-expert-capacity-factor": ("moe_capacity_factor", float),
-    "--moe-layer-freq": ("moe_every", int), "--clip-grad": ("clip_grad", float),
-    "--lr": ("lr", float), "--weight-decay": ("weight_decay", float),
-    "--adam-beta1": ("beta1", float), "--adam-beta2": ("beta2", float),
-    "--adam-eps": ("eps", float), "--seed": ("seed", int),
-}
-#: Megatron flags that set case fields: name -> {bare field: value}
-_MEGATRON_FLAGS = {
-    "--sequence-parallel": {"sp": True}, "--swiglu": {"mlp": "swiglu"},
-    "--disable-bias-linear": {"bias": False}, "--bf16": {"dtype": "bf16"},
-    "--untie-embeddings-and-output-weights": {"tie_embeddings": False},
-    "--use-rotary-position-embeddings": {"rope_theta": 10000.0, "position_embeddings": False},
-    "--no-position-embedding": {"position_embeddings": False},
-}
-#: Megatron arguments whose value picks fields: name -> {value: {bare field: value}}
-_MEGATRON_CHOICES = {
-    "--normalization": {"LayerNorm": {"norm": "layernorm"}, "RMSNorm": {"norm": "rmsnorm"}},
-    "--position-embedding-type": {
-        "learned_absolute": {"position_embeddings": True, "rope_theta": 0.0},
-        "rope": {"position_embeddings": False, "rope_theta": 10000.0},
-        "none": {"position_embeddings": False, "rope_theta": 0.0}},
-    "--recompute-granularity": {"full": {"recompute": "full"},
-                                "selective": {"recompute": "selective"}},
-    "--moe-router-load-balancing-type": {"aux_loss": {}, "none": {"moe_aux_loss_coef": 0.0}},
-    "--transformer-impl": {"local": {}, "transformer_engine": {}},
-}
-#: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
-_MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
-                     "--max-position-embeddings": int, "--rotary-percent": float,
-                     "--attention-dropout": float, "--hidden-dropout": float}
-_MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention"})
-#: Megatron arguments that derive a layout field from the others
-_MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
-                     "--num-layers-per-virtual-pipeline-stage": "vpp"}
-#: Megatron flags that do not change what parbench computes (performance, logging, checkpoints)
-_MEGATRON_IGNORED_FLAGS = frozenset("--" + n for n in """
-use-flash-attn use-mcore-models overlap-grad-reduce overlap-param-gather
-use-distributed-optimizer cross-entropy-loss-fusion manual-gc no-masked-softmax-fusion
-no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
-no-gradient-accumulation-fusion log-throughput log-params-norm log-num-zeros-in-grad
-log-timers-to-tensorboard log-validation-ppl-to-tensorboard log-memory-to-tensorboard
-log-progress tp-comm-overlap moe-grouped-gemm moe-permute-fusion mock-data
-no-create-attention-mask-in-dataloader no-async-tensor-model-parallel-allreduce
-no-load-optim no-load-rng no-save-optim no-save-rng exit-on-missing-checkpoint
-use-checkpoint-args accumulate-allreduce-grads-in-fp32 attention-softmax-in-fp32
-distribute-saved-activations use-torch-fsdp2 ddp-average-in-collective
-align-grad-reduce align-param-gather defer-embedding-wgrad-compute""".split())
-#: Megatron arguments with values that do not change what parbench computes (schedule, data,
-#: logging, checkpoints, performance); their values are skipped up to the next ``--``
-_MEGATRON_IGNORED_VALUED = frozenset("--" + n for n in """
-lr-decay-style lr-warmup-iters lr-warmup-fraction lr-warmup-samples lr-decay-iters
-lr-decay-samples lr-warmup-init min-lr train-iters train-samples data-path train-data-path
-valid-data-path test-data-path split tokenizer-type tokenizer-model vocab-file merge-file
-data-cache-path log-interval save load save-interval eval-interval eval-iters
-tensorboard-dir tensorboard-queue-size wandb-project wandb-exp-name wandb-save-dir
-attention-backend num-workers distributed-backend distributed-timeout-minutes
-manual-gc-interval ckpt-format moe-token-dispatcher-type exit-duration-in-mins
-exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
-moe-router-dtype optimizer""".split())
-#: Megatron arguments that change the computation in ways parbench does not model
-_MEGATRON_REFUSED = {
-    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not modelled yet",
-    "--account-for-loss-in-pipeline-split": "uneven pipeline stages are not modelled yet",
-    "--multi-latent-attention": "multi-latent attention is not modelled",
-    "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
-    "--qk-layernorm": "query/key norms are not modelled",
-    "--fp16": "parbench runs fp32 or bf16 (no fp16 loss scaling)",
-    "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
-    "--moe-shared-expert-intermediate-size": "shared experts are not modelled",
-    "--rampup-batch-size": "a batch size that changes during training is not modelled",
-    "--recompute-method": "only whole-model recomputation (granularity) is modelled",
-    "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
-}
-#: Megatron arguments that must keep one value (the one parbench computes with): name -> value
-_MEGATRON_FIXED = {"--rotary-percent": 1.0, "--attention-dropout": 0.0, "--hidden-dropout": 0.0}
-
 
 def _refusal(key: str) -> str | None:
     """Why ``key`` is refused (None: it is not)."""
-    if key in _MEGATRON_REFUSED:
-        return _MEGATRON_REFUSED[key]
+    if key in MEGATRON_REFUSED:
+        return MEGATRON_REFUSED[key]
     if key.startswith("--fp8"):
         return "fp8 is not modelled"
     return None
@@ -123,13 +40,13 @@ def _refusal(key: str) -> str | None:
 
 def _megatron_type(key: str) -> Any:
     """The value type of a Megatron argument with one value (None: not such an argument)."""
-    if key in _MEGATRON_ARGS:
-        return _MEGATRON_ARGS[key][1]
-    if key in _MEGATRON_DERIVED:
+    if key in MEGATRON_ARGS:
+        return MEGATRON_ARGS[key][1]
+    if key in MEGATRON_DERIVED:
         return int
-    if key in _MEGATRON_CHOICES:
+    if key in MEGATRON_CHOICES:
         return str
-    return _MEGATRON_CHECKED.get(key)
+    return MEGATRON_CHECKED.get(key)
 
 
 def _read_value(argv: list[str], i: int, key: str, inline: str) -> tuple[str, int]:
@@ -163,12 +80,12 @@ def read_megatron(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if why:
             raise ConfigError(f"Megatron argument {key} is not supported: {why}")
         typ = _megatron_type(key)
-        if key in _MEGATRON_FLAGS or key in _MEGATRON_CHECKED_FLAGS:
+        if key in MEGATRON_FLAGS or key in MEGATRON_CHECKED_FLAGS:
             out[key], i = True, i + 1
-        elif key in _MEGATRON_IGNORED_FLAGS:
+        elif key in MEGATRON_IGNORED_FLAGS:
             ignored.append(key)
             i += 1
-        elif key in _MEGATRON_IGNORED_VALUED:
+        elif key in MEGATRON_IGNORED_VALUED:
             ignored.append(key)
             i = _skip_values(argv, i, inline)
         elif typ is not None:
@@ -194,10 +111,10 @@ def _choice_fields(args: dict[str, Any]) -> dict[str, Any]:
     """The fields the flags and the choice arguments set, in the order given."""
     vals: dict[str, Any] = {}
     for key, value in args.items():
-        if key in _MEGATRON_FLAGS:
-            vals.update(_MEGATRON_FLAGS[key])
-        elif key in _MEGATRON_CHOICES:
-            table = _MEGATRON_CHOICES[key]
+        if key in MEGATRON_FLAGS:
+            vals.update(MEGATRON_FLAGS[key])
+        elif key in MEGATRON_CHOICES:
+            table = MEGATRON_CHOICES[key]
             if value not in table:
                 raise ConfigError(f"Megatron argument {key}={value} is not supported (parbench "
                                   f"reads {', '.join(table)})")
@@ -208,7 +125,7 @@ def _choice_fields(args: dict[str, Any]) -> dict[str, Any]:
 def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     """The arguments that must agree with the model parbench builds; GQA's query groups and
     RoPE's base into ``vals``."""
-    for key, want in _MEGATRON_FIXED.items():
+    for key, want in MEGATRON_FIXED.items():
         if key in args and args[key] != want:
             raise ConfigError(f"Megatron argument {key}={args[key]} is not supported: parbench "
                               f"computes with {want}")
@@ -229,7 +146,7 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
 def _case_fields(args: dict[str, Any]) -> dict[str, Any]:
     """The bare case fields Megatron arguments set (ffn 0 = 4h unless given; the embeddings
     tied unless untied, as Megatron ties them)."""
-    vals = {_MEGATRON_ARGS[k][0]: v for k, v in args.items() if k in _MEGATRON_ARGS}
+    vals = {MEGATRON_ARGS[k][0]: v for k, v in args.items() if k in MEGATRON_ARGS}
     vals.setdefault("tie_embeddings", True)
     vals.update(_choice_fields(args))
     _megatron_checks(args, vals)
@@ -291,51 +208,6 @@ def _dp(fields: dict[str, Any], world_size: int | None) -> int:
     return world_size // (tp * cp * pp)
 
 
-def from_deepspeed_json(cfg: dict | str, world_size: int = 1) -> CaseConfig:
-    """Build a case from a DeepSpeed config (dict or JSON text/path).
-
-    Reads ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-    ``train_batch_size`` (checked: = micro * accum * dp), ``zero_optimization.stage``,
-    ``bf16``/``fp16``, ``optimizer`` and ``gradient_clipping`` (``clip_grad``). dp = world_size (no model parallelism in the JSON).
-    """
-    cfg = _load_json(cfg)
-    rc = RunConfig()
-    mb = cfg.get("train_micro_batch_size_per_gpu")
-    ga = cfg.get("gradient_accumulation_steps")
-    tb = cfg.get("train_batch_size")
-    if mb is None and tb is not None and ga is not None:
-        mb = tb // (ga * world_size)
-    if ga is None and tb is not None and mb is not None:
-        ga = tb // (mb * world_size)
-    lay = Layout(dp=world_size, micro_batch_size=int(mb or 1), num_microbatches=int(ga or 1))
-    if tb is not None and tb != lay.global_batch_size:
-        raise ConfigError(f"train_batch_size={tb} != train_micro_batch_size_per_gpu*"
-                          f"gradient_accumulation_steps*world_size="
-                          f"{lay.micro_batch_size}*{lay.num_microbatches}*{world_size}")
-    zero = int(cfg.get("zero_optimization", {}).get("stage", 0))
-    if cfg.get("fp16", {}).get("enabled"):
-        raise ConfigError("fp16.enabled=true is not supported (parbench runs fp32 or bf16)")
-    if cfg.get("bf16", {}).get("enabled"):
-        rc.dtype = "bf16"
-    opt = cfg.get("optimizer")
-    if opt:
-        kind = str(opt.get("type", "")).lower()
-        if kind in ("adamw", "adam"):
-            rc.optimizer = "adamw"
-        elif kind == "sgd":
-            rc.optimizer = "sgd"
-        else:
-            raise ConfigError(f"optimizer.type={opt.get('type')!r} must be AdamW or SGD")
-        params = opt.get("params", {})
-        rc.lr = float(params.get("lr", rc.lr))
-        rc.weight_decay = float(params.get("weight_decay", rc.weight_decay))
-        if "betas" in params:
-            rc.beta1, rc.beta2 = (float(x) for x in params["betas"])
-        rc.eps = float(params.get("eps", rc.eps))
-    rc.clip_grad = float(cfg.get("gradient_clipping", rc.clip_grad))
-    return CaseConfig(layout=lay, options=Options().with_values(zero_stage=zero), run=rc)
-
-
 #: the option and run fields Megatron arguments may set (the others are model/layout fields)
 _MEGATRON_OTHER_KEYS = {"sp": "tensor.sp", "recompute": "recompute", "clip_grad": "run.clip_grad",
                         "lr": "run.lr", "weight_decay": "run.weight_decay", "beta1": "run.beta1",
@@ -356,7 +228,7 @@ def megatron_overrides(text: str) -> dict[str, str]:
     args = megatron_values(argv)
     fields = _case_fields(args)
     given = set(fields) - {"ffn_hidden_size"} \
-        | {_MEGATRON_DERIVED[k] for k in args if k in _MEGATRON_DERIVED}
+        | {MEGATRON_DERIVED[k] for k in args if k in MEGATRON_DERIVED}
     if "--ffn-hidden-size" in args:
         given.add("ffn_hidden_size")
     out: dict[str, str] = {}
@@ -369,46 +241,4 @@ def megatron_overrides(text: str) -> dict[str, str]:
     for name, key in _MEGATRON_OTHER_KEYS.items():
         if name in fields:
             out[key] = _text(fields[name])
-    return out
-
-
-def deepspeed_overrides(path_or_text: str, world_size: int | None = None) -> dict[str, str]:
-    """``key=value`` overrides from a DeepSpeed JSON config: batch sizes, ZeRO stage, dtype and
-    optimizer. Fields the JSON does not set are left to the suite."""
-    cfg = _load_json(path_or_text)
-    case = from_deepspeed_json(cfg, world_size or 1)
-    out: dict[str, str] = {}
-    if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" in cfg:
-        out["layout.micro_batch_size"] = str(case.layout.micro_batch_size)
-    if "gradient_accumulation_steps" in cfg or "train_batch_size" in cfg:
-        out["layout.num_microbatches"] = str(case.layout.num_microbatches)
-    if "zero_optimization" in cfg:
-        out["data.zero_stage"] = str(case.options.data.zero_stage)
-    if cfg.get("bf16", {}).get("enabled"):
-        out["run.dtype"] = "bf16"
-    if cfg.get("optimizer"):
-        for name in ("optimizer", "lr", "weight_decay", "beta1", "beta2", "eps"):
-            out[f"run.{name}"] = str(getattr(case.run, name))
-    if "gradient_clipping" in cfg:
-        out["run.clip_grad"] = str(case.run.clip_grad)
-    return out
-
-
-def _load_json(cfg: dict | str) -> dict:
-    if isinstance(cfg, dict):
-        return cfg
-    text = cfg
-    if not cfg.lstrip().startswith("{"):
-        try:
-            with open(cfg) as fh:
-                text = fh.read()
-        except OSError as e:
-            raise ConfigError(f"deepspeed_config={cfg!r} cannot be read ({e.strerror})") from None
-    try:
-        out = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed_config={cfg!r} is not valid JSON ({e.msg}, line "
-                          f"{e.lineno})") from None
-    if not isinstance(out, dict):
-        raise ConfigError(f"deepspeed_config={cfg!r} must hold a JSON object")
     return out

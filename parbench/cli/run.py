@@ -71,7 +71,7 @@ def skip_unavailable(suite) -> None:
 
 def load_checked_suite(args: list[str]):
     """The suite named by ``args`` with its overrides applied and every case checked."""
-    from ..imports import deepspeed_overrides
+    from ..import_deepspeed import deepspeed_overrides
     from ..worker import in_torchrun
     from ..suites import check_suite, load_suite
 

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from parbench.config import CaseConfig, ConfigError, model_preset, validate_case
-from parbench.imports import from_deepspeed_json, from_megatron_args
+from parbench.import_deepspeed import from_deepspeed_json
+from parbench.imports import from_megatron_args
 from parbench.overrides import apply_overrides
 
 

@@ -1,0 +1,95 @@
+"""What each Megatron-LM command-line argument does to a parbench case (data for
+:mod:`parbench.imports`): the arguments that set fields, the flags, the choices, the ones the
+checks read, the derived ones, those ignored (schedule, data, logging, performance) and those
+refused (a computation parbench does not model), each table named by its role."""
+from __future__ import annotations
+
+#: Megatron arguments with one value that set a case field: name -> (bare field, type)
+MEGATRON_ARGS = {
+    "--tensor-model-parallel-size": ("tp", int), "--pipeline-model-parallel-size": ("pp", int),
+    "--context-parallel-size": ("cp", int), "--expert-model-parallel-size": ("ep", int),
+    "--expert-tensor-parallel-size": ("etp", int), "--micro-batch-size": ("micro_batch_size", int),
+    "--num-layers": ("num_layers", int), "--hidden-size": ("hidden_size", int),
+    "--num-attention-heads": ("num_heads", int), "--ffn-hidden-size": ("ffn_hidden_size", int),
+    "--seq-length": ("seq_length", int), "--vocab-size": ("vocab_size", int),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", int),
+    "--init-method-std": ("init_std", float), "--num-experts": ("num_experts", int),
+    "--moe-router-topk": ("moe_top_k", int), "--moe-aux-loss-coeff": ("moe_aux_loss_coef", float),
+    "--moe-z-loss-coeff": ("moe_z_loss_coef", float),
+    "--moe-expert-capacity-factor": ("moe_capacity_factor", float),
+    "--moe-layer-freq": ("moe_every", int), "--clip-grad": ("clip_grad", float),
+    "--lr": ("lr", float), "--weight-decay": ("weight_decay", float),
+    "--adam-beta1": ("beta1", float), "--adam-beta2": ("beta2", float),
+    "--adam-eps": ("eps", float), "--seed": ("seed", int),
+}
+#: Megatron flags that set case fields: name -> {bare field: value}
+MEGATRON_FLAGS = {
+    "--sequence-parallel": {"sp": True}, "--swiglu": {"mlp": "swiglu"},
+    "--disable-bias-linear": {"bias": False}, "--bf16": {"dtype": "bf16"},
+    "--untie-embeddings-and-output-weights": {"tie_embeddings": False},
+    "--use-rotary-position-embeddings": {"rope_theta": 10000.0, "position_embeddings": False},
+    "--no-position-embedding": {"position_embeddings": False},
+}
+#: Megatron arguments whose value picks fields: name -> {value: {bare field: value}}
+MEGATRON_CHOICES = {
+    "--normalization": {"LayerNorm": {"norm": "layernorm"}, "RMSNorm": {"norm": "rmsnorm"}},
+    "--position-embedding-type": {
+        "learned_absolute": {"position_embeddings": True, "rope_theta": 0.0},
+        "rope": {"position_embeddings": False, "rope_theta": 10000.0},
+        "none": {"position_embeddings": False, "rope_theta": 0.0}},
+    "--recompute-granularity": {"full": {"recompute": "full"},
+                                "selective": {"recompute": "selective"}},
+    "--moe-router-load-balancing-type": {"aux_loss": {}, "none": {"moe_aux_loss_coef": 0.0}},
+    "--transformer-impl": {"local": {}, "transformer_engine": {}},
+}
+#: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
+MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
+                     "--max-position-embeddings": int, "--rotary-percent": float,
+                     "--attention-dropout": float, "--hidden-dropout": float}
+MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention"})
+#: Megatron arguments that derive a layout field from the others
+MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
+                     "--num-layers-per-virtual-pipeline-stage": "vpp"}
+#: Megatron flags that do not change what parbench computes (performance, logging, checkpoints)
+MEGATRON_IGNORED_FLAGS = frozenset("--" + n for n in """
+use-flash-attn use-mcore-models overlap-grad-reduce overlap-param-gather
+use-distributed-optimizer cross-entropy-loss-fusion manual-gc no-masked-softmax-fusion
+no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
+no-gradient-accumulation-fusion log-throughput log-params-norm log-num-zeros-in-grad
+log-timers-to-tensorboard log-validation-ppl-to-tensorboard log-memory-to-tensorboard
+log-progress tp-comm-overlap moe-grouped-gemm moe-permute-fusion mock-data
+no-create-attention-mask-in-dataloader no-async-tensor-model-parallel-allreduce
+no-load-optim no-load-rng no-save-optim no-save-rng exit-on-missing-checkpoint
+use-checkpoint-args accumulate-allreduce-grads-in-fp32 attention-softmax-in-fp32
+distribute-saved-activations use-torch-fsdp2 ddp-average-in-collective
+align-grad-reduce align-param-gather defer-embedding-wgrad-compute""".split())
+#: Megatron arguments with values that do not change what parbench computes (schedule, data,
+#: logging, checkpoints, performance); their values are skipped up to the next ``--``
+MEGATRON_IGNORED_VALUED = frozenset("--" + n for n in """
+lr-decay-style lr-warmup-iters lr-warmup-fraction lr-warmup-samples lr-decay-iters
+lr-decay-samples lr-warmup-init min-lr train-iters train-samples data-path train-data-path
+valid-data-path test-data-path split tokenizer-type tokenizer-model vocab-file merge-file
+data-cache-path log-interval save load save-interval eval-interval eval-iters
+tensorboard-dir tensorboard-queue-size wandb-project wandb-exp-name wandb-save-dir
+attention-backend num-workers distributed-backend distributed-timeout-minutes
+manual-gc-interval ckpt-format moe-token-dispatcher-type exit-duration-in-mins
+exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
+moe-router-dtype optimizer""".split())
+#: Megatron arguments that change the computation in ways parbench does not model
+MEGATRON_REFUSED = {
+    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
+    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
+    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not modelled yet",
+    "--account-for-loss-in-pipeline-split": "uneven pipeline stages are not modelled yet",
+    "--multi-latent-attention": "multi-latent attention is not modelled",
+    "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
+    "--qk-layernorm": "query/key norms are not modelled",
+    "--fp16": "parbench runs fp32 or bf16 (no fp16 loss scaling)",
+    "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
+    "--moe-shared-expert-intermediate-size": "shared experts are not modelled",
+    "--rampup-batch-size": "a batch size that changes during training is not modelled",
+    "--recompute-method": "only whole-model recomputation (granularity) is modelled",
+    "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
+}
+#: Megatron arguments that must keep one value (the one parbench computes with): name -> value
+MEGATRON_FIXED = {"--rotary-percent": 1.0, "--attention-dropout": 0.0, "--hidden-dropout": 0.0}
