@@ -123,22 +123,31 @@ def rank_memory(shape, lay: Layout, options: Options, counting: Counting,
                 in_flight: Callable[[int], float]) -> list[RankMemory]:
     """Every pipeline rank's peak bytes (module doc); ``in_flight(r)``: micro-batches' worth
     of rank r's layers it holds at its peak."""
+    per_rank, dense, moe = _static_of(shape, lay, options, counting)
+    return [_rank(r, row, in_flight(r), dense, moe, counting)
+            for r, row in enumerate(per_rank)]
+
+
+def _static_of(shape, lay: Layout, options: Options, counting: Counting):
+    """:func:`_static` for the layout's grid (its degrees and micro-batch size)."""
     shp = padded_shape(shape_from(shape), lay.tp)
     sp = options.tensor.sp and lay.tp > 1
     grid = Layout(tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp, dp=lay.dp, pp=lay.pp,
                   vpp=lay.vpp, micro_batch_size=lay.micro_batch_size)
-    per_rank, dense, moe = _static(shp, grid, sp, options.recompute,
-                                   options.data.zero_stage, counting)
-    acc = counting.accounting_name
-    return [RankMemory(stage=r, model_states=states, activations=held * flight,
-                       recompute_working=work, logits=logits, in_flight_microbatches=flight,
-                       activation_per_layer=dense, activation_per_moe_layer=moe,
-                       accounting=acc)
-            for r, (states, held, work, logits) in enumerate(per_rank)
-            for flight in (in_flight(r),)]
+    return _static(shp, grid, sp, options.recompute, options.data.zero_stage, counting)
 
 
-@lru_cache(maxsize=4096)
+def _rank(r: int, row: tuple, flight: float, dense: float, moe, counting: Counting
+          ) -> RankMemory:
+    states, held, work, logits = row
+    return RankMemory(stage=r, model_states=states, activations=held * flight,
+                      recompute_working=work, logits=logits, in_flight_microbatches=flight,
+                      activation_per_layer=dense, activation_per_moe_layer=moe,
+                      accounting=counting.accounting_name)
+
+
+#: the planner prices tens of thousands of grids (degrees x micro-batch x options)
+@lru_cache(maxsize=65536)
 def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: Counting):
     """What does not depend on the schedule: per rank (model states, one micro-batch's
     activations of its layers, full recomputation's working layer, logits), and the dense
@@ -161,6 +170,13 @@ def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: C
 
 def peak_rank_memory(shape, lay: Layout, options: Options, counting: Counting,
                      in_flight: Callable[[int], float]) -> RankMemory:
-    """The most loaded pipeline rank of :func:`rank_memory` (the first of equal loads)."""
-    ranks = rank_memory(shape, lay, options, counting, in_flight)
-    return max(ranks, key=lambda rm: (rm.total, -rm.stage))
+    """The most loaded pipeline rank of :func:`rank_memory` (the first of equal loads),
+    found from the ranks' sums before one record is built (the planner's hot path)."""
+    per_rank, dense, moe = _static_of(shape, lay, options, counting)
+    best, best_r, best_flight = -1.0, 0, 0.0
+    for r, (states, held, work, logits) in enumerate(per_rank):
+        flight = in_flight(r)
+        total = states + held * flight + work + logits
+        if total > best:
+            best, best_r, best_flight = total, r, flight
+    return _rank(best_r, per_rank[best_r], best_flight, dense, moe, counting)
