@@ -44,6 +44,14 @@ def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False)
     return c
 
 
+def _local_kv_width(shape, tp: int) -> int:
+    """One tensor-parallel rank's key (or value) width: its share of the K/V heads, at least
+    one whole head -- a head replicated tp / num_kv_heads times when tp exceeds the heads
+    (the layout's replication rule)."""
+    d = shape.h // shape.a
+    return max(_kv(shape) // d // tp, 1) * d
+
+
 def fused_attention(trn: Training, profile: Profile) -> bool:
     """Whether the attention core is priced as one fused (flash) kernel: ``attention=flash``,
     or a calibrated profile (it timed parbench's own model, which runs PyTorch's fused
@@ -83,7 +91,7 @@ class _LocalLayer:
         T_ln = T // tp if (trn.options.tensor.sp and tp > 1) else T  # noqa: N806
         return cls(tp=tp, cp=cp, b=b, s_l=s_l, T=T, T_ln=T_ln, h=shape.h,
                    a_l=max(shape.a // tp, 1), d=shape.h // shape.a,
-                   kv_l=max(_kv(shape) // tp, 1), gated=_gated(shape), bias=_bias(shape),
+                   kv_l=_local_kv_width(shape, tp), gated=_gated(shape), bias=_bias(shape),
                    dt=trn.dtype, e=_e(trn.dtype), fused=fused_attention(trn, profile))
 
 

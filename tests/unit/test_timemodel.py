@@ -390,3 +390,14 @@ def test_split_backward_pays_one_engine_call_per_linear():
     calls = 8 * 4 * (16 // 4)
     assert busy("zb-h1", 1e-3) - busy("zb-h1", 0.0) >= calls * 1e-3 * (1 - 1e-9)
     assert busy("1f1b", 1e-3) - busy("1f1b", 0.0) < calls * 1e-3 / 4
+
+
+@pytest.mark.parametrize("tp, heads_per_rank", [(2, 4), (8, 1), (16, 1), (32, 1)])
+def test_a_rank_holds_its_share_of_kv_heads_or_one_replicated_head(tp, heads_per_rank):
+    """GQA with 8 K/V heads of 128: tp <= 8 splits them, tp > 8 replicates one head on each
+    rank (the layout's rule), never a fraction of a head."""
+    from parbench.analytic.shape import Shape
+    from parbench.timemodel.transformer_layer import _local_kv_width
+    shape = Shape(vocab_size=128, hidden_size=4096, num_layers=2, num_heads=32,
+                  seq_length=64, num_kv_heads=8)
+    assert _local_kv_width(shape, tp) == heads_per_rank * 128
