@@ -98,7 +98,7 @@ VERBS_HELP: dict[str, VerbHelp] = {
          "verbose": "each layout's breakdown", "max_tp": "largest tp (8)",
          "max_cp": "largest cp (8)", "schedules": "comma-separated schedules to search",
          "accounting": "bytes per parameter of the model states (as estimate)",
-         "attention": "eager|flash (activation memory, as estimate)"},
+         "attention": "eager|flash (activation memory and the attention core's time, as estimate)"},
         example="parbench plan model=gpt3-175b world=96 device=a100-80gb"),
     "reproduce": VerbHelp("reproduce NAME|all [out=DIR]",
                           "a paper's table beside the tool's figures",
