@@ -182,6 +182,8 @@ def test_committed_reference_is_the_tools_output(reproductions, name):
 def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(reproductions):
     """PTD-P Table 1's first row: published = Eq. 3 (96 B s l h^2 (1 + s/6h + V/16lh)) over
     X n, computed here; tool = the time model's step for the row's layout, priced here."""
+    from parbench.reproduce.throughput import TABLE1_RUNS
+    assert TABLE1_RUNS["1.7"] == (16, "torch", 1)
     from parbench.analytic.shape import Shape
     from parbench.timemodel import Training, load_profile, predict_step
     table = reproductions["throughput"].tables[0]
@@ -193,9 +195,10 @@ def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(rep
     shape = Shape(vocab_size=V, hidden_size=h, num_layers=l, num_heads=a, seq_length=s,
                   tie_embeddings=True, make_vocab_size_divisible_by=128)
     d = n // (t * p)
-    trn = Training.of(tp=t, pp=p, dp=d, micro_batch_size=1, num_microbatches=B // d,
+    # the authors' run script: micro-batch 16, PyTorch DDP, no pipeline
+    trn = Training.of(tp=t, pp=p, dp=d, micro_batch_size=16, num_microbatches=B // (d * 16),
                       schedule="1f1b", recompute="full", sp=False, zero_stage=0,
-                      attention="eager", overlap_grad_reduce=False)
+                      attention="eager", overlap_grad_reduce=True)
     assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb")).step_s
 
 
