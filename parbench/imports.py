@@ -17,6 +17,7 @@ from .config import CaseConfig, ConfigError
 from .layout import Layout
 from .megatron_args import (
     MEGATRON_ARGS,
+    MEGATRON_ATTENTION,
     MEGATRON_CHECKED,
     MEGATRON_CHECKED_FLAGS,
     MEGATRON_CHOICES,
@@ -107,6 +108,20 @@ def megatron_ignored(argv: list[str]) -> list[str]:
     return read_megatron(argv)[1]
 
 
+def megatron_attention(argv: list[str]) -> str:
+    """How the attention the arguments run is counted and priced (``flash`` or ``eager``):
+    ``--attention-backend`` (:data:`MEGATRON_ATTENTION`), Megatron-Core's ``auto`` when
+    absent."""
+    return _attention(megatron_values(argv).get("--attention-backend", "auto"))
+
+
+def _attention(backend: str) -> str:
+    if backend not in MEGATRON_ATTENTION:
+        raise ConfigError(f"Megatron argument --attention-backend={backend} is not supported "
+                          f"(parbench reads {', '.join(MEGATRON_ATTENTION)})")
+    return MEGATRON_ATTENTION[backend]
+
+
 def _choice_fields(args: dict[str, Any]) -> dict[str, Any]:
     """The fields the flags and the choice arguments set, in the order given."""
     vals: dict[str, Any] = {}
@@ -129,6 +144,8 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
         if key in args and args[key] != want:
             raise ConfigError(f"Megatron argument {key}={args[key]} is not supported: parbench "
                               f"computes with {want}")
+    if "--attention-backend" in args:
+        _attention(args["--attention-backend"])
     if args.get("--group-query-attention") and "--num-query-groups" in args:
         vals["num_kv_heads"] = args["--num-query-groups"]
     if vals.get("rope_theta") and "--rotary-base" in args:

@@ -45,7 +45,13 @@ MEGATRON_CHOICES = {
 #: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
 MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
                      "--max-position-embeddings": int, "--rotary-percent": float,
-                     "--attention-dropout": float, "--hidden-dropout": float}
+                     "--attention-dropout": float, "--hidden-dropout": float,
+                     "--attention-backend": str}
+#: ``--attention-backend`` -> how ``estimate`` counts and prices attention: Megatron-Core's
+#: ``auto`` (its default), ``flash`` and ``fused`` run a fused kernel that keeps no s x s
+#: scores; ``unfused`` and ``local`` materialise them
+MEGATRON_ATTENTION = {"auto": "flash", "flash": "flash", "fused": "flash", "unfused": "eager",
+                      "local": "eager"}
 MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention"})
 #: Megatron arguments that derive a layout field from the others
 MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
@@ -71,7 +77,7 @@ lr-decay-samples lr-warmup-init min-lr train-iters train-samples data-path train
 valid-data-path test-data-path split tokenizer-type tokenizer-model vocab-file merge-file
 data-cache-path log-interval save load save-interval eval-interval eval-iters
 tensorboard-dir tensorboard-queue-size wandb-project wandb-exp-name wandb-save-dir
-attention-backend num-workers distributed-backend distributed-timeout-minutes
+num-workers distributed-backend distributed-timeout-minutes
 manual-gc-interval ckpt-format moe-token-dispatcher-type exit-duration-in-mins
 exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
 moe-router-dtype optimizer""".split())
@@ -88,6 +94,7 @@ MEGATRON_REFUSED = {
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
     "--moe-shared-expert-intermediate-size": "shared experts are not modelled",
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
+    "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",
     "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
 }

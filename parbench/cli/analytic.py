@@ -191,6 +191,10 @@ def parse_estimate(args: list[str]) -> EstimateArgs:
     own = {k: ov.pop(k) for k in list(ov) if k in _own_key_names()}
     if own.get("megatron_args"):
         _import_megatron(ov, own["megatron_args"])
+        if "attention" not in own:
+            import shlex
+            from ..imports import megatron_attention
+            own["attention"] = megatron_attention(shlex.split(own["megatron_args"]))
     psi = None
     if "params" in own:
         psi = number("params", own["params"], minimum=0, strict=True)

@@ -104,8 +104,9 @@ def test_llama3_8b():
     assert (m.ffn_hidden_size, m.vocab_size) == (14336, 128256)
     assert (c.layout.cp, c.options.tensor.sp, c.run.lr) == (2, True, 0.00015)
     ign = megatron_ignored(shlex.split(LLAMA3_8B))
-    assert {"--use-mcore-models", "--attention-backend", "--mock-data",
-            "--tokenizer-model", "--overlap-grad-reduce"} <= set(ign)
+    assert {"--use-mcore-models", "--mock-data", "--tokenizer-model",
+            "--overlap-grad-reduce"} <= set(ign)
+    assert "--attention-backend" not in ign  # read: how estimate counts attention
 
 
 def test_llama3_70b():
@@ -149,6 +150,9 @@ def test_llama3_8b_parameters_on_the_command_line(capsys):
     ("--seq-length 64 --max-position-embeddings 32", "below --seq-length=64"),
     ("--normalization Foo", "--normalization=Foo is not supported"),
     ("--num-layers", "needs a value"),
+    ("--attention-backend magic", "--attention-backend=magic is not supported"),
+    ("--step-batch-size-schedule '0:16 2.4B:320'", "--step-batch-size-schedule is not "
+                                                    "supported: a batch size that changes"),
 ])
 def test_refused_and_unknown_arguments_one_clear_line(text, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -163,3 +167,42 @@ def test_flags_and_values_parse_apart():
     assert (c.model.num_layers, c.model.hidden_size, c.model.num_heads) == (4, 64, 4)
     assert megatron_ignored(argv) == ["--use-flash-attn", "--data-path", "--log-interval",
                                       "--manual-gc"]
+
+
+#: NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh, its argument arrays
+#: in order as the script passes them (paths and the tokenizer model replaced), unmodified
+MIXTRAL_SCRIPT = """
+--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
+--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+--init-method-std 0.01 --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm
+--position-embedding-type rope --swiglu --untie-embeddings-and-output-weights
+--group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000
+--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+--moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+--overlap-param-gather --overlap-grad-reduce
+--tokenizer-type Llama2Tokenizer --tokenizer-model /tok --data-path /data --split 99990,8,2
+--micro-batch-size 1 --global-batch-size 256 --lr 1e-4 --train-iters 500000
+--lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1
+--lr-warmup-iters 500 --clip-grad 1.0 --bf16
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+--expert-model-parallel-size 8 --use-distributed-optimizer --sequence-parallel
+--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save /ck
+--load /ck --tensorboard-dir /ck/tensorboard --no-load-optim --no-load-rng
+"""
+
+
+def test_megatron_lms_own_mixtral_script_estimates_with_its_default_flash_attention(capsys):
+    """The official script, not a list written after it: it imports as it is, and with no
+    --attention-backend Megatron-Core runs its fused kernel (``auto``), so estimate counts
+    flash attention -- eager scores of 32 heads x 4096^2 would not fit an 80 GB device."""
+    args = ["estimate", "megatron_args=" + " ".join(MIXTRAL_SCRIPT.split()),
+            "device=a100-80gb", "--json"]
+    assert main(args) == 0
+    flash = json.loads(capsys.readouterr().out)
+    assert main(args + ["attention=eager"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert flash["memory"]["activations"]["attention"] == "flash"
+    assert eager["memory"]["activations"]["attention"] == "eager"
+    # the script's layout (ep 8, pp 4 on 64 GPUs) fits with the fused kernel only
+    assert flash["time"]["fits"] and not eager["time"]["fits"]
