@@ -130,11 +130,19 @@ def rank_memory(shape, lay: Layout, options: Options, counting: Counting,
 
 def _static_of(shape, lay: Layout, options: Options, counting: Counting):
     """:func:`_static` for the layout's grid (its degrees and micro-batch size)."""
-    shp = padded_shape(shape_from(shape), lay.tp)
-    sp = options.tensor.sp and lay.tp > 1
-    grid = Layout(tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp, dp=lay.dp, pp=lay.pp,
-                  vpp=lay.vpp, micro_batch_size=lay.micro_batch_size)
-    return _static(shp, grid, sp, options.recompute, options.data.zero_stage, counting)
+    grid = (lay.tp, lay.cp, lay.ep, lay.etp, lay.dp, lay.pp, lay.vpp, lay.micro_batch_size)
+    return _static_grid(shape_from(shape), grid, options.tensor.sp and lay.tp > 1,
+                        options.recompute, options.data.zero_stage, counting)
+
+
+@lru_cache(maxsize=65536)
+def _static_grid(shape: Shape, grid: tuple, sp: bool, mode: str, zero: int,
+                 counting: Counting):
+    """:func:`_static` keyed by the grid's numbers: the padded shape and the grid's Layout
+    are built once per grid, not once per candidate the planner prices."""
+    tp, cp, ep, etp, dp, pp, vpp, b = grid
+    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp, vpp=vpp, micro_batch_size=b)
+    return _static(padded_shape(shape, tp), lay, sp, mode, zero, counting)
 
 
 def _rank(r: int, row: tuple, flight: float, dense: float, moe, counting: Counting
@@ -146,12 +154,10 @@ def _rank(r: int, row: tuple, flight: float, dense: float, moe, counting: Counti
                       accounting=counting.accounting_name)
 
 
-#: the planner prices tens of thousands of grids (degrees x micro-batch x options)
-@lru_cache(maxsize=65536)
 def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: Counting):
     """What does not depend on the schedule: per rank (model states, one micro-batch's
     activations of its layers, full recomputation's working layer, logits), and the dense
-    and MoE layer's bytes. Cached: the planner asks for the same grid many times."""
+    and MoE layer's bytes (cached through :func:`_static_grid`)."""
     acc = counting.accounting_name
     dense, moe = layer_bytes(shp, lay, sp, mode, counting)
     working = layer_bytes(shp, lay, sp, "none", counting) if mode == "full" else (0.0, None)
