@@ -17,6 +17,7 @@ from pathlib import Path
 
 from parbench.worker import free_port
 from parbench.results import load_rows
+from tests.helpers import SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PER_NODE = 2, 2
@@ -25,7 +26,10 @@ WORLD = NODES * PER_NODE
 #: their torch baselines); the others (pp=2, tp=2, cp=2 times dp=4) are world 8 and are
 #: left out under a world-4 torchrun job
 RUN_ARGS = ["suite=smoke", f"dp={WORLD}"]
-TIMEOUT_S = 240  # a hang fails the test instead of blocking it
+#: a hang fails the test instead of blocking it: the CLI tests' net (tests/helpers.py), not a
+#: bound on wall time -- under two busy-loop processes the job took 206 s of the 240 s this
+#: was, and a slower run was killed as "hung"
+TIMEOUT_S = SUBPROCESS_TIMEOUT_S
 
 
 def _expected_case_ids(monkeypatch) -> list[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SUBPROCESS_TIMEOUT_S
+
 USER_DDP = textwrap.dedent('''
     import torch.distributed as dist
     from parbench import Scheme, build_model, dp_slice, make_optimizer, microbatches
@@ -56,7 +58,7 @@ def verify(cwd, *args):
     its sys.path: verify puts it there, like ``python -m``)."""
     script = Path(sys.executable).parent / "parbench"
     return subprocess.run([str(script), "verify", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
 @pytest.fixture
