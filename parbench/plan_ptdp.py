@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .analytic.shape import Shape
 from .plan import Space, plan
-from .reproduce.ptdp import TABLE1, S, V
+from .reproduce.ptdp import TABLE1, gpt_shape
 from .timemodel import Training, load_profile
 
 
@@ -47,11 +47,9 @@ class PtdpCheck:
 
 
 def row_shape(row: int) -> Shape:
-    """Table 1 row ``row`` (1-based) as a model shape: GPT, V = 51,200 padded to a multiple
-    of 128 t (Megatron's default), s = 2,048, tied embeddings, f = 4h."""
+    """Table 1 row ``row`` (1-based) as a model shape (:func:`~.reproduce.ptdp.gpt_shape`)."""
     _, a, h, l, *_ = TABLE1[row - 1]  # noqa: E741
-    return Shape(vocab_size=V, hidden_size=h, num_layers=l, num_heads=a, seq_length=S,
-                 tie_embeddings=True, make_vocab_size_divisible_by=128)
+    return gpt_shape(a, h, l)
 
 
 def check_row(row: int, device: str = "a100-80gb", keep: int = 50,

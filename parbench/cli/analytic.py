@@ -112,13 +112,15 @@ def _given_fields(ov: dict[str, str]) -> set[str]:
     return names
 
 
-def _import_megatron(ov: dict[str, str], text: str) -> None:
+def _import_megatron(ov: dict[str, str], text: str) -> str:
     """Megatron-LM arguments as case keys (their run fields, optimizer and dtype, are not
-    estimate's: dropped); a key given on the command line wins; the ignored ones on stderr."""
+    estimate's: dropped); a key given on the command line wins; the ignored ones on stderr.
+    Returns the attention they run (``imports.megatron_attention``)."""
     import shlex
     import sys
-    from ..imports import megatron_ignored, megatron_overrides
-    ignored = megatron_ignored(shlex.split(text))
+    from ..imports import megatron_attention, megatron_ignored, megatron_overrides
+    argv = shlex.split(text)
+    ignored = megatron_ignored(argv)
     if ignored:
         print("ignored Megatron arguments (they do not change what parbench computes): "
               + " ".join(ignored), file=sys.stderr)
@@ -127,6 +129,7 @@ def _import_megatron(ov: dict[str, str], text: str) -> None:
         if not key.startswith("run.") and resolve_key(key).name not in given:
             ov[key] = value
     ov.setdefault("model", "custom")
+    return megatron_attention(argv)
 
 
 def _case(ov: dict[str, str], with_model: bool) -> CaseConfig:
@@ -190,11 +193,7 @@ def parse_estimate(args: list[str]) -> EstimateArgs:
     ov = parse_overrides(args)
     own = {k: ov.pop(k) for k in list(ov) if k in _own_key_names()}
     if own.get("megatron_args"):
-        _import_megatron(ov, own["megatron_args"])
-        if "attention" not in own:
-            import shlex
-            from ..imports import megatron_attention
-            own["attention"] = megatron_attention(shlex.split(own["megatron_args"]))
+        own.setdefault("attention", _import_megatron(ov, own["megatron_args"]))
     psi = None
     if "params" in own:
         psi = number("params", own["params"], minimum=0, strict=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..analytic.flops import training_time_estimate
 from ..analytic.params import textbook_total_params
+from ..analytic.shape import Shape
 from .core import Cell, Reproduction, Setting, Source, Table
 
 PAPER = ("Narayanan, Shoeybi, Casper, LeGresley, Patwary, Korthikanti, Vainbrand, Kashinkunti, "
@@ -41,6 +42,14 @@ ESTIMATES = [
     dict(label="1T (Table 1, last row)", h=25600, l=128, tokens=450e9, gpus=3072, tflops=163,
          days="84"),
 ]
+
+def gpt_shape(a: int, h: int, l: int) -> Shape:  # noqa: E741
+    """The papers' GPT with ``a`` heads, hidden ``h`` and ``l`` layers as a model shape:
+    V = 51,200 padded to a multiple of 128 t (Megatron's default), s = 2,048, tied
+    embeddings, f = 4h (the planner's Table 1 check and ``reproduce throughput``)."""
+    return Shape(vocab_size=V, hidden_size=h, num_layers=l, num_heads=a, seq_length=S,
+                 tie_embeddings=True, make_vocab_size_divisible_by=128)
+
 
 _CHECKED = ("confirmed against two independent transcriptions of Table 1 and a quotation of "
             "Sec. 5.1")

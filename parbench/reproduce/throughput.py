@@ -44,13 +44,6 @@ TABLE1_RUNS = {
 RUN_SCRIPT = "NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_table_1.sh"
 
 
-def _shape(a: int, h: int, l: int) -> Shape:  # noqa: E741
-    """A GPT of the papers: V = 51,200 padded to 128 t (Megatron's default), s = 2,048,
-    tied embeddings, f = 4h."""
-    return Shape(vocab_size=ptdp.V, hidden_size=h, num_layers=l, num_heads=a,
-                 seq_length=ptdp.S, tie_embeddings=True, make_vocab_size_divisible_by=128)
-
-
 def _predicted(shape: Shape, training: Training) -> tuple[float, str]:
     """The predicted step (s) and a note of where its time goes."""
     st = predict_step(shape, training, load_profile(DEVICE))
@@ -72,7 +65,7 @@ def table1_rows() -> Table:
                           schedule="interleaved" if vpp > 1 else "1f1b", recompute="full",
                           sp=False, zero_stage=0, attention="eager",
                           overlap_grad_reduce=ddp == "torch")
-        tool, note = _predicted(_shape(a, h, l), trn)
+        tool, note = _predicted(ptdp.gpt_shape(a, h, l), trn)
         cells.append(Cell(f"{printed}B: t = {t}, p = {p}, d = {d}, B = {B}, b = {mbs}"
                           + (f", v = {vpp}" if vpp > 1 else "") + f", {x} TFLOP/s",
                           published, tool, "s", note=note))
@@ -103,7 +96,7 @@ def table5_rows() -> Table:
                           num_microbatches=m["B"] // (d * korthikanti.MICRO_BATCH),
                           schedule="1f1b", recompute="selective", sp=True, zero_stage=0,
                           attention="eager")
-        tool, note = _predicted(_shape(m["a"], m["h"], m["l"]), trn)
+        tool, note = _predicted(ptdp.gpt_shape(m["a"], m["h"], m["l"]), trn)
         cells.append(Cell(f"{name}: t = {m['t']}, p = {m['p']}, {m['gpus']} GPUs, "
                           f"B = {m['B']}", float(m["time"]), tool, "s", printed=m["time"],
                           note=note))
