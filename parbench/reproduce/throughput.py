@@ -73,9 +73,11 @@ def table1_rows() -> Table:
         "ptdp-table1", "PTD-P Table 1: step time (s), published beside predicted",
         Source(ptdp.PAPER, "Table 1 (achieved teraFLOP/s per GPU), Eq. 3",
                "Table 1 as in parbench.reproduce.ptdp (confirmed there)"),
-        [Setting("micro-batch size b per row", "16, 16, 16, 8, 4, 2, 2, 1, 1, 1", RUN_SCRIPT),
-         Setting("schedule", "interleaved 1F1B with v = 3, 2, 2, 3 virtual stages for the "
-                 "76.1B, 145.6B, 310.1B, 529.6B rows; 1F1B otherwise", RUN_SCRIPT),
+        [Setting("micro-batch size b per row",
+                 ", ".join(str(b) for b, _, _ in TABLE1_RUNS.values()), RUN_SCRIPT),
+         Setting("schedule", "interleaved 1F1B with v virtual stages per rank ("
+                 + ", ".join(f"{k}B: v = {v}" for k, (_, _, v) in TABLE1_RUNS.items()
+                             if v > 1) + "); 1F1B otherwise", RUN_SCRIPT),
          Setting("gradient all-reduce", "PyTorch DDP (overlapping the backward) for the "
                  "rows without pipelining, Megatron's local DDP (after the backward) with it",
                  RUN_SCRIPT + " (--DDP-impl)"),
