@@ -182,6 +182,10 @@ def _derived_layout(case: CaseConfig, args: dict[str, Any],
             raise ConfigError(f"world_size={world_size} is not a multiple of tp*cp*pp={denom}")
         lay = replace(lay, dp=world_size // denom)
     per_vstage = args.get("--num-layers-per-virtual-pipeline-stage")
+    if per_vstage and lay.uneven:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per_vstage} with uneven "
+                          "pipeline stages: give --num-virtual-stages-per-pipeline-rank "
+                          "(Megatron-LM's rule)")
     if per_vstage:
         per_stage = case.model.num_layers // lay.pp
         if per_stage % per_vstage:

@@ -89,6 +89,10 @@ class Layout:
     ``etp``: expert tensor-parallel size, 0 = tp (Megatron-Core's default). ``vpp``: model
     chunks (virtual stages) per pipeline rank. ``num_microbatches``: per data-parallel rank
     per step. ``schedule``: the pipeline schedule's name (``parbench.schedules``).
+    ``first_stage_layers`` / ``last_stage_layers``: the layers of the first / last pipeline
+    rank when they differ from the others (Megatron-Core's
+    ``num_layers_in_first_pipeline_stage`` / ``..._last_...``; 0 = not set, an even split);
+    see :func:`pipeline_chunks`.
     """
 
     tp: int = 1
@@ -101,6 +105,8 @@ class Layout:
     micro_batch_size: int = 2
     num_microbatches: int = 1
     schedule: str = "1f1b"
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -109,13 +115,14 @@ class Layout:
                 if not isinstance(v, str) or not v:
                     raise ConfigError(f"schedule={v!r} must be a schedule name")
                 continue
-            low = 0 if f.name == "etp" else 1
+            low = 0 if f.name in _ZERO_MEANS_UNSET else 1
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{f.name}={v!r} must be an integer")
             if v < low:
                 raise ConfigError(f"{f.name}={v} must be >= {low}"
                                   + (" (0 = tp)" if f.name == "etp" else ""))
         _check_expert_grid(self)
+        _check_uneven_stages(self)
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -152,6 +159,22 @@ class Layout:
     def degrees(self) -> dict[str, int]:
         """The five degrees a case sets, in Megatron's order: ``{"tp": 2, "cp": 1, ...}``."""
         return {a.value: getattr(self, a.value) for a in DEGREES}
+
+    @property
+    def uneven(self) -> bool:
+        """The first or the last pipeline rank holds its own number of layers."""
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[int]:
+        """Layers of each virtual stage ``c * pp + r`` (chunk c of pipeline rank r), in the
+        model's order: :func:`pipeline_chunks` of this layout."""
+        return pipeline_chunks(num_layers, self.pp, self.vpp, self.first_stage_layers,
+                               self.last_stage_layers)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers held by each pipeline rank (its chunks summed)."""
+        chunks = self.chunk_layers(num_layers)
+        return [sum(chunks[c * self.pp + r] for c in range(self.vpp)) for r in range(self.pp)]
 
     def grid(self) -> "Layout":
         """The rank grid alone: the degrees and etp, the rest at their defaults (two cases
@@ -251,6 +274,73 @@ class Layout:
         return not any(True for _ in model_rules(self, model, sp=sp, cp_balance=cp_balance))
 
 
+#: fields whose 0 means "not set" (the others are at least 1)
+_ZERO_MEANS_UNSET = ("etp", "first_stage_layers", "last_stage_layers")
+
+
+def _check_uneven_stages(lay: Layout) -> None:
+    """An uneven first / last stage needs a pipeline, and (interleaved) as many chunks of it
+    as vpp: Megatron-Core's ``TransformerConfig`` rules."""
+    for name in ("first_stage_layers", "last_stage_layers"):
+        n = getattr(lay, name)
+        if n and lay.pp == 1:
+            raise ConfigError(f"{name}={n} needs pp > 1 (pp=1 has one stage)")
+        if n % lay.vpp:
+            raise ConfigError(f"{name}={n} is not a multiple of vpp={lay.vpp} (each of the "
+                              "rank's model chunks holds the same number of layers)")
+
+
+def pipeline_chunks(num_layers: int, pp: int, vpp: int = 1, first: int = 0,
+                    last: int = 0) -> list[int]:
+    """The layers of each virtual stage ``c * pp + r``, in the model's order; raises
+    :class:`ConfigError` naming the rule that the split breaks.
+
+    Even split (``first = last = 0``): every chunk holds L / (pp vpp) layers (Narayanan et al.
+    2021, Sec. 2.2). Uneven (Megatron-Core's ``num_layers_in_first_pipeline_stage`` and
+    ``..._last_...``, ``get_transformer_layer_offset``): the first / last rank holds ``first``
+    / ``last`` layers, the ``pp'`` ranks between (pp minus the ends that are set) share the
+    rest evenly, each rank's layers cut into ``vpp`` equal chunks. Llama 3 405B: 126 layers on
+    16 stages as 7 + 14 x 8 + 7 (Llama Team 2024, Sec. 3.3.2)."""
+    for msg in _split_rules(num_layers, pp, vpp, first, last):
+        raise ConfigError(msg)
+    middle_ranks = pp - bool(first) - bool(last)
+    mid = (num_layers - first - last) // middle_ranks if middle_ranks else 0
+    per_rank = [mid] * pp
+    if first:
+        per_rank[0] = first
+    if last:
+        per_rank[-1] = last
+    return [per_rank[r] // vpp for _ in range(vpp) for r in range(pp)]
+
+
+def chunk_range(chunks, num_layers: int, stage: int) -> tuple[int, int]:
+    """Layers [lo, hi) of virtual stage ``stage`` when the stages hold ``chunks`` layers
+    each, in the model's order (:func:`pipeline_chunks`); a list of another model refused."""
+    if sum(chunks) != num_layers or not 0 <= stage < len(chunks):
+        raise ValueError(f"chunks={list(chunks)} are not stages of num_layers={num_layers} "
+                         f"with a stage {stage}")
+    lo = sum(chunks[:stage])
+    return lo, lo + chunks[stage]
+
+
+def _split_rules(num_layers: int, pp: int, vpp: int, first: int, last: int):
+    """The broken rules of a split of ``num_layers`` over pp ranks of vpp chunks each."""
+    if not (first or last):
+        if num_layers % (pp * vpp):
+            yield f"pp*vpp={pp * vpp} does not divide num_layers={num_layers}"
+        return
+    middle_ranks = pp - bool(first) - bool(last)
+    rest = num_layers - first - last
+    ends = f"first_stage_layers={first}, last_stage_layers={last}"
+    if rest < 0 or bool(rest) != bool(middle_ranks):
+        yield (f"{ends} leave {rest} layers of num_layers={num_layers} for {middle_ranks} "
+               "other pipeline ranks (each of them needs layers, and every layer needs a "
+               "rank)")
+    elif middle_ranks and rest % (middle_ranks * vpp):
+        yield (f"{ends}: the {rest} other layers of num_layers={num_layers} do not split "
+               f"evenly over the {middle_ranks} other pipeline ranks x vpp={vpp} chunks")
+
+
 def _check_expert_grid(lay: Layout) -> None:
     """ep re-partitions the tp cp dp ranks of a stage as expert-tp x ep x expert-dp, so
     etp ep must divide tp cp dp (with etp = tp: ep divides cp dp)."""
@@ -285,7 +375,8 @@ def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = 
       two chunks); with sequence parallelism tp divides the rank's s / cp tokens (Korthikanti
       et al. 2022, Sec. 4.2.2);
     - ep divides the experts, and needs an MoE model;
-    - pp x vpp divides the layers (Narayanan et al. 2021, Sec. 2.2).
+    - pp x vpp divides the layers (Narayanan et al. 2021, Sec. 2.2), or the layers besides an
+      uneven first / last stage split evenly over the middle ranks (:func:`pipeline_chunks`).
     """
     d = _dims(model)
     t = lay.tp
@@ -309,5 +400,6 @@ def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = 
         yield f"ep={lay.ep} needs an MoE model (num_experts=0)"
     elif lay.ep > 1 and d["experts"] % lay.ep:
         yield f"ep={lay.ep} does not divide num_experts={d['experts']}"
-    if d["layers"] % (lay.pp * lay.vpp):
-        yield f"pp*vpp={lay.pp * lay.vpp} does not divide num_layers={d['layers']}"
+    if d["layers"]:
+        yield from _split_rules(d["layers"], lay.pp, lay.vpp, lay.first_stage_layers,
+                                lay.last_stage_layers)

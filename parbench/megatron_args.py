@@ -21,6 +21,9 @@ MEGATRON_ARGS = {
     "--lr": ("lr", float), "--weight-decay": ("weight_decay", float),
     "--adam-beta1": ("beta1", float), "--adam-beta2": ("beta2", float),
     "--adam-eps": ("eps", float), "--seed": ("seed", int),
+    "--decoder-first-pipeline-num-layers": ("first_stage_layers", int),
+    "--decoder-last-pipeline-num-layers": ("last_stage_layers", int),
+    "--num-virtual-stages-per-pipeline-rank": ("vpp", int),
 }
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
@@ -83,10 +86,10 @@ exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
 moe-router-dtype optimizer""".split())
 #: Megatron arguments that change the computation in ways parbench does not model
 MEGATRON_REFUSED = {
-    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not modelled yet",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not modelled yet",
-    "--account-for-loss-in-pipeline-split": "uneven pipeline stages are not modelled yet",
+    "--account-for-embedding-in-pipeline-split": "the embedding counted as a pipeline layer "
+    "is not modelled (give --decoder-first-pipeline-num-layers instead)",
+    "--account-for-loss-in-pipeline-split": "the loss counted as a pipeline layer is not "
+    "modelled (give --decoder-last-pipeline-num-layers instead)",
     "--multi-latent-attention": "multi-latent attention is not modelled",
     "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
     "--qk-layernorm": "query/key norms are not modelled",

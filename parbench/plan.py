@@ -8,7 +8,8 @@ as Megatron-Core lays them out):
   there): tp divides the heads, the K/V heads (or they divide tp), the MLP and, with
   sequence parallelism (on whenever tp > 1), the rank's s / cp tokens; 2 cp divides the
   sequence (the load-balanced split); ep divides the experts and cp dp (expert-tp = tp,
-  Megatron-Core's default); pp divides the layers; dp = N / (tp cp pp). With ``max_tp``,
+  Megatron-Core's default); pp divides the layers, or (``Space.uneven``) the layers besides
+  two lighter end ranks split evenly over the others; dp = N / (tp cp pp). With ``max_tp``,
   tp stays within a node's devices (Megatron keeps tensor parallelism inside the NVLink
   domain);
 - vpp (interleaved 1F1B) divides the layers per stage, and m passes the schedule's rules
@@ -63,6 +64,9 @@ class Space:
     #: expert tensor-parallel sizes searched for MoE models: 0 = tp (Megatron-Core's
     #: default), 1 = experts whole on each rank (``--expert-tensor-parallel-size 1``)
     etps: tuple[int, ...] = (0, 1)
+    #: where pp does not divide the layers, also search the split with lighter end ranks
+    #: (``_lighter_ends``; Megatron's ``--decoder-first/last-pipeline-num-layers``)
+    uneven: bool = True
 
 
 @dataclass
@@ -100,11 +104,28 @@ def _grids(shape, world: int, global_batch: int, space: Space):
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
+                ends = _lighter_ends(shape.l, pp) if space.uneven else (0, 0)
                 for ep, etp in _expert_degrees(shape, tp, tp * cp * dp, space):
                     lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp,
-                                 micro_batch_size=1)
+                                 micro_batch_size=1, first_stage_layers=ends[0],
+                                 last_stage_layers=ends[1])
                     if lay.fits_model(shape, sp=tp > 1, cp_balance="zigzag"):
                         yield lay
+
+
+def _lighter_ends(num_layers: int, pp: int) -> tuple[int, int]:
+    """(first, last) layers of the pipeline's end ranks where pp does not divide the layers:
+    both ends the same number, as many as leaves the middle ranks an even split with at
+    least one layer more each (the end ranks also hold the embedding and the LM head; Llama
+    3 405B: 126 layers on 16 stages as 7 + 14 x 8 + 7, Llama Team 2024, Sec. 3.3.2);
+    (0, 0): an even split, or none such."""
+    if pp < 3 or num_layers % pp == 0:
+        return 0, 0
+    for x in range(num_layers // pp, 0, -1):
+        rest = num_layers - 2 * x
+        if rest > 0 and rest % (pp - 2) == 0 and rest // (pp - 2) > x:
+            return x, x
+    return 0, 0
 
 
 def _expert_degrees(shape, tp: int, stage: int, space: Space):
@@ -137,7 +158,7 @@ def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Tra
         m = per_rank // b
         if grid.pp > 1 and m < grid.pp:
             continue
-        for schedule, vpp in _schedules(shape.l // grid.pp, grid.pp, m, space):
+        for schedule, vpp in _schedules(grid.stage_layers(shape.l), grid.pp, m, space):
             lay = replace(grid, vpp=vpp, schedule=schedule, micro_batch_size=b,
                           num_microbatches=m)
             for opts in options:
@@ -155,11 +176,12 @@ def _cp_algorithms(shape, grid: Layout, space: Space, base: Training) -> tuple[s
     return tuple(a for a in space.cp_algorithms if a != "ulysses" or heads_ok)
 
 
-def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
+def _schedules(stage_layers: list[int], pp: int, m: int, space: Space):
     """Every (schedule, vpp) of the space that its spec accepts on pp ranks with m
     micro-batches (``ScheduleSpec.refusal``: its chunks, fewest micro-batches and further
-    rules; never fewer than pp micro-batches) and whose chunks split a stage's layers evenly;
-    a schedule the time model does not price (``ScheduleSpec.unpriced``) is skipped."""
+    rules; never fewer than pp micro-batches) and whose chunks split each rank's layers
+    evenly (uneven end ranks: only schedules that place stages linearly or looped); a
+    schedule the time model does not price (``ScheduleSpec.unpriced``) is skipped."""
     if pp == 1:
         yield "1f1b", 1
         return
@@ -167,9 +189,12 @@ def _schedules(layers_per_stage: int, pp: int, m: int, space: Space):
         spec = get_spec(name)
         if not spec.priced or m < max(pp, spec.min_microbatches(pp)):
             continue
+        if len(set(stage_layers)) > 1 and not spec.takes_uneven_stages:
+            continue
         chunks = {ChunkRule.ONE: (1,), ChunkRule.TWO: (2,)}.get(spec.chunks, space.vpps)
         for vpp in chunks:
-            if layers_per_stage % vpp == 0 and spec.refusal(pp, m, spec.v_for(vpp)) is None:
+            if all(n % vpp == 0 for n in stage_layers) and \
+                    spec.refusal(pp, m, spec.v_for(vpp)) is None:
                 yield name, vpp
 
 

@@ -60,7 +60,8 @@ def localise(case: CaseConfig, row: Row, pool: WorkerPool | None = None) -> None
     from .verdict.divergence import earliest
     first, cls = row.verdict.first_failure, get_scheme(case.run.scheme)
     if row.passed or first is None or first.what not in _LOCALISED or first.step is None \
-            or not cls.checks_update or cls.module_probes is Scheme.module_probes:
+            or not cls.checks_update or cls.module_probes is Scheme.module_probes \
+            or row.verdict.uncovered:
         return
     task = {"case": case.to_dict(), "last": first.step}
     try:

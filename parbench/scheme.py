@@ -162,6 +162,9 @@ class Scheme(ABC):
     #: trains a packed model (``pack_docs > 0``: attention within documents, positions
     #: restarted; ``parbench.model.packing``); other schemes reject the field before spawning
     supports_packing: ClassVar[bool] = False
+    #: runs uneven end ranks of the pipeline (``Layout.first_stage_layers`` /
+    #: ``last_stage_layers``, Megatron-Core's split) -- the native pipeline schemes
+    supports_uneven_stages: ClassVar[bool] = False
     #: the LLaMA-style model features it runs (``ModelConfig.features``: rope, gqa, swiglu,
     #: rmsnorm, no-bias); a case using another is rejected before spawning
     model_features: ClassVar[frozenset] = frozenset()
@@ -206,6 +209,11 @@ class Scheme(ABC):
         if case.model.pack_docs and not cls.supports_packing:
             raise ConfigError(f"pack_docs={case.model.pack_docs}: scheme {cls.name} does not "
                               "attend within packed documents (set pack_docs=0)")
+        if case.layout.uneven and not cls.supports_uneven_stages:
+            raise ConfigError(f"first_stage_layers={case.layout.first_stage_layers}, "
+                              f"last_stage_layers={case.layout.last_stage_layers}: scheme "
+                              f"{cls.name} splits the layers evenly over its stages (set "
+                              "both to 0)")
 
     @classmethod
     def check_model_features(cls, case: CaseConfig) -> None:

@@ -24,14 +24,21 @@ def _layout(case: CaseConfig, name: str):
             shape_from(case.model))
 
 
+def stage_chunks(case: CaseConfig) -> list[int] | None:
+    """Each stage's layers where the case sets uneven end ranks (``Layout.chunk_layers``,
+    Megatron-Core's split); None: the even split."""
+    lay = case.layout
+    return lay.chunk_layers(case.model.num_layers) if lay.uneven else None
+
+
 def _figures(case, name, placement, p, m, v, shape) -> dict:
     act = closed.boundary_bytes(case.layout.micro_batch_size, shape.s, shape.h)
     stages = closed.num_stages(placement, p, v)
     return {"p2p_bytes_per_transfer": act,
             "schedule": {"name": name, "p": p, "m": m, "v": v, "num_stages": stages,
                          "placement": placement},
-            "params_per_rank": [closed.rank_numel(shape, placement, p, r, v)
-                                for r in range(p)]}
+            "params_per_rank": [closed.rank_numel(shape, placement, p, r, v,
+                                                  stage_chunks(case)) for r in range(p)]}
 
 
 def add_tied_traffic(case: CaseConfig, name: str, wire: list[dict], calls: list[dict]) -> None:
@@ -65,7 +72,8 @@ def pipeline_prediction(case: CaseConfig, name: str) -> Prediction:
         wire.append({"pp": float(nbytes)} if nbytes else {})
         calls.append({"pp": ncalls} if ncalls else {})
         states.append(closed.model_states(shape, placement, p, r, v,
-                                          optimizer=case.run.optimizer))
+                                          optimizer=case.run.optimizer,
+                                          chunks=stage_chunks(case)))
     add_tied_traffic(case, name, wire, calls)
     add_clip_traffic(case, wire, calls)
     return Prediction(wire_bytes=wire, model_state_bytes=states, calls=calls,

@@ -41,6 +41,7 @@ from parbench.scheme import Prediction, Scheme
 from parbench.schedules import (
     KINDS,
     Action,
+    ExecutorKind,
     GridEvent,
     Schedule,
     ScheduleError,
@@ -59,7 +60,7 @@ from impls.common.clip import clip_grads_
 from . import replicas
 from .executor import Executor
 from .metrics import bubble_metrics
-from .prediction import pipeline_prediction
+from .prediction import pipeline_prediction, stage_chunks
 from .tied import EMBD_AXIS, TiedEmbeddings, init_head_copy, reported_name
 from .weights import StageSlot, SyncWeights, WeightRule
 
@@ -98,19 +99,19 @@ class PipelineScheme(Scheme):
     #: masked loss normalised by the global batch's counted tokens (Megatron-LM's
     #: --calculate-per-token-loss); the asynchronous and segment schemes turn it off
     supports_loss_mask = True
+    #: uneven end ranks, where the schedule allows them (``_check_uneven``)
+    supports_uneven_stages = True
     model_features = MODEL_FEATURES  # each stage is a slice of the reference model
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        cfg, run = ctx.model, ctx.run
+        cfg = ctx.model
         self.m = ctx.layout.num_microbatches
         self.schedule = self.case_schedule(ctx.case)
         self.group = ctx.mesh.group("pp")
         self.group_ranks = ctx.mesh.ranks("pp")
         self.pp_rank = ctx.mesh.index("pp")
-        num_stages = self.schedule.num_stages
-        self.slots = {key: StageSlot(key[0], key[1],
-                                     build_stage(cfg, run.seed, key[1], num_stages).to(ctx.device))
+        self.slots = {key: StageSlot(key[0], key[1], self.build_stage(key[1]).to(ctx.device))
                       for key in self.schedule.stages_of(self.pp_rank)}
         self.tied = self.make_tied() if cfg.tie_embeddings else None
         self.weights = self.make_weights()
@@ -120,6 +121,13 @@ class PipelineScheme(Scheme):
         self._held: list[tuple[int, int]] = []  # (held graphs, activation bytes) per step
         # First use of the group by every member (NCCL creates communicators lazily).
         torch.distributed.barrier(group=self.group)
+
+    def build_stage(self, stage: int):
+        """Stage ``stage`` of the model: its layers (the even split, or the case's uneven
+        ends, ``stage_chunks``), the embedding on the first stage, the head on the last."""
+        cfg = self.ctx.model
+        return build_stage(cfg, self.ctx.run.seed, stage, self.schedule.num_stages,
+                           stage_chunks(self.ctx.case))
 
     @classmethod
     def case_schedule(cls, case: CaseConfig) -> Schedule:
@@ -287,8 +295,8 @@ class PipelineScheme(Scheme):
         (``parbench.analytic.peak.activation_bytes``: Korthikanti et al. 2022 adapted)."""
         from parbench.analytic.peak import activation_bytes
         case, s = self.ctx.case, self.schedule
-        per = case.model.num_layers // s.num_stages
-        return [activation_bytes(case, per, 1, embedding=stage == 0,
+        chunks = stage_chunks(case) or [case.model.num_layers // s.num_stages] * s.num_stages
+        return [activation_bytes(case, chunks[stage], 1, embedding=stage == 0,
                                  head=stage == s.num_stages - 1)
                 for _, stage in s.stages_of(self.pp_rank)]
 
@@ -309,10 +317,27 @@ class PipelineScheme(Scheme):
             raise ConfigError(f"num_experts={model.num_experts}: pipeline schemes run the "
                               "dense model")
         schedule = cls.case_schedule(case)
-        if model.num_layers % schedule.num_stages:
+        if par.uneven:
+            cls._check_uneven(case, schedule)
+        elif model.num_layers % schedule.num_stages:
             raise ConfigError(f"num_layers={model.num_layers} is not divisible by the "
                               f"{schedule.num_stages} stages of {cls.schedule_name} with "
                               f"pp={par.pp}, vpp={schedule.v}")
+
+    @classmethod
+    def _check_uneven(cls, case: CaseConfig, schedule: Schedule) -> None:
+        """Uneven end ranks (``first_stage_layers`` / ``last_stage_layers``): a synchronous
+        schedule of the standard executor whose stages lie linearly or looped, one per
+        (rank, chunk) -- where Megatron-Core's split names a rank's layers."""
+        spec, par = get_spec(cls.schedule_name), case.layout
+        if not spec.takes_uneven_stages or spec.asynchronous or \
+                spec.executor is not ExecutorKind.STANDARD or \
+                schedule.num_stages != par.pp * par.vpp:
+            raise ConfigError(f"first_stage_layers={par.first_stage_layers}, "
+                              f"last_stage_layers={par.last_stage_layers}: {cls.name} does "
+                              "not run uneven end ranks (they need a synchronous schedule "
+                              "with linear or looped stages, one per rank and chunk)")
+        par.chunk_layers(case.model.num_layers)  # Megatron-Core's rules, named
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

@@ -124,7 +124,8 @@ def estimate(shape: Shape | Any, layout: Layout, options: Options = Options(),
                                           params.stages[0]),
         kv_cache=None if counting.generate is None else kv_cache(
             shp, layout.micro_batch_size, counting.generate, tp=layout.tp, pp=layout.pp,
-            vpp=layout.vpp, bytes_per_element=counting.bytes_per_element))
+            vpp=layout.vpp, bytes_per_element=counting.bytes_per_element,
+            ends=(layout.first_stage_layers, layout.last_stage_layers)))
 
 
 def _states(shape: Shape, params: Parameters, lay: Layout, options: Options,

@@ -15,7 +15,7 @@ from .counting import Counting
 from .estimate_blocks import Block, optional
 from .estimate_traffic import routed_rows
 from .shape import Shape, moe_layer_count
-from .stages import stage_layer_indices
+from .stages import layout_stage_indices
 
 _MOE_NOTE = ("per_layer_*: a dense layer; per_moe_layer_*: an MoE layer (router logits and "
              "probabilities, the padded dispatch buffer of E*C rows or k*T without capacity, "
@@ -103,16 +103,17 @@ def _by_recompute(shape: Shape, lay: Layout, sp: bool, counting: Counting, s_loc
 def _first_stage(shape: Shape, lay: Layout, dense_layer: float,
                  moe_layer: float | None = None) -> float:
     """The first rank's layers held for the micro-batches in flight (Korthikanti et al.
-    Sec. 4.2.3; the interleaved schedule with vpp > 1); on an MoE model each layer counted as
-    its kind, summed, and that sum taken as one "layer" per stage."""
+    Sec. 4.2.3; the interleaved schedule with vpp > 1); on an MoE model or with an uneven
+    first stage each of its layers counted (as its kind), summed, and that sum taken as one
+    "layer" per stage."""
     sched = "interleaved" if lay.vpp > 1 else "1f1b"
     m = lay.num_microbatches
-    if moe_layer is None:
+    if moe_layer is None and not lay.uneven:
         return activations.first_stage_activation_bytes(dense_layer, shape.num_layers, lay.pp,
                                                         m, lay.vpp, sched)
-    first = stage_layer_indices(shape.num_layers, lay.pp, lay.vpp)[0]
-    n_moe = moe_layer_count(shape, first)
-    held = (len(first) - n_moe) * dense_layer + n_moe * moe_layer
+    first = layout_stage_indices(shape.num_layers, lay)[0]
+    n_moe = moe_layer_count(shape, first) if moe_layer is not None else 0
+    held = (len(first) - n_moe) * dense_layer + n_moe * (moe_layer or 0.0)
     return activations.first_stage_activation_bytes(held, lay.pp, lay.pp, m, lay.vpp, sched)
 
 
@@ -138,7 +139,7 @@ def activation_block(shape: Shape, lay: Layout, options: Options, counting: Coun
                            **common)
     terms = activations.moe_layer_activation_bytes(kor, recompute=mode, **moe)
     moe_ref = activations.moe_layer_activation_bytes(ref, recompute=mode, **moe)["total"]
-    first = stage_layer_indices(shape.num_layers, lay.pp, lay.vpp)[0]
+    first = layout_stage_indices(shape.num_layers, lay)[0]
     n_moe = moe_layer_count(shape, first)
     return Activations(
         first_stage_korthikanti=_first_stage(shape, lay, kor, terms["total"]),

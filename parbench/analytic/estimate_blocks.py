@@ -161,7 +161,9 @@ class Parameters(Block):
 
 def parameters(padded: Shape, unpadded: Shape, lay: Layout) -> Parameters:
     """The parameter block: every count at the layout's tp, pp, ep, etp and vpp."""
-    counts = param_model.param_counts(padded, lay.pp, lay.tp, lay.ep, lay.vpp, etp=lay.etp)
+    counts = param_model.param_counts(padded, lay.pp, lay.tp, lay.ep, lay.vpp, etp=lay.etp,
+                                      first=lay.first_stage_layers,
+                                      last=lay.last_stage_layers)
     counts["stages"] = [StageParams(**st) for st in counts["stages"]]
     if padded.V != unpadded.V:
         counts["total_unpadded_vocab"] = param_model.total_params(unpadded)

@@ -13,7 +13,7 @@ from . import comm, context, tensor
 from .counting import Counting
 from .estimate_blocks import Block, StageParams, optional
 from .shape import Shape, exact_factor, expert_capacity, moe_layer_count
-from .stages import stage_layer_indices
+from .stages import layout_stage_indices
 
 _SCOPE_DENSE = ("one rank of the first pipeline stage, one iteration; gradients reduced over "
                 "dp x cp")
@@ -63,8 +63,7 @@ def expert_transfers(shape: Shape, lay: Layout, sp: bool, s_local: int, full: bo
     2 backward per MoE layer per micro-batch, 2 more with full recomputation (GShard,
     Lepikhin et al. 2020; Switch, Fedus et al. 2021, Sec. 2.2)."""
     tokens, cap, rows = routed_rows(shape, lay.micro_batch_size, s_local, lay.tp, sp)
-    moe_layers = moe_layer_count(shape, stage_layer_indices(shape.num_layers, lay.pp,
-                                                            lay.vpp)[0])
+    moe_layers = moe_layer_count(shape, layout_stage_indices(shape.num_layers, lay)[0])
     cf, k = shape.moe_capacity_factor, shape.moe_top_k
     info = ExpertRouting(tokens, k, cf, cap, rows, moe_layers, lay.ep, lay.expert_tp, lay.edp,
                          6 if full else 4)
@@ -74,14 +73,19 @@ def expert_transfers(shape: Shape, lay: Layout, sp: bool, s_local: int, full: bo
     return [t for t in tr if t.count], info
 
 
+def first_stage_layers(shape: Shape, lay: Layout) -> int:
+    """Layers of the first pipeline rank (its chunks summed; an uneven first stage's own)."""
+    return lay.stage_layers(shape.num_layers)[0]
+
+
 def cp_transfers(shape: Shape, lay: Layout, algorithm: str, s_local: int, full: bool,
                  e: int) -> list[comm.Transfer]:
     """Context-parallel attention traffic. K and V are kv_hidden wide (h without GQA): ring
     attention passes (Liu et al. 2023), and all-gather CP gathers, this rank's kv_hidden / tp
     columns of them; DeepSpeed-Ulysses (Jacobs et al. 2023) moves q, k, v and the output,
     h / tp wide."""
-    b, m, t, layers = lay.micro_batch_size, lay.num_microbatches, lay.tp, \
-        shape.num_layers // lay.pp
+    b, m, t = lay.micro_batch_size, lay.num_microbatches, lay.tp
+    layers = first_stage_layers(shape, lay)
     if algorithm == "ring-attention":
         return comm.ring_attention_traffic(b, shape.s, shape.kv_hidden // t, lay.cp, layers,
                                            m, e, recompute=full)
@@ -130,8 +134,8 @@ def communication_block(shape: Shape, lay: Layout, options: Options, counting: C
     pipeline stage: tensor (Megatron, with SP), context, expert, pipeline p2p and gradients."""
     e, sp, full = counting.bytes_per_element, options.tensor.sp, options.recompute == "full"
     b, m = lay.micro_batch_size, lay.num_microbatches
-    tr = comm.tp_traffic(b, s_local, shape.h, lay.tp, shape.num_layers // lay.pp, m, e, full,
-                         sp)
+    tr = comm.tp_traffic(b, s_local, shape.h, lay.tp, first_stage_layers(shape, lay), m, e,
+                         full, sp)
     if lay.cp > 1:
         tr += cp_transfers(shape, lay, options.context.cp_algorithm, s_local, full, e)
     routing = None

@@ -28,19 +28,21 @@ class KVCache(Block):
 
 
 def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
-             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2) -> KVCache:
+             tp: int = 1, pp: int = 1, vpp: int = 1, bytes_per_element: int = 2,
+             ends: tuple[int, int] = (0, 0)) -> KVCache:
     """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
     ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
     4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
     (Megatron-Core splits the query groups, so h_kv / t columns), the layers over pp (the
-    most loaded pipeline rank's layers)."""
+    most loaded pipeline rank's layers; ``ends``: an uneven first / last rank's layers)."""
     require_positive_int("batch", batch)
     require_nonneg_int("generate", generate)
     s = shape.s if prompt is None else prompt
     require_positive_int("prompt", s)
     if shape.kv_heads % tp:
         raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
-    layers_rank = max(param_model.split_layers(shape.num_layers, pp, vpp))
+    layers_rank = max(len(ix) for ix in param_model.stage_layer_indices(
+        shape.num_layers, pp, vpp, first=ends[0], last=ends[1]))
     e = bytes_per_element
     total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
     per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,

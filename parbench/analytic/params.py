@@ -330,7 +330,8 @@ def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
 
 def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int = 1,
                  layers_per_stage: Sequence[int] | None = None, *,
-                 etp: int | None = None) -> list[dict[str, int]]:
+                 etp: int | None = None, first: int = 0, last: int = 0
+                 ) -> list[dict[str, int]]:
     """Parameters on each pipeline rank (one tensor/expert-parallel rank of it).
 
     Stage 0 holds the embeddings, the last stage the final LN and the LM head (with
@@ -339,8 +340,10 @@ def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
     ``transformer`` (all its layers), ``head`` and ``total``; for an MoE model also
     ``moe_layers`` (how many of its layers are MoE layers), ``expert`` (its expert
     parameters, replicated over edp) and ``dense`` (the rest, replicated over dp x cp).
+    ``first`` / ``last``: an uneven first / last rank (``layout.pipeline_chunks``).
     """
-    per_rank = stage_layer_indices(shape.num_layers, pp, vpp, layers_per_stage)
+    per_rank = stage_layer_indices(shape.num_layers, pp, vpp, layers_per_stage, first=first,
+                                   last=last)
     rows = []
     for i, idx in enumerate(per_rank):
         n, n_moe = len(idx), moe_layer_count(shape, idx)
@@ -359,7 +362,7 @@ def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
 
 def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int = 1,
                  layers_per_stage: Sequence[int] | None = None, *,
-                 etp: int | None = None) -> dict:
+                 etp: int | None = None, first: int = 0, last: int = 0) -> dict:
     """Everything above in one nested dict (the ``parameters`` block of ``estimate``).
 
     For an MoE model ``per_layer`` and ``per_rank_per_layer`` are an MoE layer's (layer 0);
@@ -374,7 +377,8 @@ def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
         "embedding": embedding_params(shape),
         "head": head_params(shape),
         "per_rank_per_layer": layer_params(shape, tp, ep, etp=etp),
-        "stages": stage_params(shape, pp, tp, ep, vpp, layers_per_stage, etp=etp),
+        "stages": stage_params(shape, pp, tp, ep, vpp, layers_per_stage, etp=etp,
+                               first=first, last=last),
     }
     if shape.moe:
         out["moe_layers"] = shape.num_moe_layers

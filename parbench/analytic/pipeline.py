@@ -48,8 +48,11 @@ the micro-batches still in flight from one step to the next (``carried_activatio
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from .params import (dense_block_tensor_sizes, embedding_params, head_params, layer_params,
                      norm_tensor_sizes)
+from ..layout import chunk_range
 from .shape import Shape, require_positive_int
 
 PLACEMENTS = ("linear", "looped", "v", "bidirectional", "wave")
@@ -99,19 +102,24 @@ def _layers_per_stage(shape: Shape, stages: int) -> int:
     return shape.num_layers // stages
 
 
-def _stage_layers(shape: Shape, stages: int, stage: int) -> range:
-    """The global indices of the L/S layers stage ``stage`` of ``stages`` holds."""
+def _stage_layers(shape: Shape, stages: int, stage: int,
+                  chunks: Sequence[int] | None = None) -> range:
+    """The global indices of the L/S layers stage ``stage`` of ``stages`` holds; ``chunks``:
+    each stage's layers where they differ (uneven end ranks, ``Layout.chunk_layers``)."""
+    if chunks is not None:
+        return range(*chunk_range(chunks, shape.num_layers, stage))
     per = _layers_per_stage(shape, stages)
     return range(stage * per, (stage + 1) * per)
 
 
-def stage_numel(shape: Shape, stages: int, stage: int) -> int:
+def stage_numel(shape: Shape, stages: int, stage: int,
+                chunks: Sequence[int] | None = None) -> int:
     """Parameters of stage ``stage`` of ``stages``: its L/S layers (``layer_params``; an MoE
     layer only where ``Shape.is_moe_layer``), the embedding on stage 0 and the final LN and
     LM head on the last stage (a separate head: the pipeline stages do not share the
     embedding)."""
     out = sum(layer_params(shape, moe_layer=shape.is_moe_layer(i))
-              for i in _stage_layers(shape, stages, stage))
+              for i in _stage_layers(shape, stages, stage, chunks))
     if stage == 0:
         out += embedding_params(shape)
     if stage == stages - 1:
@@ -131,12 +139,13 @@ def layer_tensors(shape: Shape, moe_layer: bool | None = None) -> int:
     return dense - mlp + (1 + mlp * shape.num_experts if moe else mlp)
 
 
-def stage_tensors(shape: Shape, stages: int, stage: int) -> int:
+def stage_tensors(shape: Shape, stages: int, stage: int,
+                  chunks: Sequence[int] | None = None) -> int:
     """Parameter tensors of a stage (AdamW keeps one step counter per tensor): the layers'
     (``layer_tensors``, each of its kind), the token and position embeddings on stage 0, the
     final LN (2) and the untied head weight (1) on the last stage."""
     out = sum(layer_tensors(shape, shape.is_moe_layer(i))
-              for i in _stage_layers(shape, stages, stage))
+              for i in _stage_layers(shape, stages, stage, chunks))
     if stage == 0:
         out += 1 + int(shape.position_embeddings)
     if stage == stages - 1:
@@ -144,15 +153,19 @@ def stage_tensors(shape: Shape, stages: int, stage: int) -> int:
     return out
 
 
-def rank_numel(shape: Shape, placement: str, p: int, rank: int, v: int = 1) -> int:
+def rank_numel(shape: Shape, placement: str, p: int, rank: int, v: int = 1,
+               chunks: Sequence[int] | None = None) -> int:
     """Parameters held by a rank: the sum over the stages its placement gives it."""
     stages = num_stages(placement, p, v)
-    return sum(stage_numel(shape, stages, s) for _, s in stages_on_rank(placement, p, rank, v))
+    return sum(stage_numel(shape, stages, s, chunks)
+               for _, s in stages_on_rank(placement, p, rank, v))
 
 
-def rank_tensors(shape: Shape, placement: str, p: int, rank: int, v: int = 1) -> int:
+def rank_tensors(shape: Shape, placement: str, p: int, rank: int, v: int = 1,
+                 chunks: Sequence[int] | None = None) -> int:
     stages = num_stages(placement, p, v)
-    return sum(stage_tensors(shape, stages, s) for _, s in stages_on_rank(placement, p, rank, v))
+    return sum(stage_tensors(shape, stages, s, chunks)
+               for _, s in stages_on_rank(placement, p, rank, v))
 
 
 # ---- point-to-point traffic ---------------------------------------------------------------
@@ -317,15 +330,16 @@ def weight_versions(rule: str, p: int, stage: int) -> int:
 
 
 def model_states(shape: Shape, placement: str, p: int, rank: int, v: int = 1, *,
-                 optimizer: str = "adamw", rule: str = "sync") -> dict[str, int]:
+                 optimizer: str = "adamw", rule: str = "sync",
+                 chunks: Sequence[int] | None = None) -> dict[str, int]:
     """Bytes by tracker category (params, grads, optimizer) of a rank after a step: fp32
     weights times ``weight_versions`` per stage, one gradient per parameter, AdamW's moments
     (8 bytes per parameter) and step counters (4 bytes per tensor)."""
     stages = num_stages(placement, p, v)
     held = [s for _, s in stages_on_rank(placement, p, rank, v)]
-    numel = sum(stage_numel(shape, stages, s) for s in held)
-    tensors = sum(stage_tensors(shape, stages, s) for s in held)
-    params = sum(FP32 * weight_versions(rule, p, s) * stage_numel(shape, stages, s)
+    numel = sum(stage_numel(shape, stages, s, chunks) for s in held)
+    tensors = sum(stage_tensors(shape, stages, s, chunks) for s in held)
+    params = sum(FP32 * weight_versions(rule, p, s) * stage_numel(shape, stages, s, chunks)
                  for s in held)
     opt = 2 * FP32 * numel + FP32 * tensors if optimizer == "adamw" else 0
     return {"params": params, "grads": FP32 * numel, "optimizer": opt, "other": 0}

@@ -89,12 +89,15 @@ def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
 
 
 @lru_cache(maxsize=1024)
-def _stages(shp: Shape, pp: int, tp: int, ep: int, vpp: int, etp: int):
+def _stages(shp: Shape, pp: int, tp: int, ep: int, vpp: int, etp: int, ends: tuple):
     """Each pipeline rank's parameters (``params.stage_params``) and its (layers, MoE
-    layers) -- cached, the same for every ZeRO stage, recomputation and micro-batch size."""
-    rows = param_model.stage_params(shp, pp, tp, ep, vpp, etp=etp or None)
+    layers) -- cached, the same for every ZeRO stage, recomputation and micro-batch size.
+    ``ends``: the uneven first and last rank's layers (0: even)."""
+    first, last = ends
+    rows = param_model.stage_params(shp, pp, tp, ep, vpp, etp=etp or None, first=first,
+                                    last=last)
     kinds = [(len(ix), moe_layer_count(shp, ix) if shp.moe else 0)
-             for ix in stage_layer_indices(shp.num_layers, pp, vpp)]
+             for ix in stage_layer_indices(shp.num_layers, pp, vpp, first=first, last=last)]
     return rows, kinds
 
 
@@ -130,7 +133,8 @@ def rank_memory(shape, lay: Layout, options: Options, counting: Counting,
 
 def _static_of(shape, lay: Layout, options: Options, counting: Counting):
     """:func:`_static` for the layout's grid (its degrees and micro-batch size)."""
-    grid = (lay.tp, lay.cp, lay.ep, lay.etp, lay.dp, lay.pp, lay.vpp, lay.micro_batch_size)
+    grid = (lay.tp, lay.cp, lay.ep, lay.etp, lay.dp, lay.pp, lay.vpp, lay.micro_batch_size,
+            lay.first_stage_layers, lay.last_stage_layers)
     return _static_grid(shape_from(shape), grid, options.tensor.sp and lay.tp > 1,
                         options.recompute, options.data.zero_stage, counting)
 
@@ -140,8 +144,9 @@ def _static_grid(shape: Shape, grid: tuple, sp: bool, mode: str, zero: int,
                  counting: Counting):
     """:func:`_static` keyed by the grid's numbers: the padded shape and the grid's Layout
     are built once per grid, not once per candidate the planner prices."""
-    tp, cp, ep, etp, dp, pp, vpp, b = grid
-    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp, vpp=vpp, micro_batch_size=b)
+    tp, cp, ep, etp, dp, pp, vpp, b, first, last = grid
+    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp, vpp=vpp, micro_batch_size=b,
+                 first_stage_layers=first, last_stage_layers=last)
     return _static(padded_shape(shape, tp), lay, sp, mode, zero, counting)
 
 
@@ -161,7 +166,8 @@ def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: C
     acc = counting.accounting_name
     dense, moe = layer_bytes(shp, lay, sp, mode, counting)
     working = layer_bytes(shp, lay, sp, "none", counting) if mode == "full" else (0.0, None)
-    rows, kinds = _stages(shp, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
+    rows, kinds = _stages(shp, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp,
+                          (lay.first_stage_layers, lay.last_stage_layers))
     buffer = _layer_buffer(shp, lay, zero, acc)
     logits = activations.logits_bytes(shp.s // lay.cp, lay.micro_batch_size, shp.V, lay.tp,
                                       counting.logits_bytes)

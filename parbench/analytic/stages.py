@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..layout import Layout, pipeline_chunks
 from .shape import require_positive_int
 
 
@@ -36,18 +37,31 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1,
 
 
 def stage_layer_indices(num_layers: int, pp: int, vpp: int = 1,
-                        layers_per_stage: Sequence[int] | None = None) -> list[list[int]]:
+                        layers_per_stage: Sequence[int] | None = None, *, first: int = 0,
+                        last: int = 0) -> list[list[int]]:
     """The global (0-based) indices of the layers each pipeline rank holds.
 
-    Even split: virtual stage ``c * pp + r`` (chunk c of rank r) holds layers
-    ``[(c pp + r) n, (c pp + r + 1) n)``, n = num_layers / (pp vpp) -- Megatron-Core's
-    ``get_transformer_layer_offset`` (Narayanan et al. 2021, Sec. 2.2, interleaved schedule).
+    Virtual stage ``c * pp + r`` (chunk c of rank r) holds the next ``pipeline_chunks``
+    layers in the model's order: even, ``[(c pp + r) n, (c pp + r + 1) n)`` with
+    n = num_layers / (pp vpp) (Narayanan et al. 2021, Sec. 2.2, interleaved schedule); with an
+    uneven ``first`` / ``last`` rank, Megatron-Core's ``get_transformer_layer_offset``.
     An explicit ``layers_per_stage`` split is contiguous per rank.
     """
-    split = split_layers(num_layers, pp, vpp, layers_per_stage)
-    if layers_per_stage is not None or vpp == 1:
+    if layers_per_stage is not None:
+        split = split_layers(num_layers, pp, vpp, layers_per_stage)
         starts = [sum(split[:i]) for i in range(pp)]
         return [list(range(a, a + n)) for a, n in zip(starts, split)]
-    n = num_layers // (pp * vpp)
-    return [[i for c in range(vpp) for i in range((c * pp + r) * n, (c * pp + r + 1) * n)]
-            for r in range(pp)]
+    require_positive_int("num_layers", num_layers)
+    chunks = pipeline_chunks(num_layers, pp, vpp, first, last)
+    out: list[list[int]] = [[] for _ in range(pp)]
+    lo = 0
+    for vs, n in enumerate(chunks):
+        out[vs % pp].extend(range(lo, lo + n))
+        lo += n
+    return out
+
+
+def layout_stage_indices(num_layers: int, lay: Layout) -> list[list[int]]:
+    """:func:`stage_layer_indices` of a layout (its vpp and uneven ends)."""
+    return stage_layer_indices(num_layers, lay.pp, lay.vpp, first=lay.first_stage_layers,
+                               last=lay.last_stage_layers)

@@ -142,7 +142,7 @@ def _print(out, name, world, device, batch, res, why) -> None:
     for i, (trn, st) in enumerate(res.ranked, 1):
         lay, opt = trn.layout, trn.options
         sched = lay.schedule + (f" v{lay.vpp}" if lay.vpp > 1 else "") if lay.pp > 1 else "—"
-        t.add_row(str(i), str(lay.tp), _cp(trn), _ep(trn), str(lay.dp), str(lay.pp),
+        t.add_row(str(i), str(lay.tp), _cp(trn), _ep(trn), str(lay.dp), _pp(trn),
                   sched, str(opt.data.zero_stage), opt.recompute,
                   f"{lay.micro_batch_size}×{lay.num_microbatches}", f"{st.step_s:.3g}",
                   f"{st.tokens_per_s:.3g}", f"{100 * st.mfu:.1f}%",
@@ -166,7 +166,15 @@ def _ep(trn) -> str:
     return f"{lay.ep} etp{lay.etp}" if lay.etp and lay.etp != lay.tp else str(lay.ep)
 
 
+def _pp(trn) -> str:
+    """pp, with uneven end ranks' layers where set (``16 (7,7)``: first, last)."""
+    lay = trn.layout
+    if not lay.uneven:
+        return str(lay.pp)
+    return f"{lay.pp} ({lay.first_stage_layers},{lay.last_stage_layers})"
+
+
 def _degrees(trn) -> str:
     lay, opt = trn.layout, trn.options
-    return (f"tp{lay.tp} cp{_cp(trn)} ep{_ep(trn)} dp{lay.dp} pp{lay.pp} {lay.schedule} "
+    return (f"tp{lay.tp} cp{_cp(trn)} ep{_ep(trn)} dp{lay.dp} pp{_pp(trn)} {lay.schedule} "
             f"zero{opt.data.zero_stage} {opt.recompute} b{lay.micro_batch_size}")

@@ -8,10 +8,13 @@ Parameter names are the same in every scheme: ``embed.tok.weight``, ``embed.pos.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
+from ..layout import chunk_range
 from .blocks import MLP, Attention, Embedding, Head, make_norm
 from .init import init_parameters
 from .moe import MoE, RoutingGroups, is_moe_layer
@@ -91,14 +94,19 @@ def build_model(cfg: ModelConfig, seed: int, routing: RoutingGroups | None = Non
     return GPTStage(cfg, seed=seed, routing=routing)
 
 
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
-    """Even split of layers over stages: layers [lo, hi) of ``stage``."""
+def stage_layers(num_layers: int, num_stages: int, stage: int,
+                 chunks: Sequence[int] | None = None) -> tuple[int, int]:
+    """Layers [lo, hi) of ``stage``: an even split of the layers over the stages, or
+    ``chunks`` (each stage's layers in the model's order: ``Layout.chunk_layers``)."""
+    if chunks is not None:
+        return chunk_range(chunks, num_layers, stage)
     if num_layers % num_stages:
         raise ValueError(f"num_stages={num_stages} does not divide num_layers={num_layers}")
     per = num_layers // num_stages
     return stage * per, (stage + 1) * per
 
 
-def build_stage(cfg: ModelConfig, seed: int, stage: int, num_stages: int) -> GPTStage:
-    lo, hi = stage_layers(cfg.num_layers, num_stages, stage)
+def build_stage(cfg: ModelConfig, seed: int, stage: int, num_stages: int,
+                chunks: Sequence[int] | None = None) -> GPTStage:
+    lo, hi = stage_layers(cfg.num_layers, num_stages, stage, chunks)
     return GPTStage(cfg, lo, hi, first=stage == 0, last=stage == num_stages - 1, seed=seed)

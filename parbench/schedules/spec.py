@@ -218,6 +218,13 @@ class ScheduleSpec:
         return self.weight_rule is not WeightRule.SYNC
 
     @property
+    def takes_uneven_stages(self) -> bool:
+        """Whether an uneven first / last pipeline rank (``Layout.first_stage_layers``) has a
+        meaning: stage s on rank s, or looped (s on s % p) as Megatron-Core places chunks;
+        a V, wave or two-pipe placement puts other stages on the first and last ranks."""
+        return self.placement in (Placement.LINEAR, Placement.LOOPED)
+
+    @property
     def priced(self) -> bool:
         """Whether the time model prices it (and the planner searches it)."""
         return not self.unpriced

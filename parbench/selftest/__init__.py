@@ -42,6 +42,7 @@ CI_SUBSET = ("ddp-no-wd", "ddp-no-divide", "zero3-double-wd", "zero1-no-allgathe
              "ddp-loss-mean-per-microbatch", "ddp-packed-attention-crosses-docs",
              "ddp-gqa-kv-heads-tiled", "ring-zigzag-rope-contiguous",
              "tp-ce-masked-tokens-counted", "cp-loss-shard-token-mean",
-             "ep-loss-mean-per-microbatch", "1f1b-loss-mean-per-microbatch")
+             "ep-loss-mean-per-microbatch", "1f1b-loss-mean-per-microbatch",
+             "interleaved-uneven-offset-one-rank-short")
 
 __all__ = ["CATALOGUE", "CI_SUBSET", "FAMILY_CASES", "Mutant", "load", "mutant"]

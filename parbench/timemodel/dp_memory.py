@@ -43,7 +43,7 @@ def _rank_tensors(shape, trn: Training, stage: int) -> list[int]:
     for _ in range(2 if _gated(shape) else 1):
         block += [f * h // tp] + ([f // tp] if bias else [])
     block += [h * f // tp] + ([h] if bias else [])
-    layers = shape.l // lay.pp
+    layers = lay.stage_layers(shape.l)[stage]
     out: list[int] = []
     if stage == 0:
         out += [_vocab(shape, tp) * h]
@@ -71,7 +71,8 @@ def dp_costs(shape, trn: Training, profile: Profile, stage: int, psi_rank: float
     link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)(lay.tp, n)
     o = profile.overlap if opt.data.overlap_grad_reduce else 0.0
     cap_bytes = opt.data.bucket_mb * 2 ** 20 if math.isfinite(opt.data.bucket_mb) else math.inf
-    key = ("buckets", shape, lay.tp, lay.pp, lay.vpp, stage, opt.data.zero_stage,
+    key = ("buckets", shape, lay.tp, lay.pp, lay.vpp, lay.first_stage_layers,
+           lay.last_stage_layers, stage, opt.data.zero_stage,
            opt.data.bucket_mb, e)
     cache = _cache(profile)
     buckets = cache.get(key)
@@ -134,7 +135,7 @@ def _per_size(collective_time):
 def _layer_units(tensors: list[int], shape, trn: Training, stage: int) -> list[int]:
     """Group a rank's tensors into layer units: embedding, each block, head."""
     lay = trn.layout
-    layers = shape.l // lay.pp
+    layers = lay.stage_layers(shape.l)[stage]
     first = 2 if (stage == 0 and getattr(shape, "position_embeddings", True)) else \
         (1 if stage == 0 else 0)
     last_n = 0
@@ -164,13 +165,15 @@ def _stage_params(shape, trn: Training) -> list[dict]:
     """``analytic.params.stage_params`` of the layout, cached (the planner asks again and
     again for the same degrees)."""
     lay = trn.layout
-    key = (shape, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp)
+    key = (shape, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp, lay.first_stage_layers,
+           lay.last_stage_layers)
     hit = _STAGES.get(key)
     if hit is None:
         if len(_STAGES) > 4096:
             _STAGES.clear()
-        hit = _STAGES[key] = aparams.stage_params(_param_shape(shape, lay.tp), lay.pp, lay.tp,
-                                                  lay.ep, lay.vpp, etp=lay.etp or None)
+        hit = _STAGES[key] = aparams.stage_params(
+            _param_shape(shape, lay.tp), lay.pp, lay.tp, lay.ep, lay.vpp, etp=lay.etp or None,
+            first=lay.first_stage_layers, last=lay.last_stage_layers)
     return hit
 
 

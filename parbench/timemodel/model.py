@@ -117,6 +117,11 @@ def _moe_layers(shape) -> frozenset:
 def _predict(shape, trn: Training, profile: Profile, bound: bool = False) -> StepTime:
     """One step of ``trn`` priced (module doc): each virtual stage's costs, the pipeline,
     the optimizer and data-parallel sync on the critical rank, then the StepTime."""
+    lay = trn.layout
+    if lay.uneven and not get_spec(lay.schedule).takes_uneven_stages:
+        raise ValueError(f"schedule={lay.schedule!r} places other stages on the first and "
+                         "last pipeline ranks: first_stage_layers / last_stage_layers need a "
+                         "linear or looped (interleaved) schedule")
     stages = _stage_costs(shape, trn, profile)
     pipe = _pipeline(shape, trn, profile, stages.per_stage, bound)
     sync = _critical_sync(shape, trn, profile, stages.per_stage, pipe)
@@ -127,22 +132,23 @@ def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
     """Each virtual stage's cost of one micro-batch: its dense and MoE layers, the embedding
     on the first stage, the LM head on the last."""
     lay = trn.layout
-    nstages = lay.pp * lay.vpp
-    per_chunk = shape.l // nstages
+    chunks = lay.chunk_layers(shape.l)
+    nstages = len(chunks)
     moe_idx = _moe_layers(shape)
     dense_c = layer_costs(shape, trn, profile, False)
     moe_c = layer_costs(shape, trn, profile, True) if moe_idx else None
     emb, head = _ends(shape, trn, profile)
     stage_costs: list[_Costs] = []
     made: dict = {}  # stages alike (their MoE layers, ends) share one sum, copied
-    for vs in range(nstages):
-        lo = vs * per_chunk
-        n_moe = sum(1 for i in range(lo, lo + per_chunk) if i in moe_idx) if moe_idx else 0
-        key = (n_moe, vs == 0, vs == nstages - 1)
+    lo = 0
+    for vs, n in enumerate(chunks):
+        n_moe = sum(1 for i in range(lo, lo + n) if i in moe_idx) if moe_idx else 0
+        lo += n
+        key = (n, n_moe, vs == 0, vs == nstages - 1)
         proto = made.get(key)
         if proto is None:
             proto = made[key] = _Costs()
-            proto.add(dense_c, per_chunk - n_moe)
+            proto.add(dense_c, n - n_moe)
             if n_moe:
                 proto.add(moe_c, n_moe)
             if vs == 0:
@@ -194,7 +200,7 @@ def _add_schedule_costs(shape, trn: Training, profile: Profile, stage_costs: lis
     """What the schedule adds to each virtual stage's costs: blocking sends, a split
     backward's engine calls, PipeDream's per-micro-batch weight updates."""
     nstages = len(stage_costs)
-    per_chunk = shape.l // nstages
+    chunks = trn.layout.chunk_layers(shape.l)
     if profile.p2p_blocking:
         # a blocking send (rendezvous) keeps the sender busy until its receive is posted:
         # each virtual stage but the last sends its activations after F, each but the first
@@ -210,7 +216,7 @@ def _add_schedule_costs(shape, trn: Training, profile: Profile, stage_costs: lis
         # per linear layer (4 per transformer layer, the LM head on the last stage): one
         # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
         for vs, c in enumerate(stage_costs):
-            calls = 4 * per_chunk + (1 if vs == nstages - 1 else 0)
+            calls = 4 * chunks[vs] + (1 if vs == nstages - 1 else 0)
             c.w += calls * profile.backward_call_s
     if spec.weight_rule is WeightRule.PIPEDREAM:
         # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
@@ -281,12 +287,13 @@ def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
     in a few flat buffers)."""
     lay, opt = trn.layout, trn.options
     psi = float(_stage_params(shape, trn)[rank]["total"])
-    tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, rank)
+    tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, lay.first_stage_layers,
+            lay.last_stage_layers, rank)
     pcache = _cache(profile)
     tensors = pcache.get(tkey)
     if tensors is None:
         tensors = pcache[tkey] = len(_rank_tensors(shape, trn, rank)) if not shape.moe else \
-            int(12 * shape.l / lay.pp + 5)
+            int(12 * lay.stage_layers(shape.l)[rank] + 5)
     n_dp = lay.dp * lay.cp
     shard = psi / n_dp if (opt.data.zero_stage >= 1 and n_dp > 1) else psi
     opt_tensors = tensors if (opt.data.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)

@@ -114,8 +114,9 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
         t.losses.append(step_loss)
     uncovered = sorted(set(golden_names or []) - t.covered)
     if uncovered:
+        # the root cause of whatever else failed: part of the model is on no rank
         t.ok = False
-        t.first = t.first or FirstFailure(
+        t.first = FirstFailure(
             "uncovered", uncovered[0],
             detail=f"{len(uncovered)} golden parameter(s) reported by no rank")
     final_ok, final_abs = _final(per_rank, t)

@@ -58,6 +58,13 @@ def test_every_mutant_is_killed_by_a_check_and_no_control_fails():
         assert by_id[i]["clipped_steps"] and by_id[i]["clip_coef_min"] < 1.0, by_id[i]
     # a masked loss averaged per micro-batch: the loss itself differs from the golden run's
     assert "golden" in by_id["ddp-loss-mean-per-microbatch"]["caught_by"]
+    # uneven pipeline stages (issue 21): a layer no rank built fails the row as uncovered
+    # (a check, not a crash of the stepwise reference); swapped end ranks train every layer
+    # once, so only the model states per rank show it
+    uneven = by_id["interleaved-uneven-offset-one-rank-short"]
+    assert uneven["caught_by"].startswith("golden") and "uncovered" in uneven["first_failure"]
+    if "1f1b-uneven-ends-swapped" in by_id:
+        assert by_id["1f1b-uneven-ends-swapped"]["caught_by"] == "model_state"
     # bugs that leave the numbers alone are caught by the closed forms alone
     assert by_id["ddp-debug-allreduce"]["caught_by"] == "wire+calls"
     assert by_id["zero3-keeps-gathered-units"]["caught_by"] == "model_state"

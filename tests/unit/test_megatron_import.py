@@ -138,8 +138,8 @@ def test_llama3_8b_parameters_on_the_command_line(capsys):
 
 @pytest.mark.parametrize("text, match", [
     ("--num-layers 2 --frobnicate 3", r"'--frobnicate' is not supported \(unknown"),
-    ("--decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers is not "
-                                              "supported: uneven pipeline stages"),
+    ("--account-for-embedding-in-pipeline-split", "--account-for-embedding-in-pipeline-split "
+                                                  "is not supported: the embedding counted"),
     ("--multi-latent-attention", "multi-latent attention is not modelled"),
     ("--fp8-format hybrid", "fp8 is not modelled"),
     ("--fp16", "--fp16 is not supported"),
