@@ -44,7 +44,7 @@ from parbench import comm
 from parbench.analytic import shape_from
 from parbench.analytic import context as closed
 from parbench.batching import dp_slice
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.memory import SavedActivations
 from parbench.model import build_model, counted_tokens, make_optimizer
 from parbench.model.packing import documents_of, shard_documents
@@ -72,9 +72,12 @@ class ContextParallelScheme(Scheme):
     #: the shared step normalises a masked loss by the global count (:meth:`loss_scale`)
     supports_loss_mask: ClassVar[bool] = True
     #: the shared forward (``shard.shard_forward``) runs the reference blocks with RoPE at
-    #: the tokens' global positions; grouped-query attention is refused: the cores would
-    #: move K/V expanded to every query head, which no closed form here counts
-    model_features: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
+    #: the tokens' global positions; grouped-query attention with K/V moved at their own
+    #: heads (``kernels``: each K/V head serves its query group; the closed forms count
+    #: num_kv_heads x head_dim); a core that computes its own scores says it has no "gqa"
+    model_features: ClassVar[frozenset] = MODEL_FEATURES
+    #: the LLaMA features without grouped-query attention (cores with their own scores)
+    MHA_FEATURES: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -32,8 +32,33 @@ def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
     return out.masked_fill_(~mask, float("-inf"))
 
 
+def _group(q, k) -> int:
+    """Query heads per K/V head (grouped-query attention, Ainslie et al. 2023): K and V of
+    ``k.shape[1]`` heads each serve that many consecutive query heads."""
+    g, rest = divmod(q.shape[1], k.shape[1])
+    if rest:
+        raise ValueError(f"{k.shape[1]} K/V heads do not divide {q.shape[1]} query heads")
+    return g
+
+
+def _expand(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t if g == 1 else t.repeat_interleave(g, dim=1)
+
+
+def _fold(dt: torch.Tensor, g: int) -> torch.Tensor:
+    """The gradient of ``_expand``: each K/V head's copies summed."""
+    if g == 1:
+        return dt
+    b, heads, n, d = dt.shape
+    return dt.view(b, heads // g, g, n, d).sum(2)
+
+
 def attn_forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None):
-    """(output, log-sum-exp) of softmax(q k^T / sqrt(d)) v over one block."""
+    """(output, log-sum-exp) of softmax(q k^T / sqrt(d)) v over one block; K and V may hold
+    fewer heads than Q (grouped-query attention: each serves its group of query heads), so
+    that the cores move K/V blocks of the K/V heads only."""
+    g = _group(q, k)
+    k, v = _expand(k, g), _expand(v, g)
     if q.device.type == "cpu":
         add = None if mask is None else _additive(mask, q.dtype)
         return _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -43,13 +68,18 @@ def attn_forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool = False,
                   mask: torch.Tensor | None = None):
-    """(dq, dk, dv) of one block given the rows' final output and log-sum-exp."""
+    """(dq, dk, dv) of one block given the rows' final output and log-sum-exp; dk and dv of
+    grouped K/V heads summed over each head's query group."""
+    g = _group(q, k)
+    k, v = _expand(k, g), _expand(v, g)
     if q.device.type == "cpu":
         add = None if mask is None else _additive(mask, q.dtype)
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
             out.contiguous(), lse.contiguous(), 0.0, causal, attn_mask=add, scale=_scale(q))
-    return math_backward(dout, q, k, v, out, lse, causal, mask)
+    else:
+        dq, dk, dv = math_backward(dout, q, k, v, out, lse, causal, mask)
+    return dq, _fold(dk, g), _fold(dv, g)
 
 
 def _allowed(nq: int, nk: int, causal: bool, mask, device):

@@ -65,6 +65,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
     """Gu et al. 2024: head-parallel x context-parallel, double ring, head-first placement."""
 
     name = "context.loongtrain"
+    #: grouped-query attention not yet: its head and ring groups' K/V closed forms count h
+    model_features = ContextParallelScheme.MHA_FEATURES
     kind = "loongtrain"
     balanced = True
     head_first = True

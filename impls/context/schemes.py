@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from parbench.analytic import context as closed
+from parbench.analytic.shape import shape_from
 from parbench.config import CaseConfig, ConfigError
 from parbench.scheme import register
 
@@ -19,6 +20,8 @@ class RingSelfAttentionScheme(ContextParallelScheme):
     name = "context.ring-self-attention"
     kind = "ring-self-attention"
     description = "Ring Self-Attention (Li et al. 2021): K then V around the ring"
+    #: its core computes the score rows itself, for num_heads K/V heads
+    model_features = ContextParallelScheme.MHA_FEATURES
 
     core_class = RSACore
 
@@ -72,6 +75,10 @@ class UlyssesScheme(ContextParallelScheme):
         if m.num_heads % p.cp:
             raise ConfigError(f"cp={p.cp} does not divide num_heads={m.num_heads} "
                               "(Ulysses shards the heads over the cp ranks)")
+        kv = m.num_kv_heads or m.num_heads
+        if kv % p.cp:
+            raise ConfigError(f"cp={p.cp} does not divide num_kv_heads={kv} (Ulysses shards "
+                              "the K/V heads over the cp ranks with their query groups)")
 
     def build_core(self):
         group = self.ctx.mesh.group("cp") if self.cp > 1 else None
@@ -90,7 +97,8 @@ class UlyssesScheme(ContextParallelScheme):
         out = super().predict(case)
         p, m = case.layout, case.model
         out.figures["issue_4217"] = closed.ulysses_vs_megatron_sp(
-            p.micro_batch_size, m.seq_length, m.hidden_size, p.cp)
+            p.micro_batch_size, m.seq_length, m.hidden_size, p.cp,
+            h_kv=shape_from(m).kv_hidden)
         return out
 
     def metrics(self):
@@ -118,10 +126,11 @@ class UlyssesRingGrid:
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        m = case.model
-        if m.num_heads % case.options.context.cp_ulysses:
-            raise ConfigError(f"cp_ulysses={case.options.context.cp_ulysses} does not divide "
-                              f"num_heads={m.num_heads} ({cls.head_sharder} shards the heads)")
+        m, u = case.model, case.options.context.cp_ulysses
+        for what, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+            if n and n % u:
+                raise ConfigError(f"cp_ulysses={u} does not divide {what}={n} "
+                                  f"({cls.head_sharder} shards the heads)")
         super().check(case)
 
     @classmethod

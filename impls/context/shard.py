@@ -34,16 +34,14 @@ def layer(blk, x: torch.Tensor, core, recompute: str = "none", docs=None) -> tor
 
 
 def attention_inputs(blk, x: torch.Tensor, docs=None):
-    """q, k, v (b, n, heads, d) of the rank's tokens: the reference projection and, with
-    ``docs`` (``parbench.model.packing.Documents`` of these tokens: their global positions,
-    or within-document ones when packed), the reference ``Attention.heads`` -- RoPE at those
-    positions, not at 0..n-1, the classic bug of a context-parallel chunk."""
-    b, n, h = x.shape
+    """q (b, n, heads, d) and k, v (b, n, kv heads, d) of the rank's tokens: the reference
+    projection and ``Attention.heads`` with K/V left at their own heads (grouped-query
+    attention: the cores move num_kv_heads of them; the kernel serves each query group);
+    with ``docs`` (``parbench.model.packing.Documents`` of these tokens: their global
+    positions, or within-document ones when packed) RoPE at those positions, not at 0..n-1,
+    the classic bug of a context-parallel chunk."""
     qkv = blk.attn.qkv(blk.ln1(x))
-    if docs is None:
-        heads = blk.attn.num_heads
-        return qkv.view(b, n, 3, heads, h // heads).unbind(2)
-    return tuple(t.transpose(1, 2) for t in blk.attn.heads(qkv, docs))
+    return tuple(t.transpose(1, 2) for t in blk.attn.heads(qkv, docs, expand=False))
 
 
 def _layer(blk, x, core, recompute, docs=None):

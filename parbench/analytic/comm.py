@@ -229,22 +229,27 @@ def tp_vocab_traffic(b: int, s: int, h: int, tp: int, num_microbatches: int = 1,
 
 def ulysses_traffic(b: int, s: int, h: int, cp: int, layers: int = 1, num_microbatches: int = 1,
                     bytes_per_element: int = 2, backward: bool = True,
-                    recompute: bool = False, axis: str = "cp") -> list[Transfer]:
+                    recompute: bool = False, axis: str = "cp",
+                    h_kv: int | None = None) -> list[Transfer]:
     """DeepSpeed-Ulysses (Jacobs et al. 2023, Sec. 3.2): per layer 4 all-to-alls forward (Q, K,
     V sequence -> heads; the attention output heads -> sequence) and the 4 inverse ones in
     backward (4 more when the forward is recomputed). One rank's buffer is its sequence shard
     with every head, b (s/P) h elements, of which (P-1)/P leaves the rank. The paper states the
     volume as 4Nh/P per link for an aggregate message of Nh (N = s tokens of the micro-batch):
     see :func:`ulysses_paper_per_link`. ``axis`` names the group (USP runs Ulysses on a
-    sub-axis of cp)."""
+    sub-axis of cp). ``h_kv``: the width of K and V under grouped-query attention (Ainslie
+    et al. 2023; num_kv_heads x head_dim): their two all-to-alls move b (s/P) h_kv each."""
     if cp == 1:
         return []
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
+    per_layer = (1 + int(backward) + int(recompute)) * layers * num_microbatches
     msg = b * (s // cp) * h * bytes_per_element
-    per_layer = 4 * (1 + int(backward) + int(recompute))
-    return [Transfer(axis, "all_to_all", cp, msg, per_layer * layers * num_microbatches,
-                     "Q, K, V, output")]
+    if h_kv is None or h_kv == h:
+        return [Transfer(axis, "all_to_all", cp, msg, 4 * per_layer, "Q, K, V, output")]
+    kv = b * (s // cp) * h_kv * bytes_per_element
+    return [Transfer(axis, "all_to_all", cp, msg, 2 * per_layer, "Q, output"),
+            Transfer(axis, "all_to_all", cp, kv, 2 * per_layer, "K, V (grouped heads)")]
 
 
 def ulysses_paper_per_link(N: int, h: int, P: int) -> Fraction:  # noqa: N803

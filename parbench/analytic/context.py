@@ -79,21 +79,24 @@ def ring_self_attention_traffic(b: int, s: int, h: int, cp: int, layers: int = 1
 
 def attention_traffic(kind: str, b: int, s: int, h: int, cp: int, cp_ulysses: int = 1,
                       layers: int = 1, num_microbatches: int = 1, bytes_per_element: int = 4,
-                      recompute: bool = False) -> list[Transfer]:
-    """One rank's attention traffic per step for the native scheme ``kind`` (module doc)."""
+                      recompute: bool = False, h_kv: int | None = None) -> list[Transfer]:
+    """One rank's attention traffic per step for the native scheme ``kind`` (module doc);
+    ``h_kv``: K and V's width under grouped-query attention (default h): ring attention
+    passes, and all-gather CP gathers, K/V blocks of that width; Ulysses moves Q and the
+    output at h, K and V at h_kv."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {', '.join(KINDS)}")
-    e, L, m = bytes_per_element, layers, num_microbatches
+    e, L, m, kv = bytes_per_element, layers, num_microbatches, h_kv or h
     if kind == "ring-self-attention":
         return ring_self_attention_traffic(b, s, h, cp, L, m, e, recompute)
     if kind == "ring-attention":
-        return comm.ring_attention_traffic(b, s, h, cp, L, m, e, recompute=recompute)
+        return comm.ring_attention_traffic(b, s, kv, cp, L, m, e, recompute=recompute)
     if kind == "ulysses":
-        return comm.ulysses_traffic(b, s, h, cp, L, m, e, recompute=recompute)
+        return comm.ulysses_traffic(b, s, h, cp, L, m, e, recompute=recompute, h_kv=kv)
     if kind == "allgather":
         if s % cp:
             raise ValueError(f"cp={cp} does not divide seq_length={s}")
-        return comm.cp_allgather_traffic(b, s // cp, h, cp, 1, L, m, e,
+        return comm.cp_allgather_traffic(b, s // cp, kv, cp, 1, L, m, e,
                                          ((1, 6 if recompute else 4),),
                                          grad_reduce_scatters=2 if cp > 1 else 0)
     u = cp_ulysses
@@ -103,9 +106,9 @@ def attention_traffic(kind: str, b: int, s: int, h: int, cp: int, cp_ulysses: in
     r = cp // u
     # Ulysses inside a u-group: each rank's buffer is its own s/cp tokens, every head
     out = comm.ulysses_traffic(b, s * u // cp, h, u, L, m, e, recompute=recompute,
-                               axis=ULYSSES_AXIS)
-    # ring attention over the r-groups: the u-group's gathered s/r tokens, h/u of the width
-    out += comm.ring_attention_traffic(b, s, h // u, r, L, m, e, recompute=recompute,
+                               axis=ULYSSES_AXIS, h_kv=kv)
+    # ring attention over the r-groups: the u-group's gathered s/r tokens, 1/u of K/V's width
+    out += comm.ring_attention_traffic(b, s, kv // u, r, L, m, e, recompute=recompute,
                                        axis=RING_AXIS)
     return out
 
@@ -137,7 +140,8 @@ def context_prediction(kind: str, shape: Shape, *, cp: int, dp: int = 1, cp_ulys
                        optimizer: str = "adamw", elem_bytes: int = 4) -> ContextPrediction:
     """Everything one rank of the native scheme ``kind`` measures in one step."""
     tr = attention_traffic(kind, micro_batch_size, shape.s, shape.h, cp, cp_ulysses, shape.l,
-                           num_microbatches, elem_bytes, recompute != "none")
+                           num_microbatches, elem_bytes, recompute != "none",
+                           h_kv=shape.kv_hidden)
     tr += gradient_allreduce(shape, cp, dp, elem_bytes)
     tr = [t for t in tr if t.count]
     return ContextPrediction(tr, replica_states(shape, optimizer, elem_bytes),
@@ -223,8 +227,8 @@ def korthikanti_cp_layer_bytes(s: int, b: int, h: int, a: int, cp: int) -> float
 
 # ---- the dispute of DeepSpeed issue 4217 -----------------------------------------------------
 
-def ulysses_vs_megatron_sp(b: int, s: int, h: int, p: int, bytes_per_element: int = 4
-                           ) -> dict[str, float]:
+def ulysses_vs_megatron_sp(b: int, s: int, h: int, p: int, bytes_per_element: int = 4,
+                           h_kv: int | None = None) -> dict[str, float]:
     """Per-rank wire bytes of one layer's forward, both at degree p on the same b x s x h
     activations (DeepSpeed issue 4217):
 
@@ -235,9 +239,12 @@ def ulysses_vs_megatron_sp(b: int, s: int, h: int, p: int, bytes_per_element: in
       of the full b s h activation, each (p-1)/p of it per rank: 4 (p-1)/p b s h -- constant in
       p ("4Nh"), although each rank holds only s/p of the sequence.
 
-    The ratio is exactly p. ``paper_*`` are the DeepSpeed paper's per-link figures in bytes."""
+    The ratio is exactly p (with grouped-query attention's narrower K and V, ``h_kv``,
+    Ulysses moves less and the ratio exceeds p). ``paper_*`` are the DeepSpeed paper's
+    per-link figures in bytes."""
     e = bytes_per_element
-    uly = summarize(comm.ulysses_traffic(b, s, h, p, bytes_per_element=e, backward=False))
+    uly = summarize(comm.ulysses_traffic(b, s, h, p, bytes_per_element=e, backward=False,
+                                         h_kv=h_kv))
     msp = summarize(comm.tp_traffic(b, s, h, p, bytes_per_element=e, sp=True))
     uly_fwd = Fraction(uly["cp"]["wire_bytes"]) if uly else Fraction(0)
     # tp_traffic counts forward and backward (2 + 2 each way): half of it is the forward

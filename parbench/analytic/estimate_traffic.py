@@ -78,24 +78,31 @@ def first_stage_layers(shape: Shape, lay: Layout) -> int:
     return lay.stage_layers(shape.num_layers)[0]
 
 
+def local_kv_width(shape: Shape, tp: int) -> int:
+    """One tensor-parallel rank's K (or V) width: its share of the K/V heads, at least one
+    whole head (a head replicated tp / num_kv_heads times when tp exceeds them: the layout's
+    replication rule)."""
+    d = shape.h // shape.a
+    return max(shape.kv_heads // tp, 1) * d
+
+
 def cp_transfers(shape: Shape, lay: Layout, algorithm: str, s_local: int, full: bool,
                  e: int) -> list[comm.Transfer]:
-    """Context-parallel attention traffic. K and V are kv_hidden wide (h without GQA): ring
-    attention passes (Liu et al. 2023), and all-gather CP gathers, this rank's kv_hidden / tp
-    columns of them; DeepSpeed-Ulysses (Jacobs et al. 2023) moves q, k, v and the output,
-    h / tp wide."""
+    """Context-parallel attention traffic. K and V are kv_hidden wide (h without GQA), this
+    rank's ``local_kv_width`` of them under tp: ring attention passes them (Liu et al. 2023),
+    all-gather CP gathers them; DeepSpeed-Ulysses (Jacobs et al. 2023) moves q and the
+    output h / tp wide, k and v at that width."""
     b, m, t = lay.micro_batch_size, lay.num_microbatches, lay.tp
-    layers = first_stage_layers(shape, lay)
+    layers, kv = first_stage_layers(shape, lay), local_kv_width(shape, t)
     if algorithm == "ring-attention":
-        return comm.ring_attention_traffic(b, shape.s, shape.kv_hidden // t, lay.cp, layers,
-                                           m, e, recompute=full)
+        return comm.ring_attention_traffic(b, shape.s, kv, lay.cp, layers, m, e,
+                                           recompute=full)
     if algorithm == "ulysses":
         return comm.ulysses_traffic(b, shape.s, shape.h // t, lay.cp, layers, m, e,
-                                    recompute=full)
+                                    recompute=full, h_kv=kv)
     if algorithm == "allgather":
         gathers = ((1, 6),) if full else ((1, 4),)
-        return comm.cp_allgather_traffic(b, s_local, shape.kv_hidden, lay.cp, t, layers, m, e,
-                                         gathers)
+        return comm.cp_allgather_traffic(b, s_local, kv, lay.cp, 1, layers, m, e, gathers)
     raise ConfigError(f"cp_algorithm={algorithm!r} is not counted by estimate (choose from "
                       f"{', '.join(CP_COUNTED)})")
 

@@ -85,9 +85,10 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
-    def heads(self, qkv: torch.Tensor, docs: Documents | None = None):
+    def heads(self, qkv: torch.Tensor, docs: Documents | None = None, expand: bool = True):
         """q, k, v as [b, num_heads, s, d] from the fused projection [b, s, width]: K/V heads
-        repeated over their query group, RoPE applied to q and k."""
+        repeated over their query group (``expand=False``: k, v keep their num_kv_heads, as
+        a context-parallel core moves them), RoPE applied to q and k."""
         b, s, _ = qkv.shape
         nq, nkv, d = self.num_heads, self.kv_heads, self.head_dim
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         if self.rope_theta:
             pos = torch.arange(s, device=qkv.device) if docs is None else docs.pos
             q, k = rotate(q, pos, self.rope_theta), rotate(k, pos, self.rope_theta)
-        if nkv != nq:
+        if nkv != nq and expand:
             k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
         return q, k, v
 

@@ -224,7 +224,7 @@ def _cp_comm(c: _Costs, shape, trn: Training, profile: Profile, loc: _LocalLayer
     kind, opt = trn.options.context.cp_algorithm, trn.options
     tr = actx.attention_traffic(kind, loc.b, shape.s, loc.h // loc.tp, loc.cp,
                                 opt.context.cp_ulysses, 1, 1, loc.e,
-                                opt.recompute != "none")
+                                opt.recompute != "none", h_kv=loc.kv_l)
     if kind in ("ring-attention", "ring-self-attention", "usp"):
         # each hop overlaps the block computed meanwhile (Liu et al. 2023, Sec. 3)
         sends = [t for t in tr if t.op == "send"]

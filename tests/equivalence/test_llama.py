@@ -90,24 +90,25 @@ def test_the_pipeline_schedules_train_llama_blocks(pools, scheme, extra):
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
-CP = {"model": "llama-tiny", "num_kv_heads": "0", "dp": "1", "cp": "2", "num_microbatches": "2",
+CP = {"model": "llama-tiny", "dp": "1", "cp": "2", "num_microbatches": "2",
       "micro_batch_size": "1", "steps": "3", "timed_steps": "1"}
 
 
 @pytest.mark.parametrize("scheme,extra", [
     ("context.ring-attention", {"cp_balance": "zigzag"}), ("context.ulysses", {}),
-    ("context.allgather", {"cp_balance": "striped", "pack_docs": "3"})])
+    ("context.allgather", {"cp_balance": "striped", "pack_docs": "3"}),
+    ("context.usp", {"cp": "4", "cp_ulysses": "2", "cp_balance": "zigzag"})])
 def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     """RoPE on a sequence chunk at its tokens' global positions (within-document ones when
-    packed), in each layout; byte-exact (K/V of every head: grouped-query attention is
-    refused under cp)."""
+    packed), in each layout, with grouped-query attention (2 K/V heads for 4 query heads);
+    byte-exact: the cores move K/V of the K/V heads only, as the closed forms count them."""
     case = case_for(scheme, CP, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
-@pytest.mark.parametrize("scheme", ["tensor.2d", "context.ring-attention",
+@pytest.mark.parametrize("scheme", ["tensor.2d", "context.ring-self-attention",
                                     "expert.alltoall"])
 def test_schemes_without_the_features_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})

@@ -63,6 +63,8 @@ def test_every_mutant_is_killed_by_a_check_and_no_control_fails():
     # once, so only the model states per rank show it
     uneven = by_id["interleaved-uneven-offset-one-rank-short"]
     assert uneven["caught_by"].startswith("golden") and "uncovered" in uneven["first_failure"]
+    if "ring-gqa-kv-expanded" in by_id:  # K/V repeated before the ring: bytes only
+        assert by_id["ring-gqa-kv-expanded"]["caught_by"] == "wire"
     if "1f1b-uneven-ends-swapped" in by_id:
         assert by_id["1f1b-uneven-ends-swapped"]["caught_by"] == "model_state"
     # bugs that leave the numbers alone are caught by the closed forms alone

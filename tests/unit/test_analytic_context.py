@@ -173,3 +173,35 @@ def test_activations_on_the_sequence_shard():
     assert korthikanti_layer_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114
     assert korthikanti_cp_layer_bytes(2048, 1, 12288, 96, 2) == \
         1024 * 12288 * (34 + Fraction(5 * 96 * 1024, 12288))
+
+
+def test_grouped_query_attention_moves_kv_at_the_kv_heads_width():
+    """K and V of num_kv_heads x head_dim columns (Ainslie et al. 2023) in every algorithm:
+    the ring's message is 2 b (s/cp) h_kv elements, all-gather CP's gathered tensor
+    b s h_kv, Ulysses' Q and output at h and K, V at h_kv -- written here from those
+    definitions; estimate counts a tensor-parallel rank's share (one whole head when tp
+    exceeds the K/V heads)."""
+    from parbench.analytic import estimate
+    from parbench.config import model_preset
+    from parbench.layout import Layout
+    from parbench.options import Options
+    b, s, h, kv, cp, e = 1, 64, 32, 16, 2, 4
+    ring = attention_traffic("ring-attention", b, s, h, cp, bytes_per_element=e, h_kv=kv)
+    assert {t.message_bytes for t in ring} == {2 * b * (s // cp) * kv * e}
+    gather = attention_traffic("allgather", b, s, h, cp, bytes_per_element=e, h_kv=kv)
+    assert {t.message_bytes for t in gather} == {b * s * kv * e}
+    uly = attention_traffic("ulysses", b, s, h, cp, bytes_per_element=e, h_kv=kv)
+    assert sorted((t.message_bytes, t.count) for t in uly) == \
+        [(b * (s // cp) * kv * e, 4), (b * (s // cp) * h * e, 4)]
+    mha = attention_traffic("ulysses", b, s, h, cp, bytes_per_element=e)
+    assert summarize(uly)["cp"]["wire_bytes"] < summarize(mha)["cp"]["wire_bytes"]
+    # LLaMA-3 70B (8 K/V heads of 128): tp = 4 leaves two K/V heads per rank, tp = 8 one
+    shape = model_preset("llama3-70b")
+    for tp in (4, 8):
+        width = 8 // tp * 128
+        for algo, per_msg in (("ring-attention", 2 * 1 * 4096 * width * 2),
+                              ("allgather", 1 * 8192 * width * 2)):
+            est = estimate(shape, Layout(tp=tp, cp=2, micro_batch_size=1),
+                           Options().with_values(sp=True, cp_algorithm=algo))
+            msgs = {t.message_bytes for t in est.communication.transfers if t.axis == "cp"}
+            assert msgs == {per_msg}, (tp, algo, msgs)
