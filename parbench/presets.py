@@ -52,6 +52,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_kv_heads=2, ffn_hidden_size=64, seq_length=16,
                        position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
                        norm="rmsnorm", bias=False),
+    # Mixtral (Jiang et al. 2024, "Mixtral of Experts", Table 1; Mistral AI's released
+    # config.json): 8 SwiGLU experts per layer, top-2, every layer MoE, GQA with 8 KV heads,
+    # RoPE (theta 1e6), RMSNorm, no biases, untied head. 8x7B: 32 layers of 4096, experts of
+    # 14336, vocabulary 32000 -- 46,702,792,704 parameters, 12,879,925,248 active (the paper's
+    # "47B" and "13B"). 8x22B: 56 layers of 6144 (48 heads), experts of 16384, vocabulary
+    # 32768 -- Mistral's "141B, 39B active". Analytic only.
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=8, ffn_hidden_size=14336, seq_length=4096,
+                         num_experts=8, moe_top_k=2, position_embeddings=False,
+                         rope_theta=1000000.0, mlp="swiglu", norm="rmsnorm", bias=False),
+    "mixtral-8x22b": dict(vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48,
+                          num_kv_heads=8, ffn_hidden_size=16384, seq_length=4096,
+                          num_experts=8, moe_top_k=2, position_embeddings=False,
+                          rope_theta=1000000.0, mlp="swiglu", norm="rmsnorm", bias=False),
     # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
     # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
     # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole

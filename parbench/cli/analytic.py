@@ -112,10 +112,11 @@ def _given_fields(ov: dict[str, str]) -> set[str]:
     return names
 
 
-def _import_megatron(ov: dict[str, str], text: str) -> str:
+def _import_megatron(ov: dict[str, str], text: str) -> tuple[str, str | None]:
     """Megatron-LM arguments as case keys (their run fields, optimizer and dtype, are not
     estimate's: dropped); a key given on the command line wins; the ignored ones on stderr.
-    Returns the attention they run (``imports.megatron_attention``)."""
+    Returns the attention they run (``imports.megatron_attention``) and their precision
+    (``--bf16`` / ``--fp16``; None: neither, Megatron's fp32)."""
     import shlex
     import sys
     from ..imports import megatron_attention, megatron_ignored, megatron_overrides
@@ -125,11 +126,12 @@ def _import_megatron(ov: dict[str, str], text: str) -> str:
         print("ignored Megatron arguments (they do not change what parbench computes): "
               + " ".join(ignored), file=sys.stderr)
     given = _given_fields({k: v for k, v in ov.items() if k != "model"})
-    for key, value in megatron_overrides(text).items():
+    imported = megatron_overrides(text)
+    for key, value in imported.items():
         if not key.startswith("run.") and resolve_key(key).name not in given:
             ov[key] = value
     ov.setdefault("model", "custom")
-    return megatron_attention(argv)
+    return megatron_attention(argv), imported.get("run.dtype")
 
 
 def _case(ov: dict[str, str], with_model: bool) -> CaseConfig:
@@ -193,7 +195,10 @@ def parse_estimate(args: list[str]) -> EstimateArgs:
     ov = parse_overrides(args)
     own = {k: ov.pop(k) for k in list(ov) if k in _own_key_names()}
     if own.get("megatron_args"):
-        own.setdefault("attention", _import_megatron(ov, own["megatron_args"]))
+        attention, dtype = _import_megatron(ov, own["megatron_args"])
+        own.setdefault("attention", attention)
+        if dtype is not None and "bytes_per_element" not in own:
+            own.setdefault("dtype", dtype)
     psi = None
     if "params" in own:
         psi = number("params", own["params"], minimum=0, strict=True)

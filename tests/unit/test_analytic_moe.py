@@ -410,3 +410,23 @@ def test_cli_prints_expert_states(capsys):
     text = capsys.readouterr().out
     assert "model_states.groups.expert.padded.total" in text
     assert "edp = tp*cp*dp/(etp*ep)" in text
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    # Mixtral 8x7B: the released checkpoint's count (46.7B) and two experts of eight
+    # active per token (12.9B); written from Jiang et al. 2024, Table 1's shape
+    ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
+])
+def test_mixtral_presets_have_the_published_parameter_counts(preset, total, active):
+    from parbench.config import model_preset
+    from parbench.analytic.shape import shape_from
+    shape = shape_from(model_preset(preset))
+    assert (total_params(shape), active_params(shape)) == (total, active)
+
+
+def test_mixtral_8x22b_is_mistrals_141b_with_39b_active():
+    from parbench.config import model_preset
+    from parbench.analytic.shape import shape_from
+    shape = shape_from(model_preset("mixtral-8x22b"))
+    assert round(total_params(shape) / 1e9) == 141
+    assert round(active_params(shape) / 1e9) == 39

@@ -142,7 +142,6 @@ def test_llama3_8b_parameters_on_the_command_line(capsys):
                                                   "is not supported: the embedding counted"),
     ("--multi-latent-attention", "multi-latent attention is not modelled"),
     ("--fp8-format hybrid", "fp8 is not modelled"),
-    ("--fp16", "--fp16 is not supported"),
     ("--apply-layernorm-1p", "--apply-layernorm-1p is not supported"),
     ("--attention-dropout 0.1", r"--attention-dropout=0.1 is not supported: parbench computes"),
     ("--rotary-percent 0.5", "--rotary-percent=0.5"),
@@ -206,3 +205,17 @@ def test_megatron_lms_own_mixtral_script_estimates_with_its_default_flash_attent
     assert eager["memory"]["activations"]["attention"] == "eager"
     # the script's layout (ep 8, pp 4 on 64 GPUs) fits with the fused kernel only
     assert flash["time"]["fits"] and not eager["time"]["fits"]
+
+
+def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
+    """``--fp16`` sets estimate's dtype (2-byte activations and messages, fp16 tensor-core
+    rate); ``run`` names the dtype it refuses."""
+    args = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --fp16"
+    assert main(["estimate", f"megatron_args={args}", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["inputs"]["bytes_per_element"] == 2
+    case = from_megatron_args(shlex.split(args))
+    assert case.run.dtype == "fp16"
+    from parbench.config import validate_case
+    with pytest.raises(ConfigError, match="dtype='fp16' must be fp32 or bf16"):
+        validate_case(case)
