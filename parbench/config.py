@@ -106,6 +106,14 @@ class ModelConfig:
     #: analytic only: pad the vocabulary to a multiple of this x tp (Megatron-LM's
     #: --make-vocab-size-divisible-by); 1 = a multiple of tp, what the reference model does
     make_vocab_size_divisible_by: int = _rule(1, "pos", "x tp (analytic only)")
+    #: analytic only, DeepSeekMoE's fine-grained and shared experts (Dai et al. 2024):
+    #: each routed expert's hidden size (0 = ffn_hidden_size; Megatron's
+    #: --moe-ffn-hidden-size), the shared experts' total hidden size, on every token of an
+    #: MoE layer (0 = none; --moe-shared-expert-intermediate-size), and the first layers kept
+    #: dense (DeepSeek's first_k_dense_replace)
+    moe_ffn_hidden_size: int = _rule(0, "nonneg", "0 = ffn_hidden_size (analytic only)")
+    moe_shared_expert_size: int = _rule(0, "nonneg", "0 = no shared expert (analytic only)")
+    moe_first_dense: int = _rule(0, "nonneg", "first layers dense (analytic only)")
 
     @property
     def ffn(self) -> int:
@@ -280,18 +288,23 @@ def validate_model(m: ModelConfig) -> None:
 
 #: ModelConfig fields the analytic estimate reads but the reference model does not: a
 #: runnable case must leave them at these values (the reference model's)
-ANALYTIC_ONLY_FIELDS = {"make_vocab_size_divisible_by": 1}
+#: analytic-only model fields: their default, and what the reference model does instead
+ANALYTIC_ONLY_FIELDS = {
+    "make_vocab_size_divisible_by": (1, "does not pad its vocabulary"),
+    "moe_ffn_hidden_size": (0, "gives its experts the dense MLP's hidden size"),
+    "moe_shared_expert_size": (0, "has no shared experts"),
+    "moe_first_dense": (0, "puts experts on every moe_every-th layer from layer 0"),
+}
 
 
 def validate_runnable_model(m: ModelConfig) -> None:
     """Reject the analytic-only fields at non-default values (the reference model would
     silently ignore them) and the feature combinations it does not run."""
-    for name, default in ANALYTIC_ONLY_FIELDS.items():
+    for name, (default, instead) in ANALYTIC_ONLY_FIELDS.items():
         v = getattr(m, name)
         if v != default:
-            raise ConfigError(f"{name}={v} is analytic only: the reference model does not "
-                              f"pad its vocabulary (use {name}={default}, or parbench "
-                              "estimate)")
+            raise ConfigError(f"{name}={v} is analytic only: the reference model {instead} "
+                              f"(use {name}={default}, or parbench estimate)")
     if m.num_experts and (m.mlp != "gelu" or not m.bias):
         raise ConfigError(f"num_experts={m.num_experts} with mlp={m.mlp}, bias={m.bias}: the "
                           "reference MoE's experts are GELU MLPs with biases (set mlp=gelu, "

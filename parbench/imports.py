@@ -155,9 +155,41 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     if kv is not None and hidden and heads and kv * heads != hidden:
         raise ConfigError(f"Megatron argument --kv-channels={kv} is not supported: parbench "
                           f"ties head_dim to hidden_size/num_heads={hidden}/{heads}")
+    if "--moe-layer-freq" in args:
+        vals.update(moe_layer_freq(args["--moe-layer-freq"], vals.get("num_layers")))
     max_pos, seq = args.get("--max-position-embeddings"), vals.get("seq_length")
     if max_pos is not None and seq is not None and max_pos < seq:
         raise ConfigError(f"--max-position-embeddings={max_pos} is below --seq-length={seq}")
+
+
+def moe_layer_freq(text: str, num_layers: int | None) -> dict[str, int]:
+    """Megatron's ``--moe-layer-freq``: an integer k (every k-th layer an MoE layer), or a
+    pattern of 0 (dense) and 1 (MoE) per layer such as ``([0]*3+[1]*58)`` (DeepSeek-V3's
+    first three layers dense) -- as ``moe_every`` and ``moe_first_dense``; a pattern of
+    another form is refused, naming it."""
+    text = text.strip()
+    if text.isdigit():
+        return {"moe_every": int(text)}
+    pattern: list[int] = []
+    for term in text.strip("()").replace(" ", "").split("+"):
+        head, _, times = term.partition("*")
+        try:
+            items = [int(x) for x in head.strip("[]").split(",")]
+            pattern += items * (int(times) if times else 1)
+        except ValueError:
+            raise ConfigError(f"--moe-layer-freq={text} is not supported: parbench reads an "
+                              "integer or a pattern like ([0]*3+[1]*58)") from None
+    if num_layers is not None and len(pattern) != num_layers:
+        raise ConfigError(f"--moe-layer-freq={text} gives {len(pattern)} layers, not "
+                          f"--num-layers={num_layers}")
+    first = pattern.index(1) if 1 in pattern else len(pattern)
+    rest = pattern[first:]
+    every = rest[1:].index(1) + 1 if 1 in rest[1:] else max(len(rest), 1)
+    want = [0] * first + [int((i - first) % every == 0) for i in range(first, len(pattern))]
+    if pattern != want or set(pattern) - {0, 1}:
+        raise ConfigError(f"--moe-layer-freq={text} is not supported: parbench models dense "
+                          "first layers then an MoE layer every k-th layer")
+    return {"moe_every": every, "moe_first_dense": first}
 
 
 def _case_fields(args: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,9 @@ MEGATRON_ARGS = {
     "--moe-router-topk": ("moe_top_k", int), "--moe-aux-loss-coeff": ("moe_aux_loss_coef", float),
     "--moe-z-loss-coeff": ("moe_z_loss_coef", float),
     "--moe-expert-capacity-factor": ("moe_capacity_factor", float),
-    "--moe-layer-freq": ("moe_every", int), "--clip-grad": ("clip_grad", float),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_size", int),
+    "--clip-grad": ("clip_grad", float),
     "--lr": ("lr", float), "--weight-decay": ("weight_decay", float),
     "--adam-beta1": ("beta1", float), "--adam-beta2": ("beta2", float),
     "--adam-eps": ("eps", float), "--seed": ("seed", int),
@@ -52,7 +54,7 @@ MEGATRON_CHOICES = {
 MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
                      "--max-position-embeddings": int, "--rotary-percent": float,
                      "--attention-dropout": float, "--hidden-dropout": float,
-                     "--attention-backend": str}
+                     "--attention-backend": str, "--moe-layer-freq": str}
 #: ``--attention-backend`` -> how ``estimate`` counts and prices attention: Megatron-Core's
 #: ``auto`` (its default), ``flash`` and ``fused`` run a fused kernel that keeps no s x s
 #: scores; ``unfused`` and ``local`` materialise them
@@ -97,7 +99,6 @@ MEGATRON_REFUSED = {
     "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
     "--qk-layernorm": "query/key norms are not modelled",
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
-    "--moe-shared-expert-intermediate-size": "shared experts are not modelled",
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",

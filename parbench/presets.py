@@ -66,6 +66,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                           num_kv_heads=8, ffn_hidden_size=16384, seq_length=4096,
                           num_experts=8, moe_top_k=2, position_embeddings=False,
                           rope_theta=1000000.0, mlp="swiglu", norm="rmsnorm", bias=False),
+    # DeepSeekMoE 16B (Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert Specialization
+    # in Mixture-of-Experts Language Models", Sec. 5; the released config.json): 28 layers of
+    # 2048, the first dense (ffn 10944), then 64 fine-grained routed experts of 1408, top-6,
+    # and 2 shared experts (2 x 1408) on every MoE layer; MHA with 16 heads, SwiGLU, RMSNorm,
+    # no biases, untied head, vocabulary 102400. 16,375,728,128 parameters, 2,828,650,496
+    # active (the paper's "16.4B" and "2.8B"). Analytic only (fine-grained and shared experts).
+    "deepseek-moe-16b": dict(vocab_size=102400, hidden_size=2048, num_layers=28, num_heads=16,
+                             ffn_hidden_size=10944, seq_length=4096, num_experts=64,
+                             moe_top_k=6, moe_ffn_hidden_size=1408,
+                             moe_shared_expert_size=2816, moe_first_dense=1,
+                             position_embeddings=False, rope_theta=10000.0, mlp="swiglu",
+                             norm="rmsnorm", bias=False),
     # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
     # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
     # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole

@@ -190,7 +190,8 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
                                tp: int, tokens: int, rows: int, num_experts: int,
                                etp: int = 1, recompute: str = "none",
                                bytes_per_element: int = 2,
-                               mlp: str = "gelu") -> dict[str, float]:
+                               mlp: str = "gelu", expert_f: int | None = None,
+                               shared_f: int = 0) -> dict[str, float]:
     """Activation bytes one MoE layer keeps for backward on one rank, by term, given the same
     layer's count as a dense layer, ``dense_layer`` (``activations.layer_activation_bytes``
     or ``reference_layer_activation_bytes`` at the same s = s/cp, b, t, sp and recompute).
@@ -221,6 +222,10 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
       ``mlp="swiglu"``, as for the dense MLP; the replaced dense term is 3 s b f e / t too).
     - **Combine buffer**: the expert outputs the combine all-to-all brings back, R rows of h,
       kept by the gate multiplication for the gates' gradient: R h e.
+    - Fine-grained and shared experts (DeepSeekMoE, Dai et al. 2024): the expert MLPs'
+      terms at each routed expert's hidden size ``expert_f`` (default f); the shared
+      experts, one MLP of hidden size ``shared_f`` on the layer's s b tokens split over tp
+      like the dense MLP, keep the dense MLP's terms at that width, k s b shared_f e / t.
 
     Not counted: the gates and expert indices (T k values each), the all-to-all send buffers
     (an all-to-all keeps nothing for backward) and any gather of the routed tokens over
@@ -229,6 +234,7 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
     """
     e = bytes_per_element
     k = 3 if mlp == "swiglu" else 2
+    fe = f if expert_f is None else expert_f
     if recompute == "full":
         terms = dict.fromkeys(("dense_mlp_replaced", "router", "dispatch", "expert_mlp",
                                "combine"), 0)
@@ -236,7 +242,9 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
         terms = {"dense_mlp_replaced": -k * s * b * f * e / tp,
                  "router": 2 * 4 * tokens * num_experts,
                  "dispatch": rows * h * e,
-                 "expert_mlp": k * rows * f * e / etp,
+                 "expert_mlp": k * rows * fe * e / etp,
                  "combine": rows * h * e}
+    if shared_f:
+        terms["shared_mlp"] = 0 if recompute == "full" else k * s * b * shared_f * e / tp
     return {"dense_layer": dense_layer, **terms,
             "total": dense_layer + sum(terms.values())}

@@ -82,7 +82,8 @@ def _moe_keywords(shape: Shape, lay: Layout, sp: bool, counting: Counting,
     return {"s": s_local, "b": lay.micro_batch_size, "h": shape.h, "f": shape.f,
             "tp": lay.tp, "tokens": tokens, "rows": rows, "num_experts": shape.num_experts,
             "etp": lay.expert_tp, "bytes_per_element": counting.bytes_per_element,
-            "mlp": shape.mlp}
+            "mlp": shape.mlp, "expert_f": shape.expert_f,
+            "shared_f": shape.moe_shared_expert_size}
 
 
 def _by_recompute(shape: Shape, lay: Layout, sp: bool, counting: Counting, s_local: int,

@@ -88,7 +88,8 @@ def shape_forward_flops(shape: Shape, b: int, s: int | None = None,
 
     Per token and layer: QKV 2h(h + 2h_kv) + projection 2h^2 (8h^2 without GQA), and the MLP:
     4hf (6hf for SwiGLU) on a dense layer; on an MoE layer (``Shape.is_moe_layer``: every
-    ``moe_every``-th layer) that per active expert (``moe_top_k`` of them) plus the router
+    ``moe_every``-th layer) that per active expert (``moe_top_k`` of them, each of hidden size
+    ``expert_f``) and for the shared experts (``moe_shared_expert_size``) plus the router
     2hE. Per sequence and layer: attention 4s^2h (2s^2h with ``causal="half"``, see the
     module doc); logit layer 2shV. For a dense GPT shape with f = 4h and ``causal="full"``
     this is :func:`forward_flops`.
@@ -97,9 +98,10 @@ def shape_forward_flops(shape: Shape, b: int, s: int | None = None,
     h, f = shape.h, shape.f
     n_moe = shape.num_moe_layers
     attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
-    mlp = (6 if shape.gated else 4) * h * f
-    dense_token = attn + mlp
-    moe_token = attn + mlp * shape.moe_top_k + 2 * h * shape.num_experts
+    per_f = (6 if shape.gated else 4) * h  # an MLP's FLOPs per token and unit of width
+    dense_token = attn + per_f * f
+    moe_token = attn + per_f * (shape.expert_f * shape.moe_top_k
+                                + shape.moe_shared_expert_size) + 2 * h * shape.num_experts
     per_token = (shape.num_layers - n_moe) * dense_token + n_moe * moe_token
     return b * s * per_token + shape.num_layers * attention_score_flops(b, s, h, causal) \
         + 2 * b * s * h * shape.V

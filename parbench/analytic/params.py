@@ -165,9 +165,16 @@ def mlp_params(h: int, f: int, tp: int = 1, *, gated: bool = False, bias: bool =
     return (mats * h * f + split_bias) // tp + (h if bias else 0)
 
 
-def shape_mlp_params(shape: Shape, tp: int = 1) -> int:
-    """:func:`mlp_params` with the shape's ``mlp`` and ``bias``."""
-    return mlp_params(shape.h, shape.f, tp, gated=shape.gated, bias=shape.bias)
+def shape_mlp_params(shape: Shape, tp: int = 1, f: int | None = None) -> int:
+    """:func:`mlp_params` with the shape's ``mlp`` and ``bias`` (``f``: another hidden size
+    than the dense MLP's, a routed or shared expert's)."""
+    return mlp_params(shape.h, shape.f if f is None else f, tp, gated=shape.gated,
+                      bias=shape.bias)
+
+
+def expert_mlp_params(shape: Shape, etp: int = 1) -> int:
+    """One routed expert on one expert-tensor-parallel rank (hidden size ``expert_f``)."""
+    return shape_mlp_params(shape, etp, shape.expert_f)
 
 
 def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
@@ -228,7 +235,10 @@ def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None =
     }
     if moe:
         parts["router"] = h * shape.num_experts
-        parts["experts"] = (shape.num_experts // ep) * shape_mlp_params(shape, e)
+        parts["experts"] = (shape.num_experts // ep) * expert_mlp_params(shape, e)
+        if shape.moe_shared_expert_size:
+            divides("tp", tp, "moe_shared_expert_size", shape.moe_shared_expert_size)
+            parts["shared_experts"] = shape_mlp_params(shape, tp, shape.moe_shared_expert_size)
     else:
         parts["mlp"] = shape_mlp_params(shape, tp)
     return parts
@@ -293,7 +303,7 @@ def active_params(shape: Shape) -> int:
     """Parameters a token passes through: on each MoE layer the router and ``moe_top_k`` of
     the E experts (Fedus et al. 2021, Switch Transformer, Sec. 2: top-1 routing keeps the
     FLOPs per token of the dense model). Equal to :func:`total_params` for a dense model."""
-    mlp = shape_mlp_params(shape)
+    mlp = expert_mlp_params(shape)
     return total_params(shape) - shape.num_moe_layers * (shape.num_experts - shape.moe_top_k) \
         * mlp
 
@@ -310,15 +320,17 @@ def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
     _check_tp(shape, tp)
     _check_ep(shape, ep)
     e = _check_etp(shape, tp, etp)
-    h, f, b = shape.h, shape.f, int(shape.bias)
-    fc1_cols = (2 if shape.gated else 1) * f
+    h, b, g = shape.h, int(shape.bias), 2 if shape.gated else 1
     attn = attention_params(shape, tp)
     cands = [shape.V * h // tp, attn["qkv"], attn["proj"]]
     if shape.position_embeddings:
         cands.append(shape.s * h)
-    for t, present in ((tp, shape.num_moe_layers < shape.num_layers), (e, shape.moe)):
+    mlps = ((tp, shape.f, shape.num_moe_layers < shape.num_layers),
+            (e, shape.expert_f, shape.moe),
+            (tp, shape.moe_shared_expert_size, shape.moe and shape.moe_shared_expert_size))
+    for t, f, present in mlps:
         if present:
-            cands += [(h * fc1_cols + b * fc1_cols) // t, h * f // t + b * h]
+            cands += [(h * g * f + b * g * f) // t, h * f // t + b * h]
     if shape.moe:
         cands.append(h * shape.num_experts)
     return max(cands)

@@ -84,7 +84,8 @@ def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
     moe = activations.moe_layer_activation_bytes(
         dense, s=s_local, b=lay.micro_batch_size, h=shape.h, f=shape.f, tp=t, tokens=tokens,
         rows=rows, num_experts=shape.num_experts, etp=lay.expert_tp, recompute=recompute,
-        bytes_per_element=e, mlp=shape.mlp)["total"]
+        bytes_per_element=e, mlp=shape.mlp, expert_f=shape.expert_f,
+        shared_f=shape.moe_shared_expert_size)["total"]
     return dense, moe
 
 

@@ -54,6 +54,14 @@ class Shape:
     - ``norm``: ``"layernorm"`` (weight and bias, 2h) or ``"rmsnorm"`` (Zhang & Sennrich 2019:
       weight only, h);
     - ``bias``: biases on the linear layers (LLaMA has none: Touvron et al. 2023);
+    - fine-grained and shared experts (DeepSeekMoE, Dai et al. 2024, Sec. 3.1-3.2; Megatron's
+      ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``):
+      ``moe_ffn_hidden_size`` is each routed expert's hidden size (0: ``ffn_hidden_size``,
+      which the dense layers keep), ``moe_shared_expert_size`` the shared experts' total
+      hidden size, one MLP every token of an MoE layer passes (0: none; split over tp and
+      replicated over dp like the dense MLP, as Megatron-Core's ``SharedExpertMLP``);
+      ``moe_first_dense``: the first layers stay dense (DeepSeek's
+      ``first_k_dense_replace``);
     - ``make_vocab_size_divisible_by``: the vocabulary is padded to a multiple of this times
       tp (Megatron-LM ``--make-vocab-size-divisible-by``, default 128 there;
       ``_vocab_size_with_padding``); 1 pads to a multiple of tp, as the reference model's
@@ -78,6 +86,9 @@ class Shape:
     norm: str = "layernorm"
     bias: bool = True
     make_vocab_size_divisible_by: int = 1
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_size: int = 0
+    moe_first_dense: int = 0
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -104,6 +115,8 @@ class Shape:
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias={self.bias!r} must be true or false")
         require_positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_first_dense"):
+            require_nonneg_int(name, getattr(self, name))
 
     # short names used in the formulas of the papers
     @property
@@ -113,6 +126,11 @@ class Shape:
     @property
     def f(self) -> int:
         return int(self.ffn_hidden_size)
+
+    @property
+    def expert_f(self) -> int:
+        """A routed expert's hidden size: ``moe_ffn_hidden_size``, or the dense f."""
+        return self.moe_ffn_hidden_size or self.f
 
     @property
     def V(self) -> int:  # noqa: N802 - the papers' symbol
@@ -172,9 +190,11 @@ class Shape:
         return -(-self.vocab_size // mult) * mult
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer ``i`` (0-based) is an MoE layer: ``num_experts > 0`` and ``i % moe_every == 0``
-        (Megatron-Core ``moe_layer_freq``)."""
-        return self.moe and i % self.moe_every == 0
+        """Layer ``i`` (0-based) is an MoE layer: ``num_experts > 0``, and ``i - k`` is a
+        non-negative multiple of ``moe_every`` with k = ``moe_first_dense`` (Megatron-Core's
+        ``moe_layer_freq``: every ``moe_every``-th layer, after the first k dense ones)."""
+        k = self.moe_first_dense
+        return self.moe and i >= k and (i - k) % self.moe_every == 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -215,7 +235,8 @@ def exact_factor(x: float) -> Fraction:
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length",
                  "ffn_hidden_size", "tie_embeddings", "position_embeddings", "num_experts",
                  "moe_top_k", "moe_every", "moe_capacity_factor", "num_kv_heads", "mlp",
-                 "norm", "bias", "make_vocab_size_divisible_by")
+                 "norm", "bias", "make_vocab_size_divisible_by", "moe_ffn_hidden_size",
+                 "moe_shared_expert_size", "moe_first_dense")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:

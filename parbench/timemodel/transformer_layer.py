@@ -137,7 +137,8 @@ def _layer_compute(c: _Costs, shape, trn: Training, profile: Profile, loc: _Loca
 def _moe_mlp(shape, trn: Training, profile: Profile, loc: _LocalLayer, f0: float, b0: float,
              w0: float) -> tuple[float, float, float]:
     """(f, b, w) of a dense layer's count with its MLP replaced by the router and the local
-    experts (k T capacity-scaled rows spread over the E / ep experts of the rank)."""
+    experts (k T capacity-scaled rows spread over the E / ep experts of the rank, each of
+    hidden size ``expert_f``), and the shared experts' MLP on every token."""
     E, k = shape.num_experts, shape.moe_top_k  # noqa: N806
     h, f, tp, T, T_ln, dt = shape.h, shape.f, loc.tp, loc.T, loc.T_ln, loc.dt  # noqa: N806
     gated = loc.gated
@@ -151,9 +152,15 @@ def _moe_mlp(shape, trn: Training, profile: Profile, loc: _LocalLayer, f0: float
         f0, b0, w0 = f0 - g[0], b0 - g[1], w0 - g[2]
     router = _gemms(profile, T_ln, E, h, dt)
     f0, b0, w0 = f0 + router[0], b0 + router[1], w0 + router[2]
-    for n_out, k_in in ((f // etp * (2 if gated else 1), h), (h, f // etp)):
+    fe = getattr(shape, "expert_f", f)
+    for n_out, k_in in ((fe // etp * (2 if gated else 1), h), (h, fe // etp)):
         g = _gemms(profile, per_expert, n_out, k_in, dt)
         f0, b0, w0 = f0 + n_local * g[0], b0 + n_local * g[1], w0 + n_local * g[2]
+    shared = getattr(shape, "moe_shared_expert_size", 0) // tp
+    if shared:  # DeepSeekMoE's shared experts: a dense MLP on every token of the rank
+        for n_out, k_in in ((shared * (2 if gated else 1), h), (h, shared)):
+            g = _gemms(profile, T, n_out, k_in, dt)
+            f0, b0, w0 = f0 + g[0], b0 + g[1], w0 + g[2]
     route_bytes = 6 * rows * h * loc.e + 3 * T_ln * E * 4
     f0 += profile.mem_time(route_bytes, 8)
     b0 += profile.mem_time(route_bytes, 8) + 8 * profile.bwd_op_overhead_s

@@ -430,3 +430,68 @@ def test_mixtral_8x22b_is_mistrals_141b_with_39b_active():
     shape = shape_from(model_preset("mixtral-8x22b"))
     assert round(total_params(shape) / 1e9) == 141
     assert round(active_params(shape) / 1e9) == 39
+
+
+# ---- fine-grained and shared experts, dense first layers (DeepSeekMoE; issue 21) ----------
+
+def test_deepseek_moe_16b_has_the_published_parameter_counts():
+    """Dai et al. 2024: 16.4B parameters, 2.8B activated; the counts below are the released
+    config's shapes summed by hand in the test's own arithmetic (per MoE layer: attention
+    4h^2, two RMSNorms, 64 routed SwiGLU experts of 1408, two shared ones, the router)."""
+    from parbench.analytic.shape import shape_from
+    from parbench.config import model_preset
+    shape = shape_from(model_preset("deepseek-moe-16b"))
+    h, V = 2048, 102400
+    attn, norms = 4 * h * h, 2 * h
+    expert = 3 * h * 1408
+    dense_layer = attn + norms + 3 * h * 10944
+    moe_layer = attn + norms + 64 * expert + 2 * expert + 64 * h
+    ends = 2 * V * h + h
+    assert shape.num_moe_layers == 27 and not shape.is_moe_layer(0)
+    assert total_params(shape) == dense_layer + 27 * moe_layer + ends == 16_375_728_128
+    active = dense_layer + 27 * (moe_layer - 58 * expert) + ends
+    assert active_params(shape) == active == 2_828_650_496
+
+
+def test_shared_and_fine_grained_experts_in_flops_activations_and_time():
+    from dataclasses import replace
+    from parbench.analytic.activations import moe_layer_activation_bytes
+    from parbench.analytic.flops import shape_forward_flops
+    from parbench.analytic.shape import shape_from
+    from parbench.config import model_preset
+    shape = shape_from(model_preset("deepseek-moe-16b"))
+    h, b, s = 2048, 1, 4096
+    # per token of an MoE layer: 6 h (k f_e + f_shared) + 2 h E over the MLP of width f
+    plain = replace(shape, moe_shared_expert_size=0, moe_ffn_hidden_size=0, moe_first_dense=0)
+    diff = shape_forward_flops(shape, b) - shape_forward_flops(plain, b)
+    moe_gain = 6 * h * (6 * 1408 + 2816) - 6 * h * 6 * 10944
+    dense_gain = 6 * h * 10944 - (6 * h * 6 * 10944 + 2 * h * 64)  # layer 0 turned dense
+    assert diff == b * s * (27 * moe_gain + dense_gain)
+    kw = dict(s=s, b=b, h=h, f=10944, tp=2, tokens=s, rows=6 * s, num_experts=64, etp=1,
+              bytes_per_element=2, mlp="swiglu")
+    with_shared = moe_layer_activation_bytes(100.0, **kw, expert_f=1408, shared_f=2816)
+    assert with_shared["shared_mlp"] == 3 * s * b * 2816 * 2 / 2
+    assert with_shared["expert_mlp"] == 3 * 6 * s * 1408 * 2
+    assert "shared_mlp" not in moe_layer_activation_bytes(100.0, **kw)
+    from parbench.timemodel import PRESETS, Training, predict_step
+    trn = Training.of(ep=8, dp=8, micro_batch_size=1, num_microbatches=1)
+    prof = PRESETS["h100-80gb"]
+    no_shared = replace(shape, moe_shared_expert_size=0)
+    assert predict_step(shape, trn, prof).compute_s > predict_step(no_shared, trn, prof).compute_s
+
+
+def test_megatron_moe_arguments_import_deepseek_moe():
+    import shlex
+    from parbench.analytic.shape import shape_from
+    from parbench.config import ConfigError
+    from parbench.imports import from_megatron_args
+    args = ("--num-layers 28 --hidden-size 2048 --ffn-hidden-size 10944 "
+            "--num-attention-heads 16 --seq-length 4096 --max-position-embeddings 4096 "
+            "--vocab-size 102400 --swiglu --normalization RMSNorm --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --position-embedding-type rope "
+            "--num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1408 "
+            "--moe-shared-expert-intermediate-size 2816 --moe-layer-freq '([0]*1+[1]*27)'")
+    case = from_megatron_args(shlex.split(args))
+    assert total_params(shape_from(case.model)) == 16_375_728_128
+    with pytest.raises(ConfigError, match="gives 27 layers, not --num-layers=28"):
+        from_megatron_args(shlex.split(args.replace("[1]*27", "[1]*26")))
