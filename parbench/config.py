@@ -114,6 +114,14 @@ class ModelConfig:
     moe_ffn_hidden_size: int = _rule(0, "nonneg", "0 = ffn_hidden_size (analytic only)")
     moe_shared_expert_size: int = _rule(0, "nonneg", "0 = no shared expert (analytic only)")
     moe_first_dense: int = _rule(0, "nonneg", "first layers dense (analytic only)")
+    #: analytic only, multi-head latent attention (DeepSeek-V2 / V3; Megatron's
+    #: --multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim
+    #: --qk-pos-emb-head-dim --v-head-dim): on when kv_lora_rank > 0
+    kv_lora_rank: int = _rule(0, "nonneg", "MLA's K/V latent; 0 = no MLA (analytic only)")
+    q_lora_rank: int = _rule(0, "nonneg", "MLA's query latent; 0 = none (analytic only)")
+    qk_head_dim: int = _rule(0, "nonneg", "MLA's query/key head dim; 0 = head_dim")
+    qk_rope_head_dim: int = _rule(0, "nonneg", "MLA's rotary query/key part")
+    v_head_dim: int = _rule(0, "nonneg", "MLA's value head dim; 0 = head_dim")
 
     @property
     def ffn(self) -> int:
@@ -294,6 +302,8 @@ ANALYTIC_ONLY_FIELDS = {
     "moe_ffn_hidden_size": (0, "gives its experts the dense MLP's hidden size"),
     "moe_shared_expert_size": (0, "has no shared experts"),
     "moe_first_dense": (0, "puts experts on every moe_every-th layer from layer 0"),
+    **{name: (0, "runs multi-head (or grouped-query) attention") for name in (
+        "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim")},
 }
 
 

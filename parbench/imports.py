@@ -150,9 +150,11 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
         vals["num_kv_heads"] = args["--num-query-groups"]
     if vals.get("rope_theta") and "--rotary-base" in args:
         vals["rope_theta"] = args["--rotary-base"]
+    _mla_check(args, vals)
     hidden, heads = vals.get("hidden_size"), vals.get("num_heads")
     kv = args.get("--kv-channels")
-    if kv is not None and hidden and heads and kv * heads != hidden:
+    if kv is not None and hidden and heads and kv * heads != hidden and \
+            not args.get("--multi-latent-attention"):
         raise ConfigError(f"Megatron argument --kv-channels={kv} is not supported: parbench "
                           f"ties head_dim to hidden_size/num_heads={hidden}/{heads}")
     if "--moe-layer-freq" in args:
@@ -160,6 +162,20 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     max_pos, seq = args.get("--max-position-embeddings"), vals.get("seq_length")
     if max_pos is not None and seq is not None and max_pos < seq:
         raise ConfigError(f"--max-position-embeddings={max_pos} is below --seq-length={seq}")
+
+
+def _mla_check(args: dict[str, Any], vals: dict[str, Any]) -> None:
+    """``--multi-latent-attention`` needs its K/V latent (``--kv-lora-rank``); the latent
+    arguments without the flag are refused (Megatron ignores them then)."""
+    latent = [k for k in ("--kv-lora-rank", "--q-lora-rank", "--qk-head-dim",
+                          "--qk-pos-emb-head-dim", "--v-head-dim") if k in args]
+    if args.get("--multi-latent-attention"):
+        if not vals.get("kv_lora_rank"):
+            raise ConfigError("--multi-latent-attention needs --kv-lora-rank (the K/V "
+                              "latent's width)")
+    elif latent:
+        raise ConfigError(f"{latent[0]} without --multi-latent-attention: Megatron ignores "
+                          "it; give the flag or drop the argument")
 
 
 def moe_layer_freq(text: str, num_layers: int | None) -> dict[str, int]:

@@ -359,7 +359,8 @@ def _dims(model: Any) -> dict[str, int]:
     return {"heads": get("num_heads"), "kv_heads": get("num_kv_heads") or get("num_heads"),
             "ffn": get("ffn_hidden_size") or 4 * h, "seq": get("seq_length"),
             "vocab": get("vocab_size"), "div": get("make_vocab_size_divisible_by", 1),
-            "experts": get("num_experts"), "layers": get("num_layers")}
+            "experts": get("num_experts"), "layers": get("num_layers"),
+            "mla": get("kv_lora_rank")}
 
 
 def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = "none"):
@@ -393,6 +394,9 @@ def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = 
     if d["seq"] % chunks:
         what = "2*cp" if chunks != lay.cp else "cp"
         yield f"{what}={chunks} does not divide seq_length={d['seq']}"
+    elif lay.cp > 1 and d["mla"]:
+        yield (f"cp={lay.cp} with kv_lora_rank={d['mla']}: multi-head latent attention is "
+               "not modelled under context parallelism (set cp=1)")
     elif sp and t > 1 and (d["seq"] // lay.cp) % t:
         yield (f"sp with tp={t} needs tp to divide seq_length/cp="
                f"{d['seq']}/{lay.cp}={d['seq'] // lay.cp}")

@@ -26,6 +26,9 @@ MEGATRON_ARGS = {
     "--decoder-first-pipeline-num-layers": ("first_stage_layers", int),
     "--decoder-last-pipeline-num-layers": ("last_stage_layers", int),
     "--num-virtual-stages-per-pipeline-rank": ("vpp", int),
+    "--kv-lora-rank": ("kv_lora_rank", int), "--q-lora-rank": ("q_lora_rank", int),
+    "--qk-head-dim": ("qk_head_dim", int), "--qk-pos-emb-head-dim": ("qk_rope_head_dim", int),
+    "--v-head-dim": ("v_head_dim", int),
 }
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
@@ -60,7 +63,7 @@ MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-cha
 #: scores; ``unfused`` and ``local`` materialise them
 MEGATRON_ATTENTION = {"auto": "flash", "flash": "flash", "fused": "flash", "unfused": "eager",
                       "local": "eager"}
-MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention"})
+MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention", "--multi-latent-attention"})
 #: Megatron arguments that derive a layout field from the others
 MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
                      "--num-layers-per-virtual-pipeline-stage": "vpp"}
@@ -95,7 +98,6 @@ MEGATRON_REFUSED = {
     "is not modelled (give --decoder-first-pipeline-num-layers instead)",
     "--account-for-loss-in-pipeline-split": "the loss counted as a pipeline layer is not "
     "modelled (give --decoder-last-pipeline-num-layers instead)",
-    "--multi-latent-attention": "multi-latent attention is not modelled",
     "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
     "--qk-layernorm": "query/key norms are not modelled",
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",

@@ -78,6 +78,22 @@ PRESETS: dict[str, dict[str, Any]] = {
                              moe_shared_expert_size=2816, moe_first_dense=1,
                              position_embeddings=False, rope_theta=10000.0, mlp="swiglu",
                              norm="rmsnorm", bias=False),
+    # DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 4.2; the released
+    # config.json): 61 layers of 7168, the first 3 dense (ffn 18432), then 256 routed experts
+    # of 2048, top-8, and one shared expert of 2048; multi-head latent attention with 128
+    # heads (query latent 1536, K/V latent 512, query/key heads 128 + 64 rotary, values
+    # 128); SwiGLU, RMSNorm, no biases, untied head, vocabulary 129280. 671,026,404,352
+    # parameters, 37,552,282,624 active (the report's "671B" and "37B"; without the
+    # multi-token-prediction module, and without the 256 router-bias values a layer that
+    # select experts only). Analytic only. Routing is priced as top-8 of 256 (the report's
+    # sigmoid gate, node-limited routing and bias are not modelled).
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+                        ffn_hidden_size=18432, seq_length=4096, num_experts=256, moe_top_k=8,
+                        moe_ffn_hidden_size=2048, moe_shared_expert_size=2048,
+                        moe_first_dense=3, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        position_embeddings=False, rope_theta=10000.0, mlp="swiglu",
+                        norm="rmsnorm", bias=False),
     # UB-Mesh (arXiv 2503.20377) Table 5 "GPT4-2T"-like MoE: 96 layers, 96 heads of 128,
     # hidden 12288, 16 experts (sourced); top-1 and 8192 tokens per context-parallel rank
     # are inferred from Table 1 (analytic.traffic.UBMeshMoE2T). seq_length is the whole

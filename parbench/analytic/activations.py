@@ -51,7 +51,9 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            recompute: str = "none", ffn_hidden: int | None = None,
                            bytes_per_element: int = 2, mask_bytes: int = 1,
                            dropout: bool = True, attention: str = "eager",
-                           kv_hidden: int | None = None, mlp: str = "gelu") -> float:
+                           kv_hidden: int | None = None, mlp: str = "gelu",
+                           widths: tuple[int, int, int, int] | None = None,
+                           latent: int = 0) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank.
 
     ``attention="eager"`` stores the s x s score matrices (softmax output, and with dropout
@@ -61,6 +63,10 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     with sequence parallelism that input is the sequence shard, so it is divided by t.
     ``kv_hidden`` (default h) is the width of K and V under grouped-query attention;
     ``mlp="swiglu"`` keeps 3 s b f elements of the MLP instead of 2 s b f (module doc).
+    ``widths``: the (Q, K, V, output) widths over all heads when they are not (h, h_kv, h_kv,
+    h) -- multi-head latent attention's (``Shape.attention_widths``); ``latent``: elements
+    per token kept whole on every tensor-parallel rank besides (MLA's query and K/V latents,
+    each as its norm's input and the up projection's input, and the rotary key).
     """
     for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         require_positive_int(name, v)
@@ -73,6 +79,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     e, m, d = bytes_per_element, mask_bytes, int(dropout)
     f = 4 * h if ffn_hidden is None else ffn_hidden
     kv = h if kv_hidden is None else kv_hidden
+    q_w, k_w, v_w, o_w = widths or (h, kv, kv, h)
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (t if sp else 1)
@@ -81,14 +88,14 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     # Q, K, V, projection input, fc1 output (GeLU input), GeLU output (fc2 input); SwiGLU:
     # gate and up outputs (2f) and their product (f)
     mlp_tensors = 3 if mlp == "swiglu" else 2
-    split = (2 * sbh + 2 * s * b * kv + mlp_tensors * s * b * f) * e
+    split = ((q_w + k_w + v_w + o_w) * s * b + mlp_tensors * s * b * f) * e
     if attention == "eager":
         scores = a * s * s * b * (e + d * (m + e))
     else:
-        scores = sbh * e + a * s * b * 4
+        scores = s * b * o_w * e + a * s * b * 4
     if recompute == "selective":
         scores = 0
-    return replicated / (t if sp else 1) + (split + scores) / t
+    return replicated / (t if sp else 1) + latent * s * b * e + (split + scores) / t
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -109,7 +116,9 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      bytes_per_element: int = 4,
                                      proj_input_copy: bool = True,
                                      kv_hidden: int | None = None,
-                                     mlp: str = "gelu") -> float:
+                                     mlp: str = "gelu",
+                                     widths: tuple[int, int, int, int] | None = None,
+                                     latent: int = 0) -> float:
     """:func:`layer_activation_bytes` adapted to parbench's reference model.
 
     Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
@@ -132,12 +141,12 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
                                   bytes_per_element=bytes_per_element, mask_bytes=0,
                                   dropout=False, attention="flash", kv_hidden=kv_hidden,
-                                  mlp=mlp)
+                                  mlp=mlp, widths=widths, latent=latent)
     if recompute == "full":
         return base
     ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1)
     if recompute == "none" and not proj_input_copy:
-        base -= s * b * h * bytes_per_element / t
+        base -= s * b * (widths[3] if widths else h) * bytes_per_element / t
     return base + ln_stats
 
 

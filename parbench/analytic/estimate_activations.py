@@ -64,7 +64,7 @@ def _layer(shape: Shape, lay: Layout, sp: bool, mode: str, counting: Counting,
     ``view``: the reference model's projection input counted as a view of the kernel's
     output (``proj_input_copy=False``, the table by recompute mode); otherwise as a copy."""
     b, t, e = lay.micro_batch_size, lay.tp, counting.bytes_per_element
-    arch = {"kv_hidden": shape.kv_hidden, "mlp": shape.mlp}
+    arch = shape.attention_keywords()
     kor = activations.layer_activation_bytes(s_local, b, shape.h, shape.a, t, sp, mode,
                                               shape.f, bytes_per_element=e,
                                               attention=counting.attention, **arch)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .params import mla_linears
 from .shape import Shape, require_positive
 
 
@@ -86,25 +87,33 @@ def shape_forward_flops(shape: Shape, b: int, s: int | None = None,
                         causal: str = "full") -> int:
     """Forward FLOPs for any :class:`Shape` (any f, MoE, GQA, SwiGLU), same counting convention.
 
-    Per token and layer: QKV 2h(h + 2h_kv) + projection 2h^2 (8h^2 without GQA), and the MLP:
+    Per token and layer: QKV 2h(h + 2h_kv) + projection 2h^2 (8h^2 without GQA; under
+    multi-head latent attention twice its projections' weights), and the MLP:
     4hf (6hf for SwiGLU) on a dense layer; on an MoE layer (``Shape.is_moe_layer``: every
     ``moe_every``-th layer) that per active expert (``moe_top_k`` of them, each of hidden size
     ``expert_f``) and for the shared experts (``moe_shared_expert_size``) plus the router
     2hE. Per sequence and layer: attention 4s^2h (2s^2h with ``causal="half"``, see the
-    module doc); logit layer 2shV. For a dense GPT shape with f = 4h and ``causal="full"``
-    this is :func:`forward_flops`.
+    module doc; 2s^2 (w_q + w_o) with MLA's query/key and value widths); logit layer 2shV.
+    For a dense GPT shape with f = 4h and ``causal="full"`` this is :func:`forward_flops`.
     """
     s = shape.s if s is None else s
     h, f = shape.h, shape.f
     n_moe = shape.num_moe_layers
-    attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
+    if shape.mla:  # every projection's weights, twice (the latents' norms are not matmuls)
+        attn = 2 * sum(n for name, n in mla_linears(shape) if not name.endswith("norm"))
+    else:
+        attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
     per_f = (6 if shape.gated else 4) * h  # an MLP's FLOPs per token and unit of width
     dense_token = attn + per_f * f
     moe_token = attn + per_f * (shape.expert_f * shape.moe_top_k
                                 + shape.moe_shared_expert_size) + 2 * h * shape.num_experts
     per_token = (shape.num_layers - n_moe) * dense_token + n_moe * moe_token
-    return b * s * per_token + shape.num_layers * attention_score_flops(b, s, h, causal) \
-        + 2 * b * s * h * shape.V
+    q_w, _, _, o_w = shape.attention_widths()
+    # QK^T over every query head's width, AV over every head's value width (K/V heads shared
+    # under GQA still meet each query head): 2 b s^2 (w_q + w_o), attention_score_flops at h
+    # when both are h
+    scores = attention_score_flops(b, s, q_w + o_w, causal) // 2
+    return b * s * per_token + shape.num_layers * scores + 2 * b * s * h * shape.V
 
 
 def shape_training_flops(shape: Shape, b: int, s: int | None = None,

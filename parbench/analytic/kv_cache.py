@@ -39,15 +39,26 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     require_nonneg_int("generate", generate)
     s = shape.s if prompt is None else prompt
     require_positive_int("prompt", s)
-    if shape.kv_heads % tp:
+    if shape.kv_heads % tp and not shape.mla:
         raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
     layers_rank = max(len(ix) for ix in param_model.stage_layer_indices(
         shape.num_layers, pp, vpp, first=ends[0], last=ends[1]))
     e = bytes_per_element
-    total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e, shape.kv_hidden)
-    per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
-                                     shape.kv_hidden // tp)
+    if shape.mla:
+        # multi-head latent attention caches each token's K/V latent and its rotary key,
+        # d_c + d_R elements a layer (DeepSeek-V2, Sec. 2.1.2 and Table 1), whole on every
+        # tensor-parallel rank
+        width = shape.kv_lora_rank + shape.qk_rope_head_dim
+        total, per_rank = (e * batch * n * width * (s + generate)
+                           for n in (shape.l, layers_rank))
+    else:
+        total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e,
+                                      shape.kv_hidden)
+        per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
+                                         shape.kv_hidden // tp)
+    extra = {"formula": "e x b x l x (kv_lora_rank + qk_rope_head_dim) x (s + n); per rank "
+                        "l / pp layers, the latent whole"} if shape.mla else {}
     return KVCache(batch=batch, prompt_tokens=s, generated_tokens=generate,
                    num_kv_heads=shape.kv_heads, kv_hidden=shape.kv_hidden,
                    bytes_per_element=e, total_bytes=total, per_rank_bytes=per_rank,
-                   layers_per_rank=layers_rank)
+                   layers_per_rank=layers_rank, **extra)

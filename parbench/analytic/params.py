@@ -182,11 +182,34 @@ def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
 
     QKV (column-parallel): h (h + 2 h_kv) weights and h + 2 h_kv biases, split over t;
     projection (row-parallel): h^2 / t and a whole bias h. h_kv = h without GQA, so the
-    reference model's 3h^2 + 3h and h^2 + h."""
+    reference model's 3h^2 + 3h and h^2 + h. Multi-head latent attention: "qkv" is every
+    projection to the heads and its latents (:func:`mla_linears`)."""
+    if shape.mla:
+        lin = mla_linears(shape, tp)
+        return {"qkv": sum(n for name, n in lin if name != "proj"),
+                "proj": dict(lin)["proj"]}
     h, kv = shape.h, shape.kv_hidden
     b = int(shape.bias)
     return {"qkv": (h * (h + 2 * kv) + b * (h + 2 * kv)) // tp,
             "proj": h * h // tp + b * h}
+
+
+def mla_linears(shape: Shape, tp: int = 1) -> list[tuple[str, int]]:
+    """Multi-head latent attention's parameter tensors on one tensor-parallel rank
+    (DeepSeek-V2, Sec. 2.1.2, Eqs. 9-17; Megatron-Core's ``MLASelfAttention``): the down
+    projections to the latents and their RMSNorms whole on every rank (duplicated), the up
+    projections to the heads column-parallel and the output projection row-parallel, split
+    over t. With a query latent (``q_lora_rank`` = d_c'): h d_c', d_c' and
+    d_c' a (d_qk + d_R); without: h a (d_qk + d_R). Keys and values: h (d_c + d_R), d_c,
+    d_c a (d_qk + d_v); output a d_v h."""
+    h, a, dc, dq = shape.h, shape.a, shape.kv_lora_rank, shape.q_lora_rank
+    d_qk = (shape.qk_head_dim or shape.head_dim) + shape.qk_rope_head_dim
+    d_v = shape.v_head_dim or shape.head_dim
+    q = [("q_down", h * dq), ("q_norm", dq), ("q_up", dq * a * d_qk // tp)] if dq \
+        else [("q_proj", h * a * d_qk // tp)]
+    return q + [("kv_down", h * (dc + shape.qk_rope_head_dim)), ("kv_norm", dc),
+                ("kv_up", dc * a * (d_qk - shape.qk_rope_head_dim + d_v) // tp),
+                ("proj", a * d_v * h // tp)]
 
 
 def norm_tensor_sizes(shape: Shape) -> list[int]:
@@ -203,8 +226,9 @@ def dense_block_tensor_sizes(shape: Shape) -> list[int]:
     def linear(rows: int, cols: int) -> list[int]:
         return [rows * cols] + ([rows] if shape.bias else [])
     norm = norm_tensor_sizes(shape)
-    return (norm + linear(h + 2 * shape.kv_hidden, h) + linear(h, h) + norm
-            + linear(2 * f if shape.gated else f, h) + linear(h, f))
+    attn = [n for _, n in mla_linears(shape)] if shape.mla else \
+        linear(h + 2 * shape.kv_hidden, h) + linear(h, h)
+    return (norm + attn + norm + linear(2 * f if shape.gated else f, h) + linear(h, f))
 
 
 #: the components of :func:`layer_breakdown` that are expert parameters (the rest is dense)
@@ -322,7 +346,8 @@ def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
     e = _check_etp(shape, tp, etp)
     h, b, g = shape.h, int(shape.bias), 2 if shape.gated else 1
     attn = attention_params(shape, tp)
-    cands = [shape.V * h // tp, attn["qkv"], attn["proj"]]
+    cands = [shape.V * h // tp, attn["proj"]] + \
+        ([n for _, n in mla_linears(shape, tp)] if shape.mla else [attn["qkv"]])
     if shape.position_embeddings:
         cands.append(shape.s * h)
     mlps = ((tp, shape.f, shape.num_moe_layers < shape.num_layers),

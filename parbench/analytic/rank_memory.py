@@ -76,8 +76,7 @@ def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
     s_local, t, e = shape.s // lay.cp, lay.tp, counting.bytes_per_element
     dense = activations.layer_activation_bytes(
         s_local, lay.micro_batch_size, shape.h, shape.a, t, sp, recompute, shape.f,
-        bytes_per_element=e, attention=counting.attention, kv_hidden=shape.kv_hidden,
-        mlp=shape.mlp)
+        bytes_per_element=e, attention=counting.attention, **shape.attention_keywords())
     if not shape.moe:
         return dense, None
     tokens, _, rows = routed_rows(shape, lay.micro_batch_size, s_local, t, sp)

@@ -62,6 +62,12 @@ class Shape:
       replicated over dp like the dense MLP, as Megatron-Core's ``SharedExpertMLP``);
       ``moe_first_dense``: the first layers stay dense (DeepSeek's
       ``first_k_dense_replace``);
+    - multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, Sec. 2.1.2; Megatron's
+      ``--multi-latent-attention``), on when ``kv_lora_rank`` > 0: K and V up-projected from
+      a ``kv_lora_rank`` latent of each token (normalised), the queries from a ``q_lora_rank``
+      latent (0: projected from h directly), every head's query and key ``qk_head_dim`` wide
+      plus a ``qk_rope_head_dim`` rotary part (the key's shared by the heads), values
+      ``v_head_dim`` wide (0: head_dim); the KV cache holds the latent and the rotary key;
     - ``make_vocab_size_divisible_by``: the vocabulary is padded to a multiple of this times
       tp (Megatron-LM ``--make-vocab-size-divisible-by``, default 128 there;
       ``_vocab_size_with_padding``); 1 pads to a multiple of tp, as the reference model's
@@ -89,6 +95,11 @@ class Shape:
     moe_ffn_hidden_size: int = 0
     moe_shared_expert_size: int = 0
     moe_first_dense: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -115,8 +126,16 @@ class Shape:
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias={self.bias!r} must be true or false")
         require_positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_first_dense"):
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_first_dense",
+                     "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_rope_head_dim",
+                     "v_head_dim"):
             require_nonneg_int(name, getattr(self, name))
+        if self.kv_lora_rank and self.bias:
+            raise ValueError("kv_lora_rank (multi-head latent attention) is modelled without "
+                             "biases: set bias=false")
+        if not self.kv_lora_rank and (self.q_lora_rank or self.qk_rope_head_dim):
+            raise ValueError("q_lora_rank and qk_rope_head_dim are multi-head latent "
+                             "attention's: they need kv_lora_rank > 0")
 
     # short names used in the formulas of the papers
     @property
@@ -126,6 +145,36 @@ class Shape:
     @property
     def f(self) -> int:
         return int(self.ffn_hidden_size)
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
+
+    def attention_widths(self) -> tuple[int, int, int, int]:
+        """(Q, K, V, output) widths over all heads: h, h_kv, h_kv, h; under MLA
+        a (d_qk + d_rope), a (d_qk + d_rope), a d_v, a d_v."""
+        if not self.mla:
+            return self.h, self.kv_hidden, self.kv_hidden, self.h
+        qk = self.a * ((self.qk_head_dim or self.head_dim) + self.qk_rope_head_dim)
+        v = self.a * (self.v_head_dim or self.head_dim)
+        return qk, qk, v, v
+
+    @property
+    def mla_latent(self) -> int:
+        """Elements per token MLA keeps whole on every tensor-parallel rank: each latent as
+        its RMSNorm's input and its up projection's input (2 d_c' + 2 d_c), and the rotary
+        key d_R before its rotation; 0 without MLA."""
+        if not self.mla:
+            return 0
+        return 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
+
+    def attention_keywords(self) -> dict:
+        """The attention keywords of ``activations.layer_activation_bytes`` for this shape."""
+        out = {"kv_hidden": self.kv_hidden, "mlp": self.mlp}
+        if self.mla:
+            out.update(widths=self.attention_widths(), latent=self.mla_latent)
+        return out
 
     @property
     def expert_f(self) -> int:
@@ -236,7 +285,8 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_le
                  "ffn_hidden_size", "tie_embeddings", "position_embeddings", "num_experts",
                  "moe_top_k", "moe_every", "moe_capacity_factor", "num_kv_heads", "mlp",
                  "norm", "bias", "make_vocab_size_divisible_by", "moe_ffn_hidden_size",
-                 "moe_shared_expert_size", "moe_first_dense")
+                 "moe_shared_expert_size", "moe_first_dense", "kv_lora_rank", "q_lora_rank",
+                 "qk_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:

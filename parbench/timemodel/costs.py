@@ -110,16 +110,22 @@ def _gemms(profile: Profile, m: int, n_out: int, k_in: int, dt: str) -> tuple[fl
 
 def _dense_inventory(profile: Profile, b: int, s_l: int, h: int, a_l: int, f_l: int,
                      kv_l: int, gated: bool, bias: bool, tp: int, T_ln: int, dt: str,  # noqa: N803
-                     fused: bool = True) -> tuple[float, float, float, float, float]:
+                     fused: bool = True, mla: tuple | None = None
+                     ) -> tuple[float, float, float, float, float]:
     """The operator count of one dense layer at a rank's local shape, causal self-attention
     over its own s_l tokens (``fused``: a flash kernel, else unfused, as
     :meth:`Profile.attention_time` prices them): (forward, backward-input, backward-weight,
-    attention forward, attention backward) seconds."""
+    attention forward, attention backward) seconds. ``mla``: multi-head latent attention's
+    (projections as (n_out, k_in), attention head dimension) instead of QKV and the output
+    projection (``mla_gemms``)."""
     e = _e(dt)
     T = b * s_l  # noqa: N806
     d = h // (max(a_l, 1) * tp)  # the head dimension h / a
     f = b_ = w = 0.0
-    linears = [(a_l * d + 2 * kv_l, h), (h, a_l * d), (f_l * (2 if gated else 1), h), (h, f_l)]
+    attn = [(a_l * d + 2 * kv_l, h), (h, a_l * d)]
+    if mla is not None:
+        attn, d = mla
+    linears = attn + [(f_l * (2 if gated else 1), h), (h, f_l)]
     for n_out, k_in in linears:
         g = _gemms(profile, T, n_out, k_in, dt)
         f += g[0]
@@ -228,3 +234,17 @@ def _embed_inventory(profile: Profile, T: int, h: int, vl: int, tp: int, dt: str
     w = profile.mem_time(vl * h * 4 + 2 * T * h * e, 2) + \
         (4 if pos else 2) * profile.bwd_op_overhead_s
     return f, 0.0, w
+
+
+def mla_gemms(shape, tp: int) -> tuple[list[tuple[int, int]], float]:
+    """Multi-head latent attention on one tensor-parallel rank as GEMMs (n_out, k_in): the
+    down projections to the latents whole, the up projections and the output projection
+    over a / t heads (``analytic.params.mla_linears``); and the head dimension that prices
+    the attention kernel, (d_qk + d_v) / 2 (QK^T over d_qk, AV over d_v)."""
+    a_l = max(shape.a // tp, 1)
+    d_nope = shape.qk_head_dim or shape.head_dim
+    d_qk, d_v = d_nope + shape.qk_rope_head_dim, shape.v_head_dim or shape.head_dim
+    dq, dc, h = shape.q_lora_rank, shape.kv_lora_rank, shape.h
+    q = [(dq, h), (a_l * d_qk, dq)] if dq else [(a_l * d_qk, h)]
+    return (q + [(dc + shape.qk_rope_head_dim, h), (a_l * (d_nope + d_v), dc), (h, a_l * d_v)],
+            (d_qk + d_v) / 2)

@@ -23,6 +23,7 @@ from .costs import (
     _LinkFn,
     _part_ratio,
     _scaled,
+    mla_gemms,
 )
 from .training import Training
 from .profile import Profile
@@ -121,8 +122,9 @@ def _layer_compute(c: _Costs, shape, trn: Training, profile: Profile, loc: _Loca
     layer when ``calibrate`` timed this shape); returns the local causal attention kernel's
     (forward, backward) seconds."""
     f_l = shape.f // loc.tp
+    mla = mla_gemms(shape, loc.tp) if getattr(shape, "mla", False) else None
     inv = _dense_inventory(profile, loc.b, loc.s_l, loc.h, loc.a_l, f_l, loc.kv_l, loc.gated,
-                           loc.bias, loc.tp, loc.T_ln, loc.dt, loc.fused)
+                           loc.bias, loc.tp, loc.T_ln, loc.dt, loc.fused, mla)
     f0, b0, w0, af_self, ab_self = inv
     if moe_layer:
         f0, b0, w0 = _moe_mlp(shape, trn, profile, loc, f0, b0, w0)

@@ -495,3 +495,78 @@ def test_megatron_moe_arguments_import_deepseek_moe():
     assert total_params(shape_from(case.model)) == 16_375_728_128
     with pytest.raises(ConfigError, match="gives 27 layers, not --num-layers=28"):
         from_megatron_args(shlex.split(args.replace("[1]*27", "[1]*26")))
+
+
+# ---- multi-head latent attention (DeepSeek-V2 / V3; issue 21) ------------------------------
+
+def test_deepseek_v3_has_the_published_parameter_counts():
+    """DeepSeek-V3 report: 671B parameters, 37B activated for each token (both truncated to
+    the billion). Summed here from the released shapes in the test's own arithmetic: MLA's
+    projections (query latent 1536, K/V latent 512 with a 64-wide rotary key, 128 heads of
+    128 + 64 for queries and keys, 128 for values), three dense layers, then 58 MoE layers of
+    256 routed SwiGLU experts of 2048, one shared, a router."""
+    from parbench.analytic.shape import shape_from
+    from parbench.config import model_preset
+    shape = shape_from(model_preset("deepseek-v3"))
+    h, V, a = 7168, 129280, 128
+    mla = (h * 1536 + 1536 + 1536 * a * 192 + h * (512 + 64) + 512 + 512 * a * 256
+           + a * 128 * h)
+    expert = 3 * h * 2048
+    dense = mla + 2 * h + 3 * h * 18432
+    moe = mla + 2 * h + 256 * expert + expert + 256 * h
+    ends = 2 * V * h + h
+    assert total_params(shape) == 3 * dense + 58 * moe + ends == 671_026_404_352
+    active = 3 * dense + 58 * (moe - 248 * expert) + ends
+    assert active_params(shape) == active == 37_552_282_624
+    assert total_params(shape) // 10**9 == 671 and active_params(shape) // 10**9 == 37
+
+
+def test_mla_flops_kv_cache_and_activations():
+    """Per token and MLA layer: twice its projections' weights; per sequence: QK^T over the
+    128 x 192 query/key width and AV over 128 x 128 values; the KV cache holds 512 + 64
+    elements a token and layer (DeepSeek-V2, Table 1), whole on every tp rank."""
+    from dataclasses import replace
+    from parbench.analytic.flops import shape_forward_flops
+    from parbench.analytic.kv_cache import kv_cache
+    from parbench.analytic.activations import layer_activation_bytes
+    from parbench.analytic.shape import shape_from
+    from parbench.config import model_preset
+    v3 = shape_from(model_preset("deepseek-v3"))
+    one = replace(v3, num_layers=1, num_experts=0, moe_first_dense=0, vocab_size=1)
+    h, a, b, s = 7168, 128, 1, 64
+    proj = h * 1536 + 1536 * a * 192 + h * 576 + 512 * a * 256 + a * 128 * h
+    mlp = 6 * h * 18432
+    want = b * s * (2 * proj + mlp) + 2 * b * s * s * (a * 192 + a * 128) + 2 * b * s * h
+    assert shape_forward_flops(one, b, s) == want
+    kv = kv_cache(v3, 2, 100, prompt=412, tp=8, pp=1, bytes_per_element=2)
+    assert kv.total_bytes == 2 * 2 * 61 * 576 * 512 and kv.per_rank_bytes == kv.total_bytes
+    # activations: Q, K at 128 x 192, V and the output at 128 x 128 over t, the latents whole
+    t, e = 8, 2
+    got = layer_activation_bytes(s, b, h, a, t, False, "none", 18432, bytes_per_element=e,
+                                 attention="flash", **one.attention_keywords())
+    replicated = s * b * h * (4 * e + 2)
+    split = ((a * 192 * 2 + a * 128 * 2) * s * b + 3 * s * b * 18432) * e
+    flash = s * b * a * 128 * e + a * s * b * 4
+    latent = (2 * 1536 + 2 * 512 + 64) * s * b * e
+    assert got == replicated + latent + (split + flash) / t
+
+
+def test_mla_refuses_context_parallelism_and_imports_from_megatron():
+    import shlex
+    from parbench.analytic.shape import shape_from
+    from parbench.config import ConfigError, model_preset
+    from parbench.imports import from_megatron_args
+    from parbench.layout import Layout
+    v3 = shape_from(model_preset("deepseek-v3"))
+    with pytest.raises(ConfigError, match="multi-head latent attention is not modelled under"):
+        Layout(cp=2, ep=2).check_model(v3)
+    args = ("--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+            "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
+            "--vocab-size 129280 --swiglu --normalization RMSNorm --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --position-embedding-type rope "
+            "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
+            "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --kv-channels 128 "
+            "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+            "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq '([0]*3+[1]*58)'")
+    case = from_megatron_args(shlex.split(args))
+    assert total_params(shape_from(case.model)) == 671_026_404_352

@@ -140,7 +140,8 @@ def test_llama3_8b_parameters_on_the_command_line(capsys):
     ("--num-layers 2 --frobnicate 3", r"'--frobnicate' is not supported \(unknown"),
     ("--account-for-embedding-in-pipeline-split", "--account-for-embedding-in-pipeline-split "
                                                   "is not supported: the embedding counted"),
-    ("--multi-latent-attention", "multi-latent attention is not modelled"),
+    ("--multi-latent-attention", "--multi-latent-attention needs --kv-lora-rank"),
+    ("--kv-lora-rank 512", "--kv-lora-rank without --multi-latent-attention"),
     ("--fp8-format hybrid", "fp8 is not modelled"),
     ("--apply-layernorm-1p", "--apply-layernorm-1p is not supported"),
     ("--attention-dropout 0.1", r"--attention-dropout=0.1 is not supported: parbench computes"),
