@@ -43,11 +43,14 @@ def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Prof
 def _headline(model: str, shape, trn: Training) -> str:
     """Model, parameters, degrees, options, devices, batch and precision."""
     lay, opt = trn.layout, trn.options
-    from ..analytic.params import total_params
+    from ..analytic.params import active_params, total_params
     try:
-        n = total_params(shape)
+        n, active = total_params(shape), active_params(shape)
     except Exception:  # noqa: BLE001 - a shape the param count refuses: leave it out
-        n = float("nan")
+        n = active = float("nan")
+    count = f"{n / 1e9:,.1f} B parameters"
+    if getattr(shape, "moe", False):  # an MoE model: what a token passes through too
+        count += f", {active / 1e9:,.1f} B active"
     deg = " ".join(f"{k}={v}" for k, v in lay.degrees().items() if v > 1) or "one device"
     extra = [f"vpp={lay.vpp}"] if lay.vpp > 1 else []
     if opt.tensor.sp:
@@ -59,7 +62,7 @@ def _headline(model: str, shape, trn: Training) -> str:
     if lay.pp > 1:
         extra.append(f"schedule={lay.schedule}")
     m = lay.num_microbatches
-    return (f"[bold]{model}[/] ({n / 1e9:,.1f} B parameters): {deg}"
+    return (f"[bold]{model}[/] ({count}): {deg}"
             + (f" ({', '.join(extra)})" if extra else "")
             + f" on {lay.world_size:,} devices; global batch {lay.global_batch_size:,} x "
             f"{shape.s:,} tokens ({m} micro-batch{'es' if m > 1 else ''} of "

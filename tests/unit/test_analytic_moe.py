@@ -570,3 +570,15 @@ def test_mla_refuses_context_parallelism_and_imports_from_megatron():
             "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq '([0]*3+[1]*58)'")
     case = from_megatron_args(shlex.split(args))
     assert total_params(shape_from(case.model)) == 671_026_404_352
+
+
+def test_estimate_prints_total_and_active_parameters_of_an_moe_model(capsys):
+    """``parbench estimate model=deepseek-v3``: the report's 671B, and 37B activated (the
+    report truncates: 37.55B)."""
+    import re
+    from parbench.cli import main
+    assert main(["estimate", "model=deepseek-v3"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    total, active = map(float, re.search(r"\(([\d.,]+) B parameters, ([\d.]+) B active\)",
+                                         first).groups())
+    assert total == 671.0 and 37.0 <= active < 38.0
