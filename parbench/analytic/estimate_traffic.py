@@ -188,8 +188,8 @@ def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool
             if kind == "ulysses" and shape.a % cp:
                 out[key] = f"cp={cp} does not divide num_heads={shape.a}"
                 continue
-            # ring attention and all-gather CP move K and V: kv_hidden wide under GQA
-            width = h // tp if kind == "ulysses" else shape.kv_hidden // tp
+            # Q and the output h / tp wide; K and V this rank's share of the K/V heads
             out[key] = comm.summarize(context.attention_traffic(
-                kind, b, s, width, cp, 1, 1, 1, e, again))
+                kind, b, s, h // tp, cp, 1, 1, 1, e, again,
+                h_kv=local_kv_width(shape, tp)))
     return out
