@@ -165,14 +165,24 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
 
 
 def _mla_check(args: dict[str, Any], vals: dict[str, Any]) -> None:
-    """``--multi-latent-attention`` needs its K/V latent (``--kv-lora-rank``); the latent
-    arguments without the flag are refused (Megatron ignores them then)."""
+    """``--multi-latent-attention`` needs its K/V latent (``--kv-lora-rank``) and the
+    latents' norms (``--qk-layernorm``, which parbench counts); the latent arguments
+    without the flag are refused (Megatron ignores them then), as are query/key norms
+    without MLA."""
     latent = [k for k in ("--kv-lora-rank", "--q-lora-rank", "--qk-head-dim",
                           "--qk-pos-emb-head-dim", "--v-head-dim") if k in args]
     if args.get("--multi-latent-attention"):
         if not vals.get("kv_lora_rank"):
             raise ConfigError("--multi-latent-attention needs --kv-lora-rank (the K/V "
                               "latent's width)")
+        if not args.get("--qk-layernorm"):
+            raise ConfigError("--multi-latent-attention without --qk-layernorm is not "
+                              "supported: parbench counts MLA with its latents' RMSNorms "
+                              "(DeepSeek-V2 / V3, Megatron's --qk-layernorm)")
+    elif args.get("--qk-layernorm"):
+        raise ConfigError("--qk-layernorm is not supported: query/key norms are not "
+                          "modelled (with --multi-latent-attention they are its latents' "
+                          "norms, which are)")
     elif latent:
         raise ConfigError(f"{latent[0]} without --multi-latent-attention: Megatron ignores "
                           "it; give the flag or drop the argument")

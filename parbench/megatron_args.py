@@ -63,7 +63,10 @@ MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-cha
 #: scores; ``unfused`` and ``local`` materialise them
 MEGATRON_ATTENTION = {"auto": "flash", "flash": "flash", "fused": "flash", "unfused": "eager",
                       "local": "eager"}
-MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention", "--multi-latent-attention"})
+#: flags read by the checks: GQA's and MLA's switches, and ``--qk-layernorm`` (under MLA the
+#: latents' RMSNorms, which parbench counts; without MLA per-head query/key norms, refused)
+MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention", "--multi-latent-attention",
+                                    "--qk-layernorm"})
 #: Megatron arguments that derive a layout field from the others
 MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
                      "--num-layers-per-virtual-pipeline-stage": "vpp"}
@@ -99,7 +102,6 @@ MEGATRON_REFUSED = {
     "--account-for-loss-in-pipeline-split": "the loss counted as a pipeline layer is not "
     "modelled (give --decoder-last-pipeline-num-layers instead)",
     "--apply-layernorm-1p": "the zero-centred (1 + gamma) norm is not modelled",
-    "--qk-layernorm": "query/key norms are not modelled",
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",

@@ -564,7 +564,7 @@ def test_mla_refuses_context_parallelism_and_imports_from_megatron():
             "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
             "--vocab-size 129280 --swiglu --normalization RMSNorm --disable-bias-linear "
             "--untie-embeddings-and-output-weights --position-embedding-type rope "
-            "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
+            "--multi-latent-attention --qk-layernorm --q-lora-rank 1536 --kv-lora-rank 512 "
             "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --kv-channels 128 "
             "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
             "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq '([0]*3+[1]*58)'")

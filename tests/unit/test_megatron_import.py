@@ -144,6 +144,8 @@ def test_llama3_8b_parameters_on_the_command_line(capsys):
     ("--kv-lora-rank 512", "--kv-lora-rank without --multi-latent-attention"),
     ("--fp8-format hybrid", "fp8 is not modelled"),
     ("--apply-layernorm-1p", "--apply-layernorm-1p is not supported"),
+    ("--qk-layernorm", "--qk-layernorm is not supported: query/key norms"),
+    ("--multi-latent-attention --kv-lora-rank 512", "without --qk-layernorm is not supported"),
     ("--attention-dropout 0.1", r"--attention-dropout=0.1 is not supported: parbench computes"),
     ("--rotary-percent 0.5", "--rotary-percent=0.5"),
     ("--hidden-size 64 --num-attention-heads 4 --kv-channels 8", "ties head_dim"),
