@@ -52,6 +52,8 @@ MEGATRON_CHOICES = {
                                 "selective": {"recompute": "selective"}},
     "--moe-router-load-balancing-type": {"aux_loss": {}, "none": {"moe_aux_loss_coef": 0.0}},
     "--transformer-impl": {"local": {}, "transformer_engine": {}},
+    # softmax over the experts (sigmoid scores, DeepSeek-V3's, are not modelled)
+    "--moe-router-score-function": {"softmax": {}},
 }
 #: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
 MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
@@ -82,7 +84,8 @@ no-create-attention-mask-in-dataloader no-async-tensor-model-parallel-allreduce
 no-load-optim no-load-rng no-save-optim no-save-rng exit-on-missing-checkpoint
 use-checkpoint-args accumulate-allreduce-grads-in-fp32 attention-softmax-in-fp32
 distribute-saved-activations use-torch-fsdp2 ddp-average-in-collective
-align-grad-reduce align-param-gather defer-embedding-wgrad-compute""".split())
+align-grad-reduce align-param-gather defer-embedding-wgrad-compute
+no-check-for-nan-in-loss-and-grad no-mmap-bin-files auto-detect-ckpt-format""".split())
 #: Megatron arguments with values that do not change what parbench computes (schedule, data,
 #: logging, checkpoints, performance); their values are skipped up to the next ``--``
 MEGATRON_IGNORED_VALUED = frozenset("--" + n for n in """
@@ -94,7 +97,8 @@ tensorboard-dir tensorboard-queue-size wandb-project wandb-exp-name wandb-save-d
 num-workers distributed-backend distributed-timeout-minutes
 manual-gc-interval ckpt-format moe-token-dispatcher-type exit-duration-in-mins
 exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
-moe-router-dtype optimizer""".split())
+moe-router-dtype optimizer dist-ckpt-strictness logging-level moe-flex-dispatcher-backend
+norm-epsilon""".split())
 #: Megatron arguments that change the computation in ways parbench does not model
 MEGATRON_REFUSED = {
     "--account-for-embedding-in-pipeline-split": "the embedding counted as a pipeline layer "
@@ -106,6 +110,21 @@ MEGATRON_REFUSED = {
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",
+    "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
+    "--moe-router-pre-softmax": "pre-softmax routing (top-k gates not renormalised) is "
+    "not modelled",
+    "--moe-router-topk-scaling-factor": "scaled routing weights are not modelled",
+    "--moe-router-group-topk": "group-limited routing is not modelled",
+    "--moe-router-num-groups": "group-limited routing is not modelled",
+    "--moe-router-enable-expert-bias": "the auxiliary-loss-free expert bias is not modelled",
+    "--moe-router-bias-update-rate": "the auxiliary-loss-free expert bias is not modelled",
+    "--moe-router-force-load-balancing": "forced uniform routing (a benchmark mode) is not "
+    "modelled",
+    "--rotary-scaling-factor": "YaRN rotary scaling is not modelled",
+    "--mscale": "YaRN rotary scaling is not modelled",
+    "--mscale-all-dim": "YaRN rotary scaling is not modelled",
+    "--mtp-num-layers": "multi-token prediction is not modelled",
+    "--mtp-loss-scaling-factor": "multi-token prediction is not modelled",
     "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
 }
 #: Megatron arguments that must keep one value (the one parbench computes with): name -> value

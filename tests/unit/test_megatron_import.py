@@ -222,3 +222,47 @@ def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
     from parbench.config import validate_case
     with pytest.raises(ConfigError, match="dtype='fp16' must be fp32 or bf16"):
         validate_case(case)
+
+
+#: the model, routing and precision arguments Megatron-LM's DeepSeek-V3 example passes
+#: (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), written out; each feature parbench
+#: does not model must be refused by name, the rest must import
+DEEPSEEK_V3_REFUSED = {
+    "--moe-router-score-function sigmoid": "parbench reads softmax",
+    "--moe-router-group-topk 4": "group-limited routing is not modelled",
+    "--moe-router-num-groups 8": "group-limited routing is not modelled",
+    "--moe-router-enable-expert-bias": "auxiliary-loss-free expert bias is not modelled",
+    "--moe-router-bias-update-rate 1e-3": "auxiliary-loss-free expert bias is not modelled",
+    "--moe-router-topk-scaling-factor 2.5": "scaled routing weights are not modelled",
+    "--moe-router-pre-softmax": "pre-softmax routing",
+    "--rotary-scaling-factor 40": "YaRN rotary scaling is not modelled",
+    "--mtp-num-layers 1": "multi-token prediction is not modelled",
+    "--recompute-modules mlp moe mla_up_proj layernorm": "only whole-model recomputation",
+}
+DEEPSEEK_V3_MODEL = """
+--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
+--kv-channels 128 --max-position-embeddings 4096 --seq-length 4096
+--position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 3232
+--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights
+--multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0 --qk-layernorm
+--num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
+--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 --moe-aux-loss-coeff 1e-4
+--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-grouped-gemm
+--q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
+--v-head-dim 128 --disable-bias-linear --bf16 --vocab-size 129280
+"""
+
+
+@pytest.mark.parametrize("extra, match", DEEPSEEK_V3_REFUSED.items())
+def test_megatron_lms_deepseek_v3_example_refuses_what_is_not_modelled(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        from_megatron_args(shlex.split(DEEPSEEK_V3_MODEL + extra))
+
+
+def test_megatron_lms_deepseek_v3_example_model_imports_with_its_published_count():
+    from parbench.analytic.params import total_params
+    from parbench.analytic.shape import shape_from
+    case = from_megatron_args(shlex.split(DEEPSEEK_V3_MODEL))
+    shape = shape_from(case.model)
+    assert total_params(shape) == 671_026_404_352
+    assert shape.moe_first_dense == 3 and shape.q_lora_rank == 1536
