@@ -241,19 +241,23 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
     the etp ranks (not in the communication count either). Full recomputation keeps only the
     layer input, as for a dense layer: every routed term is 0.
     """
-    e = bytes_per_element
     k = 3 if mlp == "swiglu" else 2
-    fe = f if expert_f is None else expert_f
+    terms = _routed_terms(k, s * b, h, f, tp, tokens, rows, num_experts, etp,
+                          bytes_per_element, f if expert_f is None else expert_f, shared_f)
     if recompute == "full":
-        terms = dict.fromkeys(("dense_mlp_replaced", "router", "dispatch", "expert_mlp",
-                               "combine"), 0)
-    else:
-        terms = {"dense_mlp_replaced": -k * s * b * f * e / tp,
-                 "router": 2 * 4 * tokens * num_experts,
-                 "dispatch": rows * h * e,
-                 "expert_mlp": k * rows * fe * e / etp,
-                 "combine": rows * h * e}
-    if shared_f:
-        terms["shared_mlp"] = 0 if recompute == "full" else k * s * b * shared_f * e / tp
+        terms = dict.fromkeys(terms, 0)
     return {"dense_layer": dense_layer, **terms,
             "total": dense_layer + sum(terms.values())}
+
+
+def _routed_terms(k: int, sb: int, h: int, f: int, tp: int, tokens: int, rows: int,
+                  num_experts: int, etp: int, e: int, fe: int, shared_f: int) -> dict:
+    """The terms of :func:`moe_layer_activation_bytes` without recomputation."""
+    terms = {"dense_mlp_replaced": -k * sb * f * e / tp,
+             "router": 2 * 4 * tokens * num_experts,
+             "dispatch": rows * h * e,
+             "expert_mlp": k * rows * fe * e / etp,
+             "combine": rows * h * e}
+    if shared_f:
+        terms["shared_mlp"] = k * sb * shared_f * e / tp
+    return terms

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .mla import mla_linears  # noqa: F401  (re-exported)
 from .shape import Shape, divides, moe_layer_count, require_nonneg_int, require_positive_int
 from .stages import split_layers, stage_layer_indices  # noqa: F401  (re-exported)
 
@@ -192,24 +193,6 @@ def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
     b = int(shape.bias)
     return {"qkv": (h * (h + 2 * kv) + b * (h + 2 * kv)) // tp,
             "proj": h * h // tp + b * h}
-
-
-def mla_linears(shape: Shape, tp: int = 1) -> list[tuple[str, int]]:
-    """Multi-head latent attention's parameter tensors on one tensor-parallel rank
-    (DeepSeek-V2, Sec. 2.1.2, Eqs. 9-17; Megatron-Core's ``MLASelfAttention``): the down
-    projections to the latents and their RMSNorms whole on every rank (duplicated), the up
-    projections to the heads column-parallel and the output projection row-parallel, split
-    over t. With a query latent (``q_lora_rank`` = d_c'): h d_c', d_c' and
-    d_c' a (d_qk + d_R); without: h a (d_qk + d_R). Keys and values: h (d_c + d_R), d_c,
-    d_c a (d_qk + d_v); output a d_v h."""
-    h, a, dc, dq = shape.h, shape.a, shape.kv_lora_rank, shape.q_lora_rank
-    d_qk = (shape.qk_head_dim or shape.head_dim) + shape.qk_rope_head_dim
-    d_v = shape.v_head_dim or shape.head_dim
-    q = [("q_down", h * dq), ("q_norm", dq), ("q_up", dq * a * d_qk // tp)] if dq \
-        else [("q_proj", h * a * d_qk // tp)]
-    return q + [("kv_down", h * (dc + shape.qk_rope_head_dim)), ("kv_norm", dc),
-                ("kv_up", dc * a * (d_qk - shape.qk_rope_head_dim + d_v) // tp),
-                ("proj", a * d_v * h // tp)]
 
 
 def norm_tensor_sizes(shape: Shape) -> list[int]:
