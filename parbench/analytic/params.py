@@ -67,8 +67,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .expert_layout import check_ep, check_etp, expert_layout  # noqa: F401  (re-exported)
 from .mla import mla_linears  # noqa: F401  (re-exported)
-from .shape import Shape, divides, moe_layer_count, require_nonneg_int, require_positive_int
+from .shape import Shape, divides, moe_layer_count, require_positive_int
 from .stages import split_layers, stage_layer_indices  # noqa: F401  (re-exported)
 
 
@@ -102,57 +103,6 @@ def _check_tp(shape: Shape, tp: int) -> None:
         divides("tp", tp, "num_kv_heads", shape.kv_heads)
     divides("tp", tp, "ffn_hidden_size", shape.f)
     divides("tp", tp, "vocab_size", shape.vocab_size)
-
-
-def _check_ep(shape: Shape, ep: int) -> None:
-    require_positive_int("ep", ep)
-    if ep > 1 and not shape.moe:
-        raise ValueError(f"ep={ep} needs num_experts > 0 (num_experts={shape.num_experts})")
-    if shape.moe:
-        divides("ep", ep, "num_experts", shape.num_experts)
-
-
-def resolve_etp(tp: int, etp: int | None) -> int:
-    """The expert tensor-parallel size: ``etp``, or ``tp`` when it is 0 or ``None``
-    (Megatron-Core's ``expert_tensor_parallel_size`` default)."""
-    if etp is None:
-        return tp
-    require_nonneg_int("etp", etp)
-    return etp or tp
-
-
-def _check_etp(shape: Shape, tp: int, etp: int | None) -> int:
-    e = resolve_etp(tp, etp)
-    if not shape.moe and e != tp:
-        raise ValueError(f"etp={e} needs num_experts > 0 (num_experts={shape.num_experts}); "
-                         f"a dense model has no expert to split (leave etp=0, i.e. tp={tp})")
-    if shape.moe:
-        divides("etp", e, "ffn_hidden_size", shape.f)
-    return e
-
-
-def expert_layout(shape: Shape, *, tp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1,
-                  etp: int | None = None) -> dict[str, int]:
-    """The data-parallel group of each kind of parameter, Megatron-Core layout.
-
-    Dense parameters are replicated over the ``dp * cp`` ranks (gradients reduced over them,
-    as Megatron-Core does with context parallelism). Expert parameters: the ``tp * cp * dp``
-    ranks of a pipeline stage are re-partitioned as ``etp x ep x edp`` (Megatron-Core
-    ``initialize_model_parallel`` with ``expert_model_parallel_size`` and
-    ``expert_tensor_parallel_size``), so ``ep * etp`` must divide ``tp * cp * dp`` and each
-    expert shard is replicated over ``edp = tp * cp * dp / (etp * ep)`` ranks. Raises
-    ``ValueError`` naming the field, its value and the rule it breaks.
-    """
-    for name, v in (("tp", tp), ("cp", cp), ("dp", dp)):
-        require_positive_int(name, v)
-    _check_ep(shape, ep)
-    e = _check_etp(shape, tp, etp)
-    stage = tp * cp * dp
-    if stage % (ep * e):
-        raise ValueError(f"ep*etp={ep * e} (ep={ep}, etp={e}) does not divide "
-                         f"tp*cp*dp={stage}: expert parallelism re-partitions the tp*cp*dp "
-                         "ranks of a stage as etp x ep x edp")
-    return {"tp": tp, "etp": e, "ep": ep, "dense_dp": dp * cp, "edp": stage // (ep * e)}
 
 
 def mlp_params(h: int, f: int, tp: int = 1, *, gated: bool = False, bias: bool = True) -> int:
@@ -226,8 +176,8 @@ def layer_breakdown(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None =
     (layer 0 is always one). On a dense layer of an MoE model the MLP is split over tp.
     """
     _check_tp(shape, tp)
-    _check_ep(shape, ep)
-    e = _check_etp(shape, tp, etp)
+    check_ep(shape, ep)
+    e = check_etp(shape, tp, etp)
     moe = shape.moe if moe_layer is None else moe_layer
     if moe and not shape.moe:
         raise ValueError(f"moe_layer=True needs num_experts > 0 "
@@ -325,8 +275,8 @@ def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
     for SwiGLU's fused gate and up, and fc2, with their biases), on MoE layers one expert's
     linears split over etp and the router (h E)."""
     _check_tp(shape, tp)
-    _check_ep(shape, ep)
-    e = _check_etp(shape, tp, etp)
+    check_ep(shape, ep)
+    e = check_etp(shape, tp, etp)
     h, b, g = shape.h, int(shape.bias), 2 if shape.gated else 1
     attn = attention_params(shape, tp)
     cands = [shape.V * h // tp, attn["proj"]] + \
