@@ -1,0 +1,136 @@
+"""Every "ours / baseline" pair the suites hold, measured side by side (issue 24:
+``scripts/bench_all.py``).
+
+A suite row whose scheme is a framework baseline (``Scheme.baseline_of`` names the native
+scheme it stands beside) makes a pair: the same case with the native scheme, and the
+baseline's. Each pair runs alternately (``parbench.bench.alternate``: ours, theirs, ours,
+...) on one pool per world size, ``repeats`` times, with the benchmark's timed steps; a
+pair's figure is the median over the repeats of ours / theirs, each repeat's ratio taken from
+the two runs next to each other (slow drift of a shared machine hits both), and its spread
+the lowest and highest repeat's ratio. ``instrument`` pairs time a native case with the
+ledger, tracker and timeline on against the same case with them off: the instruments' cost.
+
+No assertion on any figure: a benchmark prints what one run measured.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from .config import CaseConfig
+from .registry import get_scheme
+from .suites import available_suites, load_suite
+
+#: case fields a benchmark sets on every pair: enough timed steps for a median, a warm-up,
+#: one checked step (the verdict still runs, on the first step)
+TIMING = {"steps": 1, "timed_steps": 12, "warmup_steps": 2}
+
+
+@dataclass
+class Pair:
+    """Ours and the baseline on one case (or, ``kind="instrument"``, one native case with the
+    instruments on and off)."""
+
+    ours: CaseConfig
+    theirs: CaseConfig
+    kind: str = "baseline"
+    suites: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "instrument":
+            return f"{self.ours.run.scheme} instruments on / off"
+        return f"{self.ours.run.scheme} / {self.theirs.run.scheme}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}|{self.ours.id}|{self.theirs.id}"
+
+
+def _timed(case: CaseConfig, **run_fields) -> CaseConfig:
+    run = replace(case.run, **{**TIMING, **run_fields})
+    out = replace(case, run=run)
+    return replace(out, id=f"{case.id}:bench:{run.scheme}:{int(run.instrument)}")
+
+
+def suite_pairs(suites: list[str] | None = None) -> list[Pair]:
+    """The pairs of the named suites (default: every suite), each once: a baseline row beside
+    the same case run by its native scheme. A native scheme that refuses the baseline's case
+    (a field only the framework takes) leaves the pair out."""
+    pairs: dict[str, Pair] = {}
+    for name in suites or list(available_suites()):
+        for case in load_suite(name).cases:
+            native = get_scheme(case.run.scheme).baseline_of
+            if native is None:
+                continue
+            pair = _pair(case, native)
+            if pair is not None:
+                pairs.setdefault(_same_case(pair), pair).suites.append(name)
+    return list(pairs.values())
+
+
+def _pair(case: CaseConfig, native: str) -> Pair | None:
+    ours = replace(case, run=replace(case.run, scheme=native))
+    try:
+        get_scheme(native).check(ours)
+    except Exception:  # noqa: BLE001 -- a ConfigError or a framework-only field: no pair
+        return None
+    return Pair(_timed(ours), _timed(case))
+
+
+def _same_case(pair: Pair) -> str:
+    """Two suites holding the same baseline case make one pair."""
+    a, b = pair.ours.to_dict(), pair.theirs.to_dict()
+    for d in (a, b):
+        d.pop("id", None)
+    return repr((sorted(a.items()), sorted(b.items())))
+
+
+def instrument_pairs(pairs: list[Pair]) -> list[Pair]:
+    """For each native scheme of ``pairs`` (its first case): instruments on against off."""
+    seen: dict[str, Pair] = {}
+    for p in pairs:
+        scheme = p.ours.run.scheme
+        if scheme not in seen:
+            seen[scheme] = Pair(_timed(p.ours, instrument=True),
+                                _timed(p.ours, instrument=False), kind="instrument",
+                                suites=list(p.suites))
+    return list(seen.values())
+
+
+@dataclass
+class PairResult:
+    """One pair's medians (ms), the median ratio and its spread over the repeats."""
+
+    label: str
+    kind: str
+    ours_ms: float
+    theirs_ms: float
+    ratio: float
+    low: float
+    high: float
+    repeats: int
+    passed: bool
+    case: str
+
+    def line(self) -> str:
+        ok = "" if self.passed else "  (a row FAILED its verdict)"
+        return (f"{self.label:58s} {self.ratio:6.3f}x  [{self.low:.3f}, {self.high:.3f}]  "
+                f"n={self.repeats}  {self.ours_ms:8.2f} / {self.theirs_ms:8.2f} ms  "
+                f"{self.case}{ok}")
+
+
+def summarise(pair: Pair, ours_rows: list, theirs_rows: list) -> PairResult:
+    """The pair's figures from its rows, repeat by repeat (``step_s``: the slowest rank's
+    median timed step of that run)."""
+    a = [r.time.step_s for r in ours_rows]
+    b = [r.time.step_s for r in theirs_rows]
+    ratios = [x / y for x, y in zip(a, b) if x and y]
+    c = pair.ours
+    where = (f"{c.model.name} tp{c.layout.tp} cp{c.layout.cp} ep{c.layout.ep} dp{c.layout.dp} "
+             f"pp{c.layout.pp} {c.run.dtype} ({', '.join(pair.suites)})")
+    return PairResult(pair.label, pair.kind, statistics.median(a) * 1e3,
+                      statistics.median(b) * 1e3,
+                      statistics.median(ratios) if ratios else float("nan"),
+                      min(ratios, default=float("nan")), max(ratios, default=float("nan")),
+                      len(ratios), all(r.passed for r in ours_rows + theirs_rows), where)

@@ -1,0 +1,73 @@
+"""Every "ours / baseline" pair the suites hold, side by side in one run, and the instruments'
+cost per native scheme (issue 24): ratio (< 1: ours faster), its spread over the repeats,
+repeats, both medians and the case. ``--json FILE`` also writes the figures (the compare gate
+and later runs read them).
+
+    python scripts/bench_all.py [suites=data,tensor] [repeats=5] [timed_steps=12]
+                                [only=zero.3] [instruments=true] [model=small ...] [--json FILE]
+
+Pairs come from the suites (``parbench.bench_pairs``): each baseline row beside the same case
+run by its native scheme. Each pair alternates ours and theirs ``repeats`` times on one pool
+per world size; one thread per rank. No assertion: this prints what one run measured.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parbench.bench import alternate  # noqa: E402
+from parbench.bench_pairs import instrument_pairs, suite_pairs, summarise  # noqa: E402
+from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
+
+
+OWN_KEYS = ("suites", "repeats", "timed_steps", "only", "instruments")
+
+
+def _with_steps(pair, timed: int, fields: dict):
+    """The pair with the benchmark's timed steps and the command line's case fields (both
+    sides alike, e.g. ``model=small``)."""
+    for side in ("ours", "theirs"):
+        case = apply_overrides(getattr(pair, side), fields) if fields else getattr(pair, side)
+        setattr(pair, side, replace(case, run=replace(case.run, timed_steps=timed)))
+    return pair
+
+
+def main(argv: list[str]) -> int:
+    out_json = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out_json, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    ov = parse_overrides(argv)
+    suites = ov["suites"].split(",") if "suites" in ov else None
+    repeats, timed = int(ov.get("repeats", 5)), int(ov.get("timed_steps", 12))
+    pairs = suite_pairs(suites)
+    if "only" in ov:
+        keep = set(ov["only"].split(","))
+        pairs = [p for p in pairs if p.ours.run.scheme in keep or p.theirs.run.scheme in keep]
+    if ov.get("instruments", "true").lower() != "false":
+        pairs += instrument_pairs(pairs)
+    fields = {k: v for k, v in ov.items() if k not in OWN_KEYS}
+    started, results = time.time(), []
+    for n, pair in enumerate(pairs, 1):
+        pair = _with_steps(pair, timed, fields)
+        print(f"[{n}/{len(pairs)}] {pair.label}", flush=True)
+        rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats, verbose=False)
+        results.append(summarise(pair, rows["ours"], rows["theirs"]))
+        print("  " + results[-1].line(), flush=True)
+    print(f"\n{len(results)} pairs, {repeats} alternating repeats each, {timed} timed steps "
+          f"(median of those after the warm-up), {time.time() - started:.0f} s\n")
+    print(f"{'pair':58s} {'ratio':>7s}  [spread]  repeats  ours / theirs  case")
+    for r in results:
+        print(r.line())
+    if out_json:
+        out_json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

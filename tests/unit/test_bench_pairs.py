@@ -1,0 +1,49 @@
+"""``scripts/bench_all.py``'s pairs (issue 24): every baseline row of the suites beside the
+same case run by its native scheme, and the instruments' on / off pair; the summary's ratio is
+taken repeat by repeat. No timing is asserted: the figures come from rows built here."""
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+from parbench.bench_pairs import instrument_pairs, suite_pairs, summarise
+from parbench.registry import get_scheme
+
+
+def _fields(case):
+    d = case.to_dict()
+    d.pop("id")
+    d["run"] = {k: v for k, v in d["run"].items() if k != "scheme"}
+    return d
+
+
+def test_each_baseline_row_of_the_suites_stands_beside_its_native_scheme():
+    pairs = suite_pairs(["smoke", "data"])
+    theirs = {p.theirs.run.scheme for p in pairs}
+    assert {"baseline.torch.ddp", "baseline.torch.fsdp2", "baseline.deepspeed.zero3"} <= theirs
+    for p in pairs:
+        assert get_scheme(p.theirs.run.scheme).baseline_of == p.ours.run.scheme
+        assert _fields(p.ours) == _fields(p.theirs)  # the same case, only the scheme differs
+        assert p.ours.run.timed_steps > p.ours.run.warmup_steps
+        assert p.ours.id != p.theirs.id
+    keys = [p.key for p in pairs]
+    assert len(keys) == len(set(keys))
+
+
+def test_the_instruments_pair_differs_only_in_the_instruments():
+    pairs = instrument_pairs(suite_pairs(["smoke"]))
+    assert {p.ours.run.scheme for p in pairs} == {"data.ddp", "zero.3", "pipeline.1f1b"}
+    for p in pairs:
+        assert p.ours.run.instrument and not p.theirs.run.instrument
+        assert replace(p.ours.run, instrument=False) == p.theirs.run
+
+
+def _rows(*step_s):
+    return [SimpleNamespace(time=SimpleNamespace(step_s=s), passed=True) for s in step_s]
+
+
+def test_the_ratio_is_the_median_of_each_repeats_ratio():
+    pair = suite_pairs(["smoke"])[0]
+    r = summarise(pair, _rows(1.0, 2.0, 3.0), _rows(2.0, 2.0, 2.0))
+    assert (r.ratio, r.low, r.high, r.repeats) == (1.0, 0.5, 1.5, 3)
+    assert (r.ours_ms, r.theirs_ms) == (2000.0, 2000.0)
