@@ -10,13 +10,16 @@ step, as an engineer bisecting the model layer by layer would.
 A probe says: module ``module`` of this rank computes reference module ``name``
 (``blocks.1.attn``); its i-th forward call computes ``golden_output[calls[i]]``, where the
 golden output is the reference module's on the whole global batch -- ``calls[i]`` is an index
-(a slice of batch rows; or a tuple (rows, sequence positions) for a sequence shard); the
+(a slice of batch rows; or a tuple (rows, sequence positions) for a sequence shard, and
+(rows, positions, features) for a shard of the hidden dimension too); the
 gradient reaching the module's input in that call, times ``grad_scale``, is the golden one at
 the same index (a data-parallel rank's loss is the mean over its own rows, 1/dp of the global
 batch, so its input gradients are dp times the golden run's: ``grad_scale = 1/dp``).
-Backward calls are matched to forward calls in order, so a scheme maps a module only where
-its backwards run in the order of its forwards (a split backward that re-enters the graph
-for W, or token slices, would need calls of their own).
+A module that computes sequence-first (``[s, b, ...]``, Megatron's layout) says so
+(``sequence_first``): its tensors are transposed to the golden ``[b, s, ...]`` before the
+index applies. Backward calls are matched to forward calls in order, so a scheme maps a
+module only where its backwards run in the order of its forwards (a split backward that
+re-enters the graph for W, or token slices, would need calls of their own).
 """
 from __future__ import annotations
 
@@ -40,6 +43,12 @@ class ModuleProbe:
     #: per forward call, in order: the index of the golden output it computes
     calls: list[Any]
     grad_scale: float = 1.0
+    #: the module's tensors are [s, b, ...] (Megatron's layout): compared transposed
+    sequence_first: bool = False
+
+    def batch_first(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (one of the module's outputs or input gradients) in the golden layout."""
+        return t.transpose(0, 1) if self.sequence_first and t.dim() >= 2 else t
 
 
 def reference_probes(model: torch.nn.Module, calls: list[Any], grad_scale: float = 1.0,

@@ -34,7 +34,7 @@ from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
 from .collectives import all_gather_dim0, reduce_scatter_dim0
-from .grid import GridGPT, make_subgroup, reduce_grads
+from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
 from .megatron_model import MegatronLayout
 from .shards import Placement, blocks
 
@@ -95,6 +95,14 @@ class CubeGPT(GridGPT):
     def rows(self, batch: int) -> slice:
         n = batch // (self.q * self.q)
         blk = self.grid.i * self.q + self.grid.j
+        return slice(blk * n, (blk + 1) * n)
+
+    def attention_rows(self, batch: int) -> slice:
+        """Layout L2's rows: QKV's output keeps token sub-block l of block i (its
+        reduce-scatter runs over z), so the attention of this rank's heads is over batch
+        block i q + l, not the residual stream's i q + j."""
+        n = batch // (self.q * self.q)
+        blk = self.grid.i * self.q + self.grid.l
         return slice(blk * n, (blk + 1) * n)
 
     def placement(self, name: str, shape: tuple) -> Placement:
@@ -159,6 +167,10 @@ class Cube3D(TensorParallelScheme):
     #: (``GridGPT.token_count``), scaled by their share of the global count
     #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
     supports_loss_mask = True
+    #: packed documents: a rank holds whole sequences of its token block and finds their
+    #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
+    #: --reset-position-ids)
+    supports_packing = True
 
     def build_model(self):
         ctx = self.ctx
@@ -178,6 +190,11 @@ class Cube3D(TensorParallelScheme):
         if case.options.recompute != "none":
             raise ConfigError(f"recompute={case.options.recompute} is not used by {cls.name} "
                               "(none only)")
+
+    def module_probes(self):
+        """The grid rank's batch block and hidden block of each reference module
+        (``grid.grid_probes``)."""
+        return grid_probes(self.model, self.ctx.layout)
 
     def after_backward(self) -> None:
         weights = {id(w) for w in self.model.weights()}

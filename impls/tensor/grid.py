@@ -15,6 +15,9 @@ parallel linears the model is handled as the papers' layers handle it:
   logits over the whole vocabulary are all-reduced over the hidden group (``g``), and the
   cross-entropy of the rank's tokens is computed locally (the hidden group computes it
   q times, identically), summed and divided by the micro-batch's counted tokens;
+- packed sequences (``pack_docs``): the rank's rows are whole samples, so it finds their
+  documents in its own tokens and masks the attention of its heads to them, the position
+  embedding indexed by the position within each document (no communication added);
 - parameters replicated over some axes (LayerNorms, biases, embeddings, and every parameter
   across the 2.5D depth) have their gradients summed over those axes once per step, each
   axis's in one coalesced all-reduce.
@@ -30,6 +33,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parbench.model import build_model, counted_tokens
+from parbench.model.packing import documents_of, self_mask
+from parbench.probes import ModuleProbe
+
+from .taps import Tapped, reference_parts
 
 from .collectives import AllReduceSum, ReduceFromRegion
 from .shards import Placement, take
@@ -55,19 +62,24 @@ def grid_layer_norm(x: torch.Tensor, weight, bias, group, hidden: int,
     return xc * torch.rsqrt(var + eps) * weight + bias
 
 
-def local_attention(qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Causal attention of local heads: [b, s, 3 heads hd] (Q, K, V blocks) -> [b, s, heads hd]."""
+def local_attention(qkv: torch.Tensor, heads: int, head_dim: int, docs=None) -> torch.Tensor:
+    """Causal attention of local heads: [b, s, 3 heads hd] (Q, K, V blocks) -> [b, s, heads hd];
+    within the documents of the rank's rows when packed (``docs``: Megatron's
+    --reset-attention-mask)."""
     b, s, _ = qkv.shape
     q, k, v = qkv.view(b, s, 3, heads, head_dim).unbind(2)
+    mask = None if docs is None else self_mask(docs)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                       v.transpose(1, 2), is_causal=True)
+                                       v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=mask is None)
     return y.transpose(1, 2).reshape(b, s, heads * head_dim)
 
 
-class GridGPT(nn.Module):
+class GridGPT(Tapped, nn.Module):
     """Parameters of one grid rank, named as in the reference model. Subclasses give
     ``placement(name, shape)``, ``linear(x, name)``, ``rows`` (this rank's batch block:
-    a slice of sequences), the hidden group and ``head_dim``/``heads``."""
+    a slice of sequences), the hidden group and ``head_dim``/``heads``. The reference
+    modules run through ``tap`` (probe points when a failure is localised: ``grid_probes``)."""
 
     hidden_group = None
     q: int = 1
@@ -95,6 +107,11 @@ class GridGPT(nn.Module):
     def placement(self, name: str, shape: tuple) -> Placement:
         raise NotImplementedError
 
+    def attention_rows(self, batch: int) -> slice:
+        """The micro-batch's rows whose attention this rank computes (those of its QKV
+        output): its own rows, unless the linears move tokens between ranks (3D)."""
+        return self.rows(batch)
+
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         raise NotImplementedError
 
@@ -110,19 +127,32 @@ class GridGPT(nn.Module):
                                group if group is not None else self.hidden_group,
                                self.cfg.hidden_size)
 
-    def embed(self, tokens):
+    def embed(self, tokens, docs=None):
+        """The rank's hidden block of the token and position embeddings of its rows; with
+        packed ``docs`` (its rows') the positions within each document
+        (--reset-position-ids)."""
         x = F.embedding(tokens, self.p("embed.tok.weight"))
         if self.cfg.position_embeddings:
-            x = x + self.p("embed.pos.weight")[: tokens.shape[1]]
+            pos = self.p("embed.pos.weight")
+            x = x + (pos[: tokens.shape[1]] if docs is None else pos[docs.pos])
         return x
 
-    def block(self, i: int, x):
+    def block(self, i: int, x, docs=None):
         pre = f"blocks.{i}"
-        qkv = self.linear(self.layer_norm(x, f"{pre}.ln1"), f"{pre}.attn.qkv")
-        attn = local_attention(qkv, self.heads, self.cfg.hidden_size // self.cfg.num_heads)
-        x = x + self.linear(attn, f"{pre}.attn.proj")
-        u = F.gelu(self.linear(self.layer_norm(x, f"{pre}.ln2"), f"{pre}.mlp.fc1"))
-        return x + self.linear(u, f"{pre}.mlp.fc2")
+        a = self.tap(f"{pre}.ln1", self.layer_norm, x, f"{pre}.ln1")
+        x = x + self.tap(f"{pre}.attn", self.attention, a, pre, docs)
+        u = self.tap(f"{pre}.ln2", self.layer_norm, x, f"{pre}.ln2")
+        return x + self.tap(f"{pre}.mlp", self.mlp, u, pre)
+
+    def attention(self, x, pre: str, docs=None):
+        """The attention of block ``pre`` on its normalised input (the rank's heads)."""
+        qkv = self.linear(x, f"{pre}.attn.qkv")
+        attn = local_attention(qkv, self.heads, self.cfg.hidden_size // self.cfg.num_heads,
+                               docs)
+        return self.linear(attn, f"{pre}.attn.proj")
+
+    def mlp(self, x, pre: str):
+        return self.linear(F.gelu(self.linear(x, f"{pre}.mlp.fc1")), f"{pre}.mlp.fc2")
 
     def head(self, x, targets):
         """Partial logits over the whole vocabulary from this hidden block, summed over the
@@ -136,19 +166,22 @@ class GridGPT(nn.Module):
     def forward(self, tokens, targets):
         """Sum of the token losses of this rank's sequences, divided by the counted tokens
         of the whole micro-batch (``token_count``), so that the sum over batch blocks is the
-        micro-batch's mean loss."""
+        micro-batch's mean loss. A packed model's documents are found in the rank's own
+        rows (whole sequences: a sample's documents are its own): those of its embedding rows,
+        and those of the rows its attention computes (``attention_rows``)."""
         count = self.token_count(targets)
-        rows = self.rows(tokens.shape[0])
+        rows, cores = self.rows(tokens.shape[0]), self.attention_rows(tokens.shape[0])
+        docs = documents_of(self.cfg, tokens[cores])
         tokens, targets = tokens[rows], targets[rows]
-        x = self.embed(tokens)
+        x = self.tap("embed", self.embed, tokens, documents_of(self.cfg, tokens))
         for i in range(self.cfg.num_layers):
             probe = self.layer_probe(i) if self.layer_probe else None
             if probe is not None:
                 probe.__enter__()
-            x = self.block(i, x)
+            x = self.block(i, x, docs)
             if probe is not None:
                 probe.__exit__(None, None, None)
-        return self.head(x, targets) / count
+        return self.tap("head", self.head, x, targets) / count
 
     def token_count(self, targets: torch.Tensor) -> int:
         """The micro-batch's counted tokens (targets not ``IGNORE_INDEX``: ``loss_mask``),
@@ -157,6 +190,22 @@ class GridGPT(nn.Module):
         own (Megatron-LM's ``--calculate-per-token-loss`` divides by the count all-reduced
         over the ranks that split the batch)."""
         return counted_tokens(targets)
+
+
+def grid_probes(model: GridGPT, layout) -> list[ModuleProbe]:
+    """The reference modules as probe points of a grid rank's model (issue 20, sec. 5):
+    each micro-batch's call computes the rank's batch block of it (``rows``) and its hidden
+    block (the LayerNorms' placement: ``coords``' fastest coordinate); every probed output
+    -- embedding, norms, the attention's and the MLP's linears -- and every probed input
+    lies in that layout (3D: layout L1). A block's loss is its rows' share of the
+    micro-batch's mean over 1/m, so the input gradients are the golden run's."""
+    b, m = layout.micro_batch_size, layout.num_microbatches
+    rows, w = model.rows(b), model.cfg.hidden_size // model.q
+    j = model.coords(model.tp_index)[2]
+    calls = [(slice(i * b + rows.start, i * b + rows.stop), slice(None),
+              slice(j * w, (j + 1) * w)) for i in range(m)]
+    taps = model.install_taps(reference_parts(0, model.cfg.num_layers, True, True))
+    return [ModuleProbe(name, tap, list(calls)) for name, tap in taps.items()]
 
 
 def reduce_grads(params: list[nn.Parameter], group) -> None:

@@ -13,6 +13,7 @@ from parbench.analytic import tensor as tensor_model
 from parbench.analytic.activations import (korthikanti_layer_bytes,
                                           reference_layer_activation_bytes)
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
+from parbench.probes import ModuleProbe, microbatch_rows
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
@@ -104,6 +105,24 @@ class Megatron1D(MegatronFigures):
             raise ConfigError(f"tp={t} does not divide num_kv_heads={g}: {cls.name} splits the "
                               "query groups over tp (Megatron-Core's num_query_groups / tp); "
                               "K/V heads replicated over tp are not implemented")
+
+    def module_probes(self):
+        """The reference modules as probe points of the model (``MegatronGPT.tap``;
+        issue 20, sec. 5): every tp rank holds the whole global batch, a micro-batch's rows
+        per call; the embedding, the norms, the attention and MLP after their row-parallel
+        reduction and the head's input are whole on every rank (``g``: all-reduce) or, under
+        sp, the rank's sequence shard (``g-bar``: reduce-scatter) -- sequence-first, either
+        way. The loss is the global batch's mean token loss, so the input gradients are the
+        golden run's (``grad_scale`` 1)."""
+        lay, s = self.ctx.layout, self.ctx.model.seq_length
+        rows = microbatch_rows(0, lay.micro_batch_size * lay.num_microbatches,
+                               lay.num_microbatches)
+        seq = slice(None)
+        if self.model.sp:
+            n = s // self.tp
+            seq = slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+        return [ModuleProbe(name, tap, [(r, seq) for r in rows], sequence_first=True)
+                for name, tap in self.model.probe_points().items()]
 
     def metrics(self) -> dict:
         """Plus the largest difference between this rank's gradient of a tp-replicated

@@ -48,6 +48,7 @@ from .collectives import ReduceFromRegion, ReduceScatterToSequence
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
                      VocabParallelCrossEntropy, vocab_parallel_embedding)
 from .shards import Placement, blocks, take
+from .taps import Tapped, reference_parts
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -103,7 +104,7 @@ class MegatronLayout:
         return Placement(name, shape)  # LayerNorms, row-parallel biases, positions
 
 
-class MegatronGPT(nn.Module):
+class MegatronGPT(Tapped, nn.Module):
     """This rank's shard of the reference GPT, computing in ``[s, b, h]``. Parameters carry
     the full model's names (``named_parameters`` lists the local shards).
 
@@ -111,7 +112,8 @@ class MegatronGPT(nn.Module):
     first / last (a pipeline stage; default: the whole model). ``forward`` takes tokens
     (first) or hidden states and returns the loss (last) or hidden states. Subclasses may
     override ``attention_core``, ``mlp``, ``positions`` and ``keep`` (which parameters this
-    rank holds at all)."""
+    rank holds at all). The reference modules it computes run through ``tap`` (``taps``:
+    probe points when a failure is localised)."""
 
     layout_cls = MegatronLayout
 
@@ -239,12 +241,19 @@ class MegatronGPT(nn.Module):
 
     def block(self, i: int, x: torch.Tensor, docs=None) -> torch.Tensor:
         pre = f"blocks.{i}"
-        qkv = self.column(self.layer_norm(x, f"{pre}.ln1"), self.p(f"{pre}.attn.qkv.weight"),
-                          self.bias(f"{pre}.attn.qkv.bias"))
-        attn = self.attend(qkv, docs)
-        x = x + self.row(attn, self.p(f"{pre}.attn.proj.weight"),
-                         self.bias(f"{pre}.attn.proj.bias"))
-        return x + self.mlp(i, self.layer_norm(x, f"{pre}.ln2"))
+        a = self.tap(f"{pre}.ln1", self.layer_norm, x, f"{pre}.ln1")
+        x = x + self.tap(f"{pre}.attn", self.attention, a, i, docs)
+        u = self.tap(f"{pre}.ln2", self.layer_norm, x, f"{pre}.ln2")
+        return x + self.tap(f"{pre}.mlp", lambda y: self.mlp(i, y), u)
+
+    def attention(self, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
+        """Layer ``i``'s attention on its normalised input: QKV column-parallel, the core of
+        the rank's heads, the projection row-parallel (reduced: whole, or under sp the
+        rank's sequence shard) plus its bias."""
+        pre = f"blocks.{i}.attn"
+        qkv = self.column(x, self.p(f"{pre}.qkv.weight"), self.bias(f"{pre}.qkv.bias"))
+        return self.row(self.attend(qkv, docs), self.p(f"{pre}.proj.weight"),
+                        self.bias(f"{pre}.proj.bias"))
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
@@ -291,7 +300,7 @@ class MegatronGPT(nn.Module):
         ``impls.pipeline.executor``); found in ``tokens`` on the first stage when not given."""
         if docs is None and self.first:
             docs = documents_of(self.cfg, tokens)
-        x = self.embed(tokens, docs) if self.first else tokens
+        x = self.tap("embed", self.embed, tokens, docs) if self.first else tokens
         for i in range(self.lo, self.hi):
             probe = self.layer_probe(i) if self.layer_probe else None
             if probe is not None:
@@ -302,4 +311,8 @@ class MegatronGPT(nn.Module):
                 x = self.block(i, x, docs)
             if probe is not None:
                 probe.__exit__(None, None, None)
-        return self.head(x, targets) if self.last else x
+        return self.tap("head", self.head, x, targets) if self.last else x
+
+    def probe_points(self) -> dict:
+        """Install the taps of the reference modules this model computes (``taps``)."""
+        return self.install_taps(reference_parts(self.lo, self.hi, self.first, self.last))

@@ -35,7 +35,7 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
-from .grid import GridGPT, make_subgroup, reduce_grads
+from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
 from .megatron_model import MegatronLayout
 from .shards import Placement, blocks
 
@@ -163,6 +163,10 @@ class Tesseract(TensorParallelScheme):
     #: (``GridGPT.token_count``), scaled by their share of the global count
     #: (``TensorParallelScheme.loss_scale``; Megatron-LM's --calculate-per-token-loss)
     supports_loss_mask = True
+    #: packed documents: a rank holds whole sequences of its batch block and finds their
+    #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
+    #: --reset-position-ids)
+    supports_packing = True
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
@@ -186,6 +190,11 @@ class Tesseract(TensorParallelScheme):
         if case.options.recompute != "none":
             raise ConfigError(f"recompute={case.options.recompute} is not used by {cls.name} "
                               "(none only)")
+
+    def module_probes(self):
+        """The grid rank's batch block and hidden block of each reference module
+        (``grid.grid_probes``)."""
+        return grid_probes(self.model, self.ctx.layout)
 
     def after_backward(self) -> None:
         weights = {id(w) for w in self.model.weights()}

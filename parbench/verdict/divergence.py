@@ -85,7 +85,7 @@ def first_divergence(probes, ours: Recorder, golden: Recorder, run, step: int, r
                 continue  # no golden tensor per row (the head's loss, the tokens' gradient)
             scale = probe.grad_scale if where == BACKWARD else 1.0
             for call, got in zip(probe.calls, mine.get(name, [])):
-                bad = _excess(got * scale, full[0][call], run)
+                bad = _excess(probe.batch_first(got) * scale, full[0][call], run)
                 if bad is not None:
                     return Divergence(where, name, step, rank, *bad)
     return None

@@ -102,3 +102,68 @@ def test_an_expert_parallel_rank_names_its_first_diverging_module(tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if "first failure" in x)
     assert "first divergence: forward output of blocks.1.ln2 (rank 1, step 0)" in line, r.stdout
+
+
+TP_FC2_UNREDUCED = HEADER + textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from impls.tensor.megatron_model import MegatronGPT
+
+    class PartialFc2(MegatronGPT):
+        def mlp(self, i, x):
+            if i != 1:
+                return super().mlp(i, x)
+            pre = f"blocks.{i}.mlp"
+            u = F.gelu(self.column(x, self.p(f"{pre}.fc1.weight"), self.bias(f"{pre}.fc1.bias")))
+            # layer 1's fc2 keeps the rank's partial sum: its all-reduce (g) is forgotten
+            return torch.matmul(u, self.p(f"{pre}.fc2.weight").t()) + self.bias(f"{pre}.fc2.bias")
+
+    class MyTP(get_scheme("tensor.megatron")):
+        model_cls = PartialFc2
+
+    class Correct(get_scheme("tensor.megatron")):
+        pass
+''')
+
+SP_LN_EPS = HEADER + textwrap.dedent('''
+    from parbench.model.blocks import NORM_EPS
+    import torch.nn.functional as F
+    from impls.tensor.megatron_model import MegatronGPT
+
+    class WideEps(MegatronGPT):
+        def layer_norm(self, x, prefix):
+            if prefix != "blocks.0.ln2" or self.rank != 1:
+                return super().layer_norm(x, prefix)
+            shape = (self.cfg.hidden_size,)  # rank 1's shard of this norm: another eps
+            return F.layer_norm(x, shape, self.p(f"{prefix}.weight"),
+                                self.p(f"{prefix}.bias"), eps=1e-3)
+
+    class MySP(get_scheme("tensor.megatron-sp")):
+        model_cls = WideEps
+''')
+
+TP_CASE = ("tp=2", "model=tiny", "vocab_size=61", "steps=2", "timed_steps=0",
+           "num_microbatches=2")
+
+
+@pytest.mark.parametrize("source, cls, extra, says", [
+    (TP_FC2_UNREDUCED, "MyTP", (), "forward output of blocks.1.mlp (rank 0, step 0)"),
+    (SP_LN_EPS, "MySP", ("pack_docs=3",), "forward output of blocks.0.ln2 (rank 1, step 0)"),
+])
+def test_a_tensor_parallel_layer_is_named(tmp_path, source, cls, extra, says):
+    """Megatron's model maps the reference modules (issue 20, sec. 5): whole on every tp
+    rank after the row-parallel all-reduce, the rank's sequence shard under sp. One layer
+    computed otherwise -- every rank's MLP of layer 1, rank 1's shard of a norm under sp
+    (packed: its rows' documents) -- is named, not the modules after it."""
+    (tmp_path / "mine.py").write_text(source)
+    r = verify(tmp_path, f"scheme=mine.py:{cls}", *TP_CASE, *extra, f"out={tmp_path / 'r'}")
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert f"first divergence: {says}" in line, r.stdout
+
+
+def test_a_correct_tensor_parallel_subclass_reports_nothing(tmp_path):
+    (tmp_path / "mine.py").write_text(TP_FC2_UNREDUCED)
+    r = verify(tmp_path, "scheme=mine.py:Correct", *TP_CASE, f"out={tmp_path / 'r'}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "first divergence" not in r.stdout and "first failure" not in r.stdout, r.stdout
