@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .layout import ConfigError, Layout
+from .moe_rules import DEEPSEEK_MOE_FIELDS, moe_features, validate_moe
 from .options import Options
 from .presets import PRESETS
 
@@ -43,7 +44,7 @@ RULES: dict[str, tuple[Any, str]] = {
 #: that no case of a suite reads is an error, as for every option (``Scheme.options``)
 OPTIONAL_FIELDS = ("num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
                    "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_skew", "etp", "vpp",
-                   "schedule")
+                   "schedule", *DEEPSEEK_MOE_FIELDS)
 
 
 # --------------------------------------------------------------------------------------
@@ -58,11 +59,10 @@ class ModelConfig:
     ``seq_length`` is the whole sequence of one sample; context parallelism splits it over
     the cp ranks (seq_length / cp tokens each).
 
-    GPT-2 style by default. The LLaMA-style fields ``rope_theta``, ``num_kv_heads``, ``mlp``,
-    ``norm`` and ``bias`` run in the reference model (``parbench.model.blocks``) and in the
-    schemes that declare them (``Scheme.model_features``; ``features`` names those a case
-    uses); ``make_vocab_size_divisible_by`` is for the analytic estimate only, so
-    ``validate_case`` rejects a runnable case that sets it.
+    GPT-2 style by default. The LLaMA-style fields (``features``) and the DeepSeek-style MoE
+    fields (``moe_features``, ``parbench.moe_rules``) run in the reference model and in the
+    schemes that declare them (``Scheme.model_features``, ``Scheme.moe_features``); the
+    vocabulary padding and MLA's fields are analytic only (``ANALYTIC_ONLY_FIELDS``).
     """
 
     name: str = "custom"
@@ -99,24 +99,23 @@ class ModelConfig:
     norm: str = "layernorm"
     #: biases on the linear layers (and LayerNorm's)
     bias: bool = True
-    #: rotary position embedding's base (RoPE, Su et al. 2021; LLaMA-3: 500000), applied to
-    #: the query and key heads at each token's position (within its document when packed);
-    #: 0 = none
+    #: rotary position embedding's base (RoPE, Su et al. 2021; LLaMA-3: 500000), on the query
+    #: and key heads at each token's position (within its document when packed); 0 = none
     rope_theta: float = _rule(0.0, "nonneg", "RoPE base; 0 = no rotary embedding")
     #: analytic only: pad the vocabulary to a multiple of this x tp (Megatron-LM's
     #: --make-vocab-size-divisible-by); 1 = a multiple of tp, what the reference model does
     make_vocab_size_divisible_by: int = _rule(1, "pos", "x tp (analytic only)")
-    #: analytic only, DeepSeekMoE's fine-grained and shared experts (Dai et al. 2024):
-    #: each routed expert's hidden size (0 = ffn_hidden_size; Megatron's
-    #: --moe-ffn-hidden-size), the shared experts' total hidden size, on every token of an
-    #: MoE layer (0 = none; --moe-shared-expert-intermediate-size), and the first layers kept
-    #: dense (DeepSeek's first_k_dense_replace)
-    moe_ffn_hidden_size: int = _rule(0, "nonneg", "0 = ffn_hidden_size (analytic only)")
-    moe_shared_expert_size: int = _rule(0, "nonneg", "0 = no shared expert (analytic only)")
-    moe_first_dense: int = _rule(0, "nonneg", "first layers dense (analytic only)")
-    #: analytic only, multi-head latent attention (DeepSeek-V2 / V3; Megatron's
-    #: --multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim
-    #: --qk-pos-emb-head-dim --v-head-dim): on when kv_lora_rank > 0
+    #: DeepSeek-style MoE (parbench.moe_rules, parbench.model.router): fine-grained and
+    #: shared experts, first layers dense, the sigmoid router, the balancing bias, groups
+    moe_ffn_hidden_size: int = _rule(0, "nonneg", "routed expert's hidden; 0 = ffn")
+    moe_shared_expert_size: int = _rule(0, "nonneg", "shared expert's hidden; 0 = none")
+    moe_first_dense: int = _rule(0, "nonneg", "first layers dense")
+    moe_router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3 Eq. 15-16)
+    moe_bias_update_rate: float = _rule(0.0, "nonneg", "expert bias's gamma; 0 = no bias")
+    moe_router_groups: int = _rule(0, "nonneg", "expert groups; 0 = not group-limited")
+    moe_router_topk_groups: int = _rule(0, "nonneg", "groups kept per token")
+    #: analytic only, multi-head latent attention (DeepSeek-V2 / V3; Megatron's --kv-lora-rank
+    #: --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim): kv_lora_rank > 0
     kv_lora_rank: int = _rule(0, "nonneg", "MLA's K/V latent; 0 = no MLA (analytic only)")
     q_lora_rank: int = _rule(0, "nonneg", "MLA's query latent; 0 = none (analytic only)")
     qk_head_dim: int = _rule(0, "nonneg", "MLA's query/key head dim; 0 = head_dim")
@@ -142,6 +141,10 @@ class ModelConfig:
               "rmsnorm": (self.norm == "rmsnorm", "norm=rmsnorm"),
               "no-bias": (not self.bias, "bias=false")}
         return {name: field for name, (used, field) in on.items() if used}
+
+    def moe_features(self) -> dict[str, str]:
+        """The DeepSeek-style MoE features this model uses (``moe_rules.moe_features``)."""
+        return moe_features(self)
 
 
 @dataclass
@@ -249,7 +252,7 @@ def with_changes(case: CaseConfig, **sections: dict) -> CaseConfig:
 # presets
 # --------------------------------------------------------------------------------------
 
-LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny")
+LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny", "deepseek-tiny")
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -292,16 +295,13 @@ def validate_model(m: ModelConfig) -> None:
     if m.pack_docs >= m.seq_length:
         raise ConfigError(f"pack_docs={m.pack_docs} must be < seq_length={m.seq_length}: "
                           "each document holds at least one token before its EOD")
+    validate_moe(m)
 
 
-#: ModelConfig fields the analytic estimate reads but the reference model does not: a
-#: runnable case must leave them at these values (the reference model's)
-#: analytic-only model fields: their default, and what the reference model does instead
+#: analytic-only model fields (the estimate reads them, the reference model does not): a
+#: runnable case must leave them at their default; and what the reference model does instead
 ANALYTIC_ONLY_FIELDS = {
     "make_vocab_size_divisible_by": (1, "does not pad its vocabulary"),
-    "moe_ffn_hidden_size": (0, "gives its experts the dense MLP's hidden size"),
-    "moe_shared_expert_size": (0, "has no shared experts"),
-    "moe_first_dense": (0, "puts experts on every moe_every-th layer from layer 0"),
     **{name: (0, "runs multi-head (or grouped-query) attention") for name in (
         "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim")},
 }

@@ -52,6 +52,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_kv_heads=2, ffn_hidden_size=64, seq_length=16,
                        position_embeddings=False, rope_theta=500000.0, mlp="swiglu",
                        norm="rmsnorm", bias=False),
+    # DeepSeek-V3's MoE blocks (DeepSeek-AI 2024, arXiv 2412.19437, Sec. 2.1.2 and 4.2) at the
+    # size of ``tiny``: 3 layers, the first dense (first_k_dense_replace); then 8 fine-grained
+    # routed experts of a quarter of the dense MLP (16 vs 64), top-2, and one shared expert of
+    # the same size; the sigmoid router with the auxiliary-loss-free bias (gamma 0.001, the
+    # report's value), group-limited routing over 2 groups of 4 keeping 1 (the report's
+    # top-2-sum group score and Megatron-Core's top-k/topk_groups one agree at k = 2), a
+    # small balancing loss (alpha 0.0001) and no token dropped (capacity factor 0). RoPE and
+    # RMSNorm; GELU experts with biases (what the expert family runs; MHA, not MLA).
+    "deepseek-tiny": dict(vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
+                          ffn_hidden_size=64, seq_length=16, num_experts=8, moe_top_k=2,
+                          moe_ffn_hidden_size=16, moe_shared_expert_size=16,
+                          moe_first_dense=1, moe_router="sigmoid", moe_bias_update_rate=0.001,
+                          moe_router_groups=2, moe_router_topk_groups=1,
+                          moe_aux_loss_coef=0.0001, moe_capacity_factor=0.0,
+                          position_embeddings=False, rope_theta=10000.0, norm="rmsnorm"),
     # Mixtral (Jiang et al. 2024, "Mixtral of Experts", Table 1; Mistral AI's released
     # config.json): 8 SwiGLU experts per layer, top-2, every layer MoE, GQA with 8 KV heads,
     # RoPE (theta 1e6), RMSNorm, no biases, untied head. 8x7B: 32 layers of 4096, experts of
@@ -86,7 +101,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # parameters, 37,552,282,624 active (the report's "671B" and "37B"; without the
     # multi-token-prediction module, and without the 256 router-bias values a layer that
     # select experts only). Analytic only. Routing is priced as top-8 of 256 (the report's
-    # sigmoid gate, node-limited routing and bias are not modelled).
+    # sigmoid gate, node-limited routing and bias left at their defaults here; the reference
+    # model runs them: ``deepseek-tiny``).
     "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
                         ffn_hidden_size=18432, seq_length=4096, num_experts=256, moe_top_k=8,
                         moe_ffn_hidden_size=2048, moe_shared_expert_size=2048,

@@ -168,6 +168,10 @@ class Scheme(ABC):
     #: the LLaMA-style model features it runs (``ModelConfig.features``: rope, gqa, swiglu,
     #: rmsnorm, no-bias); a case using another is rejected before spawning
     model_features: ClassVar[frozenset] = frozenset()
+    #: the DeepSeek-style MoE features it runs (``ModelConfig.moe_features``: fine-grained,
+    #: shared-expert, first-dense, sigmoid-router, expert-bias, group-limited); a case using
+    #: another is rejected before spawning
+    moe_features: ClassVar[frozenset] = frozenset()
 
     def __init__(self, ctx: SchemeContext):
         self.ctx = ctx
@@ -206,6 +210,7 @@ class Scheme(ABC):
                               "normalise a masked loss by the global token count "
                               "(set loss_mask=0)")
         cls.check_model_features(case)
+        cls.check_moe_features(case)
         if case.model.pack_docs and not cls.supports_packing:
             raise ConfigError(f"pack_docs={case.model.pack_docs}: scheme {cls.name} does not "
                               "attend within packed documents (set pack_docs=0)")
@@ -224,6 +229,17 @@ class Scheme(ABC):
             runs = ", ".join(sorted(cls.model_features)) or "none: GPT-2 blocks only"
             raise ConfigError(f"{missing[0]}: scheme {cls.name} does not run this LLaMA-style "
                               f"feature (it runs: {runs})")
+
+    @classmethod
+    def check_moe_features(cls, case: CaseConfig) -> None:
+        """Refuse a DeepSeek-style MoE feature of the model this scheme does not declare."""
+        missing = [f for name, f in case.model.moe_features().items()
+                   if name not in cls.moe_features]
+        if missing:
+            runs = ", ".join(sorted(cls.moe_features)) or "none"
+            raise ConfigError(f"{missing[0]}: scheme {cls.name} does not run this "
+                              f"DeepSeek-style MoE feature (it runs: {runs}; the native "
+                              "expert family runs them all)")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:
@@ -256,6 +272,13 @@ class Scheme(ABC):
         category named, every other reachable storage as the tracker finds it. None (the
         default): nothing listed."""
         return None
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The model state beside the parameters this rank holds, unsharded, by the reference
+        model's names: the MoE routers' balancing biases (``blocks.{i}.mlp.router.
+        expert_bias``, ``parbench.model.router``), which the verdict holds to the golden
+        model's update after every step. Default: none."""
+        return {}
 
     def module_probes(self) -> list[ModuleProbe] | None:
         """This rank's modules that compute modules of the reference model, and on which part

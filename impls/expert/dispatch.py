@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parbench.model.moe import AttachAux, Routing, expert_mlp, route, skew_of
+from parbench.model.router import rule_of, select
 
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -67,11 +68,19 @@ class ExpertDispatch:
         self.group = ep_group if ep > 1 else None
 
     # ---- 1. routing ----------------------------------------------------------------------
-    def route(self, x: torch.Tensor, router_weight: torch.Tensor, groups: torch.Tensor
-              ) -> Routing:
+    def route(self, x: torch.Tensor, router_weight: torch.Tensor, groups: torch.Tensor,
+              bias: torch.Tensor | None = None) -> Routing:
+        """The reference router (``parbench.model.moe.route``) with the model's rule and the
+        router's balancing ``bias`` (None: none; ``parbench.model.router``)."""
         cfg = self.cfg
         return route(x, router_weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
-                     cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg))
+                     cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg),
+                     rule=rule_of(cfg), bias=bias, choose=self.select_experts)
+
+    @staticmethod
+    def select_experts(scores, k, rule, bias):
+        """The router's choice and gates (``parbench.model.router.select``)."""
+        return select(scores, k, rule, bias)
 
     # ---- 2. the dispatch buffer ------------------------------------------------------------
     @staticmethod
@@ -120,9 +129,9 @@ class ExpertDispatch:
         return torch.zeros_like(x).index_add(0, tok, out)
 
     # ---- the layer -------------------------------------------------------------------------
-    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
+    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale, bias=None):
         num_experts, groups = self.prologue(x, router_weight, experts, first_expert, groups)
-        r = self.route(x, router_weight, groups)
+        r = self.route(x, router_weight, groups, bias)
         y, g = self.expert_parallel(x, r, experts, groups, num_experts)
         y = AttachAux.apply(y, r.aux * aux_scale)
         return y, stats_of(r, g)
@@ -167,7 +176,8 @@ def stats_of(r: Routing, groups: int) -> dict:
 
 def moe_tokens(x: torch.Tensor, router_weight: torch.Tensor, experts, first_expert: int, cfg,
                groups: torch.Tensor | None, ep_group, ep: int, aux_scale: float,
-               dispatch: ExpertDispatch | None = None) -> tuple[torch.Tensor, dict]:
+               dispatch: ExpertDispatch | None = None, expert_bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict]:
     """One MoE layer on ``x`` ``[T, h]`` (tokens in priority order, position-major) under
     expert parallelism; returns ``(y [T, h], stats)``.
 
@@ -179,7 +189,7 @@ def moe_tokens(x: torch.Tensor, router_weight: torch.Tensor, experts, first_expe
     to ``parbench.model.moe.MoE`` on the same tokens and groups. ``stats``: per-expert ``load`` and
     ``dropped`` counts, ``aux_loss``, ``z_loss`` (unscaled means over the groups), ``capacity``
     and the number of ``groups``. ``dispatch`` replaces the steps (default
-    :class:`ExpertDispatch`).
+    :class:`ExpertDispatch`); ``expert_bias`` the router's balancing bias (None: none).
     """
     d = dispatch or ExpertDispatch(cfg, ep_group, ep)
-    return d(x, router_weight, experts, first_expert, groups, aux_scale)
+    return d(x, router_weight, experts, first_expert, groups, aux_scale, expert_bias)

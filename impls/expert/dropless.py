@@ -122,11 +122,11 @@ class DroplessDispatch(ExpertDispatch):
         return torch.zeros_like(x).index_add(0, tok, out)
 
     # ---- the layer ---------------------------------------------------------------------------
-    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
+    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale, bias=None):
         num_experts = router_weight.shape[0]
         local = num_experts // self.ep
         groups = routing_groups(x, groups)
-        r = self.route(x, router_weight, groups)
+        r = self.route(x, router_weight, groups, bias)
         tok, choice, counts = self.sort_by_expert(r, num_experts)
         if self.group is None:
             back = self.run_grouped(x[tok], counts.view(1, local), experts)

@@ -5,7 +5,9 @@ layer the router and this rank's E/ep experts.
 weights and global names of the golden run) and replaces each MoE layer's ``mlp`` by an
 :class:`ExpertParallelMoE` holding the same router and the experts
 ``ep_rank E/ep .. (ep_rank+1) E/ep - 1`` under their global names
-(``blocks.{i}.mlp.experts.{e}.fc1.weight``, ...); the other experts are dropped.
+(``blocks.{i}.mlp.experts.{e}.fc1.weight``, ...); the other experts are dropped. The router's
+balancing bias (``mlp.router.expert_bias``) and the shared expert (``mlp.shared_expert``,
+DeepSeek-V3 Eq. 12) come along whole: they are dense, replicated on every rank.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from parbench.model.moe import MoE
+from parbench.model.router import bias_of
 
 from .dispatch import ExpertDispatch, moe_tokens
 
@@ -31,6 +34,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.cfg = moe.cfg
         self.router = moe.router
+        self.shared_expert = moe.shared_expert if moe.cfg.moe_shared_expert_size else None
         self.experts = nn.ModuleDict({str(e): moe.experts[e]
                                       for e in range(first, first + count)})
         self.first = first
@@ -45,8 +49,11 @@ class ExpertParallelMoE(nn.Module):
         xt = x.transpose(0, 1).reshape(s * b, h)
         y, stats = moe_tokens(xt, self.router.weight, list(self.experts.values()), self.first,
                               self.cfg, None, self.dispatch.group, self.dispatch.ep,
-                              self.aux_scale, dispatch=self.dispatch)
+                              self.aux_scale, dispatch=self.dispatch,
+                              expert_bias=bias_of(self.router))
         self.stats.append(stats)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(xt)
         return y.view(s, b, h).transpose(0, 1)
 
     def take_stats(self) -> list[dict]:

@@ -33,6 +33,14 @@ gradients by ep (DeepSpeed divides by the dense dp size for the same reason,
 experts' summed over ep (``impls.expert.clip``), after the reductions; the clipped gradients
 are the ones stepped on and reported.
 
+**DeepSeek-V3's MoE** (arXiv 2412.19437, Sec. 2.1.2; ``parbench.model.router``): the shared
+expert is a dense parameter (replicated on every rank, averaged over dp with the rest); the
+sigmoid router and group-limited routing are the reference router's; the balancing bias is
+updated after the optimizer step from the step's global load -- each rank's per-expert
+assignments of every micro-batch, summed over dp in one all-reduce of ``[L_moe, E]`` float32
+(``update_bias``) -- so it is the same on every rank and equals the golden model's
+(``full_state``).
+
 ``full_params`` / ``full_grads`` gather the other ep ranks' experts for the verdict, outside
 the ledger (``comm.unrecorded``). Closed forms: ``parbench.analytic.expert``.
 """
@@ -50,6 +58,8 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.model import (build_model, clip_coefficient, counted_tokens, make_optimizer,
                             scale_grads_)
 from parbench.model.moe import set_aux_scale
+from parbench.model.router import bias_of, expert_bias_state, updated_bias
+from parbench.moe_rules import DEEPSEEK_MOE_FIELDS, MOE_FEATURES
 from parbench.probes import microbatch_rows, reference_probes
 from parbench.scheme import Prediction, Scheme, register
 
@@ -62,7 +72,7 @@ from .stats import StepStats, row_metrics
 
 #: the MoE fields the scheme reads (``Scheme.options``)
 MOE_OPTIONS = ("num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_skew")
+               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_skew", *DEEPSEEK_MOE_FIELDS)
 
 
 @register
@@ -79,11 +89,16 @@ class ExpertAllToAll(Scheme):
     #: (``config.validate_runnable_model``)
     supports_packing = True
     model_features: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm"})
+    #: DeepSeek-V3's MoE (``parbench.moe_rules``): the shared expert is dense (over dp), the
+    #: balancing bias updated from the step's load all-reduced over dp (``update_bias``)
+    moe_features: ClassVar[frozenset] = MOE_FEATURES
     options: ClassVar[tuple[str, ...]] = MOE_OPTIONS
     description = ("expert parallelism (GShard / Switch): experts sharded over ep, two "
                    "all-to-alls per MoE layer each way, dense grads over dp, experts over edp")
     #: the MoE layer's steps (a variant replaces one: the self-test's mutants)
     dispatch_class: ClassVar[type] = ExpertDispatch
+    #: which parameters are sharded over ep (the rest, the shared expert included, is dense)
+    expert_param = staticmethod(is_expert_param)
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -105,6 +120,11 @@ class ExpertAllToAll(Scheme):
         if case.run.clip_grad and cls.baseline_of and not vars(cls).get("supports_clip_grad"):
             raise ConfigError(f"clip_grad={case.run.clip_grad:g}: baseline {cls.name} does "
                               "not clip with its framework's own clipping; set clip_grad=0")
+        used = case.model.moe_features()
+        if used and cls.baseline_of and "moe_features" not in vars(cls):
+            raise ConfigError(f"{next(iter(used.values()))}: baseline {cls.name} routes with "
+                              "its framework's own MoE layer, which parbench does not set up "
+                              "with DeepSeek-style experts or routing (run expert.alltoall)")
         if case.run.loss_mask and cls.baseline_of and not vars(cls).get("supports_loss_mask"):
             raise ConfigError(f"loss_mask={case.run.loss_mask:g}: baseline {cls.name} does "
                               "not normalise a masked loss by the global token count "
@@ -119,9 +139,9 @@ class ExpertAllToAll(Scheme):
         self.dispatch = self.make_dispatch()
         self.model = self.build_local_model().to(ctx.device)
         named = self.named_parameters()
-        self.dense = Bucket([p for n, p in named if not is_expert_param(n)], torch.float32,
+        self.dense = Bucket([p for n, p in named if not self.expert_param(n)], torch.float32,
                             ctx.device)
-        self.experts = Bucket([p for n, p in named if is_expert_param(n)], torch.float32,
+        self.experts = Bucket([p for n, p in named if self.expert_param(n)], torch.float32,
                               ctx.device)
         self.opt = make_optimizer([p for _, p in named], ctx.run)
         self.layers = moe_layers(self.model)
@@ -185,8 +205,35 @@ class ExpertAllToAll(Scheme):
         with tl.span("optim"):
             self.clip()
             self.opt.step()
-        self.step_stats.record(step, [lay.take_stats() for lay in self.layers], comm.active())
+        per_layer = [lay.take_stats() for lay in self.layers]
+        self.update_bias(per_layer)
+        self.step_stats.record(step, per_layer, comm.active())
         return self.reduce_loss(total / self.dp, self.ctx.mesh.group("dp"))
+
+    # ---- the balancing bias (DeepSeek-V3 Sec. 2.1.2) ----------------------------------------
+    def global_load(self, local: torch.Tensor) -> torch.Tensor:
+        """The step's load ``[L_moe, E]`` over every rank that routes tokens: this rank's
+        summed over dp (one all-reduce of L_moe E float32; every dp rank routes its own
+        tokens), as Megatron-Core sums ``tokens_per_expert`` before updating the bias."""
+        if self.dp > 1:
+            dist.all_reduce(local, group=self.ctx.mesh.group("dp"))
+        return local
+
+    def update_bias(self, per_layer: list[list[dict]]) -> None:
+        """b += gamma sign(mean load - load) per MoE layer with the step's global load (every
+        micro-batch, every rank, before dropping): the same bias on every rank."""
+        rate = self.ctx.model.moe_bias_update_rate
+        if not rate:
+            return
+        local = torch.tensor([[sum(v) for v in zip(*[s["load"] for s in stats])]
+                              for stats in per_layer], dtype=torch.float32,
+                             device=self.ctx.device)
+        with self.ctx.timeline.span("bias_update"):
+            load = self.global_load(local)
+            with torch.no_grad():
+                for lay, row in zip(self.layers, load):
+                    bias = bias_of(lay.router)
+                    bias.copy_(updated_bias(bias, row, rate))
 
     def reduce_dense_gradients(self) -> None:
         """Mean over the dp ranks: one flat all-reduce, / d."""
@@ -247,6 +294,10 @@ class ExpertAllToAll(Scheme):
 
     def full_grads(self):
         return self._gathered({n: p.grad.detach() for n, p in self.named_parameters()})
+
+    def full_state(self):
+        """The routers' balancing biases: replicated, each rank's own copy."""
+        return {n: b.detach() for n, b in expert_bias_state(self.model).items()}
 
     # ---- closed forms and measurements ----------------------------------------------------------
     @classmethod

@@ -117,13 +117,14 @@ class ShadowDispatch(DroplessDispatch):
             off += p.numel()
 
     # ---- the layer ---------------------------------------------------------------------------
-    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
+    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale, bias=None):
         if self.group is None:
-            return super().__call__(x, router_weight, experts, first_expert, groups, aux_scale)
+            return super().__call__(x, router_weight, experts, first_expert, groups, aux_scale,
+                                    bias)
         num_experts = router_weight.shape[0]
         local = num_experts // self.ep
         groups = routing_groups(x, groups)
-        r = self.route(x, router_weight, groups)
+        r = self.route(x, router_weight, groups, bias)
         tok, choice, counts = self.sort_by_expert(r, num_experts)
         all_counts = self.gather_counts(counts)
         chosen = self.choose_shadows(all_counts)

@@ -139,10 +139,10 @@ class TutelDispatch(ExpertDispatch):
         return unflatten(flat, experts[0], num_experts)
 
     # ---- the layer --------------------------------------------------------------------------
-    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale):
+    def __call__(self, x, router_weight, experts, first_expert, groups, aux_scale, bias=None):
         num_experts, groups = self.prologue(x, router_weight, experts, first_expert, groups)
         h = router_weight.shape[1]
-        r = self.route(x, router_weight, groups)
+        r = self.route(x, router_weight, groups, bias)
         cap = self.capacity(r, x.device)
         r = replace(r, capacity=cap, stats={**r.stats, "capacity": cap})
         numel = sum(t.numel() for t in flat_expert(experts[0]))

@@ -32,7 +32,15 @@ tokens, T = b s tokens per routing group, e bytes per element, L_moe MoE layers)
   (``analytic.clip``); none with ep = 1.
 - **Model states** (fp32, AdamW: two fp32 moments per element and a 4-byte step per tensor):
   the dense parameters whole, E/ep experts of every MoE layer; parameters, gradients and
-  optimizer states of exactly those; nothing else held between steps.
+  optimizer states of exactly those; nothing else held between steps but the balancing
+  biases below.
+- **DeepSeek-style layers** (DeepSeek-V3 Technical Report, arXiv 2412.19437, Sec. 2.1.2):
+  routed experts of hidden size ``expert_f`` (fine-grained), the shared expert's MLP a dense
+  parameter (all-reduced over dp with the rest), the first ``moe_first_dense`` layers dense
+  (``Shape.is_moe_layer``). With the balancing bias (``moe_bias_update_rate`` > 0) each MoE
+  layer's router holds E float32 biases (4 E L_moe bytes of state, "other"), updated after
+  each step from the global load: one all-reduce over dp of the ``[L_moe, E]`` float32
+  loads, 2(d-1)/d of 4 E L_moe bytes.
 
 Switch Eq. 4 (the load-balancing loss) and ST-MoE Eq. 5 (the router z-loss) are the
 reference model's (``parbench.model.moe``); their cost is local, no traffic.
@@ -62,16 +70,24 @@ def _moe_shape(model) -> Shape:
 
 
 def expert_numel(shape: Shape) -> int:
-    """P_e: one expert MLP's parameters, h -> f -> h with biases (hf + f + fh + h)."""
-    return 2 * shape.h * shape.f + shape.f + shape.h
+    """P_e: one routed expert MLP's parameters, h -> f_e -> h with biases (hf_e + f_e + f_e h
+    + h; f_e = ``expert_f``, the fine-grained experts' hidden size)."""
+    f = shape.expert_f
+    return 2 * shape.h * f + f + shape.h
+
+
+def mlp_tensor_sizes(h: int, f: int) -> list[int]:
+    """One GELU MLP's tensors with biases: fc1 (f h, f), fc2 (h f, h)."""
+    return [f * h, f, h * f, h]
 
 
 def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
     """Sizes of the parameter tensors one rank holds: (dense, expert). Dense: embedding (V h,
     s h), per layer (``params.dense_block_tensor_sizes``; GPT-2: LN 2 x h, QKV 3h^2 + 3h,
     projection h^2 + h, LN 2 x h) and either the MLP (hf + f, fh + h) or the router (E h);
-    the head's norm and V h unless tied. Expert: E/ep experts of each MoE layer, each
-    hf + f, fh + h."""
+    the head's norm and V h unless tied; on MoE layers the shared expert's MLP (hidden
+    ``moe_shared_expert_size``) after the router. Expert: E/ep experts of each MoE layer,
+    each h f_e + f_e, f_e h + h."""
     require_positive_int("ep", ep)
     if shape.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide num_experts={shape.num_experts}")
@@ -85,7 +101,9 @@ def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
         dense += attn
         if shape.is_moe_layer(i):
             dense.append(shape.num_experts * h)
-            expert += mlp * (shape.num_experts // ep)
+            if shape.moe_shared_expert_size:
+                dense += mlp_tensor_sizes(h, shape.moe_shared_expert_size)
+            expert += mlp_tensor_sizes(h, shape.expert_f) * (shape.num_experts // ep)
         else:
             dense += mlp
     dense += norm_tensor_sizes(shape) + ([] if shape.tie_embeddings else [shape.V * h])
@@ -107,7 +125,8 @@ def alltoall_traffic(shape: Shape, ep: int, micro_batch_size: int, num_microbatc
 def gradient_traffic(shape: Shape, ep: int, dp: int, elem_bytes: int = 4,
                      clip_grad: float = 0.0) -> list[Transfer]:
     """The step's two gradient all-reduces: dense over dp, the rank's experts over edp; with
-    ``clip_grad``, the norm's all-reduce over ep (the experts' squares)."""
+    ``clip_grad``, the norm's all-reduce over ep (the experts' squares); with the balancing
+    bias, the loads' all-reduce over dp (``bias_traffic``)."""
     require_positive_int("dp", dp)
     if dp % ep:
         raise ValueError(f"ep={ep} does not divide dp={dp}")
@@ -117,7 +136,23 @@ def gradient_traffic(shape: Shape, ep: int, dp: int, elem_bytes: int = 4,
                      "dense gradients (one flat buffer), then / dp"),
             Transfer("edp", "all_reduce", edp, sum(expert) * elem_bytes, int(edp > 1),
                      "expert gradients (one flat buffer), summed, then / dp")
-            ] + norm_transfers({"ep": ep}, clip_grad)
+            ] + norm_transfers({"ep": ep}, clip_grad) + bias_traffic(shape, dp, elem_bytes)
+
+
+def bias_traffic(shape: Shape, dp: int, elem_bytes: int = 4) -> list[Transfer]:
+    """The balancing bias's update (DeepSeek-V3 Sec. 2.1.2): the step's ``[L_moe, E]`` loads
+    (float32) all-reduced over the dp ranks that route the global batch, once per step (none
+    over one rank); no transfer without the bias."""
+    if not shape.moe_bias_update_rate:
+        return []
+    return [Transfer("dp", "all_reduce", dp, shape.num_moe_layers * shape.num_experts
+                     * elem_bytes, int(dp > 1), "expert loads for the balancing bias (sum)")]
+
+
+def bias_state_bytes(shape: Shape, elem_bytes: int = 4) -> int:
+    """The routers' balancing biases: E float32 per MoE layer (0 without the bias)."""
+    return shape.num_moe_layers * shape.num_experts * elem_bytes \
+        if shape.moe_bias_update_rate else 0
 
 
 def rank_states(shape: Shape, ep: int, optimizer: str = "adamw", elem_bytes: int = 4
@@ -125,7 +160,9 @@ def rank_states(shape: Shape, ep: int, optimizer: str = "adamw", elem_bytes: int
     """Model states of one rank: its dense and expert parameters, their gradients and AdamW's
     8 bytes per element plus a 4-byte step per tensor."""
     dense, expert = rank_tensors(shape, ep)
-    return flat_states(dense + expert, optimizer, elem_bytes)
+    out = flat_states(dense + expert, optimizer, elem_bytes)
+    out["other"] += bias_state_bytes(shape)
+    return out
 
 
 class ExpertPrediction(RankPrediction):

@@ -61,7 +61,9 @@ class Shape:
       hidden size, one MLP every token of an MoE layer passes (0: none; split over tp and
       replicated over dp like the dense MLP, as Megatron-Core's ``SharedExpertMLP``);
       ``moe_first_dense``: the first layers stay dense (DeepSeek's
-      ``first_k_dense_replace``);
+      ``first_k_dense_replace``); ``moe_bias_update_rate`` > 0: each MoE layer's router
+      keeps E float32 balancing biases, updated after each step from the global load
+      (DeepSeek-V3, arXiv 2412.19437, Sec. 2.1.2) -- state, not parameters;
     - multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, Sec. 2.1.2; Megatron's
       ``--multi-latent-attention``), on when ``kv_lora_rank`` > 0: K and V up-projected from
       a ``kv_lora_rank`` latent of each token (normalised), the queries from a ``q_lora_rank``
@@ -95,6 +97,7 @@ class Shape:
     moe_ffn_hidden_size: int = 0
     moe_shared_expert_size: int = 0
     moe_first_dense: int = 0
+    moe_bias_update_rate: float = 0.0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_head_dim: int = 0
@@ -115,6 +118,7 @@ class Shape:
                                  f"num_experts={self.num_experts}")
         require_positive_int("moe_every", self.moe_every)
         require_nonneg("moe_capacity_factor", self.moe_capacity_factor)
+        require_nonneg("moe_bias_update_rate", self.moe_bias_update_rate)
         divides("num_heads", self.num_heads, "hidden_size", self.hidden_size)
         require_nonneg_int("num_kv_heads", self.num_kv_heads)
         if self.num_kv_heads:
@@ -285,7 +289,8 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_le
                  "ffn_hidden_size", "tie_embeddings", "position_embeddings", "num_experts",
                  "moe_top_k", "moe_every", "moe_capacity_factor", "num_kv_heads", "mlp",
                  "norm", "bias", "make_vocab_size_divisible_by", "moe_ffn_hidden_size",
-                 "moe_shared_expert_size", "moe_first_dense", "kv_lora_rank", "q_lora_rank",
+                 "moe_shared_expert_size", "moe_first_dense", "moe_bias_update_rate",
+                 "kv_lora_rank", "q_lora_rank",
                  "qk_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 

@@ -5,8 +5,8 @@ read from an implementation's ledger. The scheme's ``predict`` computes them and
 to the closed form, which stays pure arithmetic.
 
 For checked step t the reference model (``parbench.model``) holds the parameters of the golden
-run before step t (its seeded initialisation for t = 0, the golden run's updated parameters of
-step t - 1 after), runs forward on step t's global batch, cut into the scheme's routing groups
+run before step t (its seeded initialisation for t = 0, the golden run's updated parameters and
+routers' balancing biases of step t - 1 after), runs forward on step t's global batch, cut into the scheme's routing groups
 (``Scheme.routing_groups``), and each MoE layer's router reports how many assignments each
 group sends to each expert (``parbench.model.moe.route``'s ``group_load``).
 """
@@ -16,6 +16,7 @@ import torch
 
 from ..config import CaseConfig
 from ..model.moe import MoE, RoutingGroups
+from ..model.router import load_state
 from .key import golden_key
 from .run import global_batch, reference_model
 from .store import reference_run
@@ -46,6 +47,7 @@ def _trace(case: CaseConfig, steps: int, routing: RoutingGroups) -> list:
             if step:
                 for name, p in model.named_parameters():
                     p.copy_(golden.params[step - 1][name])
+                load_state(model, golden.states[step - 1])
             x, y = global_batch(case, step)
             model(x, y)
             out.append([m.last["group_load"].tolist() for m in layers])

@@ -16,7 +16,8 @@ import torch
 from ..config import CaseConfig
 from ..model import (GPTStage, build_model, clip_local_, eod_token, make_optimizer,
                      mask_prompts, pack_batch, synthetic_batch)
-from ..model.moe import RoutingGroups
+from ..model.moe import RoutingGroups, reset_step_loads, update_expert_bias
+from ..model.router import expert_bias_state, load_state
 
 
 @dataclass
@@ -24,6 +25,9 @@ class GoldenRun:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: the model state beside the parameters after each step: the MoE routers' balancing
+    #: biases (``model.router.expert_bias_state``; empty without them)
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
     #: "live" (trained in this process), "stored:<file>" (a committed golden file) or
     #: "stored:<file>+live" (its steps, then further steps trained here)
     source: str = "live"
@@ -67,7 +71,9 @@ def train(case: CaseConfig, steps: int, routing: RoutingGroups | None = None,
     With ``stored`` (the first k steps of a stored run: losses and gradients) steps 0..k-1
     are replayed instead of trained: the run's optimizer is applied to the stored gradients,
     which gives the parameters and the optimizer state of the live run exactly (the same
-    elementwise arithmetic on the same tensors), and steps k.. are trained on from there."""
+    elementwise arithmetic on the same tensors), the stored model state (the routers'
+    balancing biases) is loaded, and steps k.. are trained on from there. A live step
+    updates the biases from its loads after the optimizer (``moe.update_expert_bias``)."""
     torch.manual_seed(case.run.seed)
     model = reference_model(case, routing)
     opt = make_optimizer(model.parameters(), case.run)
@@ -84,7 +90,12 @@ def train(case: CaseConfig, steps: int, routing: RoutingGroups | None = None,
         out.losses.append(loss)
         out.grads.append({n: p.grad.detach().clone() for n, p in params.items()})
         opt.step()
+        if step < have:
+            load_state(model, stored.states[step] if stored.states else {})
+        else:
+            update_expert_bias(model)
         out.params.append({n: t.detach().clone() for n, t in params.items()})
+        out.states.append({n: t.detach().clone() for n, t in expert_bias_state(model).items()})
     return out
 
 
@@ -94,6 +105,7 @@ def _forward_backward(model: GPTStage, opt, case: CaseConfig, step: int) -> floa
     stored run replays them as they are."""
     x, y = global_batch(case, step)
     opt.zero_grad(set_to_none=True)
+    reset_step_loads(model)
     loss = model(x, y)
     loss.backward()
     if case.run.clip_grad:

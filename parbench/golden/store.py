@@ -65,7 +65,8 @@ def _prefix(run: GoldenRun, file: str | None, stored_steps: int, steps: int) -> 
     """The first ``steps`` steps of ``run``, saying where they came from."""
     source = ("live" if file is None else f"stored:{file}" if steps <= stored_steps
               else f"stored:{file}+live")
-    return GoldenRun(run.losses[:steps], run.grads[:steps], run.params[:steps], source)
+    return GoldenRun(run.losses[:steps], run.grads[:steps], run.params[:steps],
+                     states=run.states[:steps], source=source)
 
 
 def read_manifest(directory: str) -> dict:
@@ -103,10 +104,13 @@ def stored(key: str, directory: str) -> GoldenRun | None:
 
 
 def to_tensors(run: GoldenRun) -> dict[str, torch.Tensor]:
-    """``loss`` (float64, one per step) and ``grad/<step>/<name>``: what a file holds."""
+    """``loss`` (float64, one per step), ``grad/<step>/<name>`` and the model state after
+    each step, ``state/<step>/<name>`` (the routers' balancing biases): what a file holds."""
     out = {"loss": torch.tensor(run.losses, dtype=torch.float64)}
     for s, grads in enumerate(run.grads):
         out.update({f"grad/{s}/{n}": t.contiguous() for n, t in grads.items()})
+    for s, state in enumerate(run.states):
+        out.update({f"state/{s}/{n}": t.contiguous() for n, t in state.items()})
     return out
 
 
@@ -114,10 +118,12 @@ def from_tensors(tensors: dict[str, torch.Tensor]) -> GoldenRun:
     """The losses and gradients of a file's tensors (``to_tensors``); no parameters."""
     run = GoldenRun(losses=[float(v) for v in tensors["loss"].tolist()])
     run.grads = [{} for _ in run.losses]
+    run.states = [{} for _ in run.losses]
     for k, t in tensors.items():
-        if k.startswith("grad/"):
-            _, s, name = k.split("/", 2)
-            run.grads[int(s)][name] = t
+        kind, _, rest = k.partition("/")
+        if kind in ("grad", "state"):
+            s, name = rest.split("/", 1)
+            (run.grads if kind == "grad" else run.states)[int(s)][name] = t
     return run
 
 

@@ -102,13 +102,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> f -> h with GELU, or SwiGLU (fc1: [gate; up], 2f rows)."""
+    """h -> f -> h with GELU, or SwiGLU (fc1: [gate; up], 2f rows); f = ``ffn`` (a routed or
+    shared expert's hidden size) or the model's ``cfg.ffn``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: int | None = None):
         super().__init__()
+        f = ffn or cfg.ffn
         self.swiglu = cfg.mlp == "swiglu"
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn * (2 if self.swiglu else 1), bias=cfg.bias)
-        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden_size, bias=cfg.bias)
+        self.fc1 = nn.Linear(cfg.hidden_size, f * (2 if self.swiglu else 1), bias=cfg.bias)
+        self.fc2 = nn.Linear(f, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = self.fc1(x)

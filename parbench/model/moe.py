@@ -33,6 +33,11 @@ Semantics (stated once, here):
   scaler), so the reported loss is the token cross-entropy in every scheme and in the golden
   run. A scheme that holds one group per micro-batch scales its groups' terms so that the
   sum over all ranks and micro-batches is the mean over groups (``aux_scale``).
+- **DeepSeek-style layers** (DeepSeek-V3 Technical Report, arXiv 2412.19437, Sec. 2.1.2):
+  fine-grained experts (``moe_ffn_hidden_size``), a shared expert added to the routed output
+  (Eq. 12), the first ``moe_first_dense`` layers dense; the sigmoid router, the balancing
+  bias and group-limited routing are ``parbench.model.router``'s. The bias is updated after
+  each step from the step's global load (``update_expert_bias``).
 """
 from __future__ import annotations
 
@@ -44,11 +49,16 @@ import torch.nn.functional as F
 
 from ..analytic.shape import expert_capacity
 from .blocks import MLP
+from .router import (RouterRule, add_bias_buffer, balance_scores, bias_of, rule_of,
+                     scores_of, select, updated_bias)
 
 
 def is_moe_layer(cfg, i: int) -> bool:
-    """Layer ``i`` is an MoE layer (Megatron-Core's ``moe_layer_freq`` = ``moe_every``)."""
-    return cfg.num_experts > 0 and i % cfg.moe_every == 0
+    """Layer ``i`` is an MoE layer: after the first ``moe_first_dense`` dense layers
+    (DeepSeek's first_k_dense_replace), every ``moe_every``-th (Megatron-Core's
+    ``moe_layer_freq``) -- ``analytic.shape.Shape.is_moe_layer``'s rule."""
+    k = cfg.moe_first_dense
+    return cfg.num_experts > 0 and i >= k and (i - k) % cfg.moe_every == 0
 
 
 def capacity(capacity_factor: float, k: int, tokens: int, num_experts: int) -> int:
@@ -121,16 +131,20 @@ def skew_of(cfg) -> tuple[float, float]:
 
 def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
           capacity_factor: float, aux_coef: float, z_coef: float, skew: float = 0.0,
-          scale: float = 1.0) -> Routing:
+          scale: float = 1.0, *, rule: RouterRule = RouterRule(),
+          bias: torch.Tensor | None = None, choose=select) -> Routing:
     """Route tokens ``x`` ``[T, h]`` in groups ``groups`` ``[T]`` (tokens of a group in
     priority order); ``skew``, ``scale``: the router skew and the logit scale (module
-    docstring, ``skew_of``). ``stats["group_load"]`` ``[G, E]``: the assignments of each
-    group (ascending group id) to each expert."""
+    docstring, ``skew_of``); ``rule`` and ``bias``: the scores, the group limit and the
+    balancing bias of the choice (``parbench.model.router``; ``choose``: its ``select``).
+    ``stats["group_load"]``
+    ``[G, E]``: the assignments of each group (ascending group id) to each expert;
+    ``stats["load"]`` their sum, before dropping (the bias update's load)."""
     num_experts = weight.shape[0]
     logits = router_logits(x, weight, skew, scale)
-    probs = torch.softmax(logits, dim=-1)
-    top_p, top_e = probs.topk(k, dim=-1)
-    gate = top_p / top_p.sum(-1, keepdim=True) if k > 1 else top_p
+    scores = scores_of(logits, rule)
+    top_e, gate = choose(scores, k, rule, bias)
+    probs = balance_scores(scores, rule)
     slot = torch.zeros_like(top_e)
     kept = torch.zeros_like(top_e, dtype=torch.bool)
     aux_terms, cap, group_load = [], 0, []
@@ -198,18 +212,29 @@ def combine_reference(x: torch.Tensor, r: Routing, experts) -> torch.Tensor:
 
 class MoE(nn.Module):
     """Router plus E expert MLPs replacing a layer's MLP (names ``mlp.router.weight``,
-    ``mlp.experts.{e}.fc1.weight``, ...). Input ``[b, s, h]``."""
+    ``mlp.experts.{e}.fc1.weight``, ...), each of hidden size ``moe_ffn_hidden_size`` (0: the
+    dense MLP's); with ``moe_shared_expert_size`` an always-on ``mlp.shared_expert`` MLP whose
+    output is added to the routed one (DeepSeek-V3 Eq. 12; Megatron-Core's SharedExpertMLP,
+    ungated); with ``moe_bias_update_rate`` the router's balancing bias buffer
+    ``mlp.router.expert_bias`` (``parbench.model.router``). Input ``[b, s, h]``."""
 
     def __init__(self, cfg, routing: RoutingGroups | None = None):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(cfg) for _ in range(cfg.num_experts)])
+        if cfg.moe_bias_update_rate:
+            add_bias_buffer(self.router, cfg.num_experts)
+        self.experts = nn.ModuleList([MLP(cfg, cfg.moe_ffn_hidden_size)
+                                      for _ in range(cfg.num_experts)])
+        if cfg.moe_shared_expert_size:
+            self.shared_expert = MLP(cfg, cfg.moe_shared_expert_size)
         self.routing = routing
         #: multiplies this layer's auxiliary terms (see the module docstring)
         self.aux_scale = 1.0
         #: the last forward's routing statistics (load, dropped, aux / z loss)
         self.last: dict = {}
+        #: assignments per expert routed since the last bias update (``update_expert_bias``)
+        self.step_load = torch.zeros(cfg.num_experts, dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -217,10 +242,14 @@ class MoE(nn.Module):
         groups = (self.routing or RoutingGroups(rows=b)).ids(b, s).to(x.device)
         cfg = self.cfg
         r = route(xt, self.router.weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
-                  cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg))
+                  cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg),
+                  rule=rule_of(cfg), bias=bias_of(self.router))
         self.last = r.stats
+        self.step_load = self.step_load + r.stats["load"]
         y = combine_reference(xt, r, self.experts)
         y = AttachAux.apply(y, r.aux * self.aux_scale)
+        if cfg.moe_shared_expert_size:
+            y = y + self.shared_expert(xt)
         return y.view(s, b, h).transpose(0, 1)
 
 
@@ -229,3 +258,23 @@ def set_aux_scale(module: nn.Module, scale: float) -> None:
     for m in module.modules():
         if hasattr(m, "aux_scale"):
             m.aux_scale = scale
+
+
+def reset_step_loads(model: nn.Module) -> None:
+    """Forget the loads routed so far (before a step whose loads update the bias)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.step_load = torch.zeros_like(m.step_load)
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """The single-device bias update after a step (DeepSeek-V3 Sec. 2.1.2): each MoE layer's
+    bias moves by gamma sign(mean load - load) with the loads of every forward since the last
+    update -- the whole global batch, so the global load -- which are then forgotten."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            bias = bias_of(m.router)
+            if bias is not None:
+                with torch.no_grad():
+                    bias.copy_(updated_bias(bias, m.step_load, m.cfg.moe_bias_update_rate))
+            m.step_load = torch.zeros_like(m.step_load)

@@ -27,7 +27,7 @@ LEDGER_FAILURES = ("wire bytes", "calls")
 @dataclass
 class FirstFailure:
     """The earliest failing check of a case: where (step, rank; None before the ranks are
-    merged), what (loss, gradient, parameter, update, init, missing, uncovered, final
+    merged), what (loss, gradient, parameter, state, update, init, missing, uncovered, final
     parameters; or a timed step's ``wire bytes`` / ``calls`` on the axis ``tensor``), the
     tensor, its largest difference and the tolerance it broke (a ledger's: ``measured``
     beside ``expected``). ``str()`` is the one line users read."""
@@ -143,6 +143,10 @@ class StepCheck:
     #: the threshold, the clip did not act and the step says nothing about it)
     grad_norm: float | None = None
     clip_coef: float | None = None
+    #: the model state beside the parameters (the routers' balancing biases,
+    #: ``Scheme.full_state``) against the stepwise golden's update (None: no state)
+    state_max_abs: float | None = None
+    state_ok: bool | None = None
     #: step 0 only: the scheme's initial parameters equal the golden initialisation
     init_ok: bool | None = None
     init_max_abs: float | None = None

@@ -71,7 +71,7 @@ class WrongDispatchLayout(ExpertAllToAll):
 class _GlobalCapacity(ExpertDispatch):
     world = 1  # the dp degree
 
-    def route(self, x, router_weight, groups):
+    def route(self, x, router_weight, groups, bias=None):
         cfg = self.cfg
         # the bug: capacity from the global batch's tokens (T dp) instead of the rank's T
         return route(x, router_weight, groups, cfg.moe_top_k,

@@ -62,7 +62,7 @@ class DpGradsNotReduced(ExpertTutel):
 
 
 class _Unbounded(TutelDispatch):
-    def route(self, x, router_weight, groups):
+    def route(self, x, router_weight, groups, bias=None):
         cfg = self.cfg
         # the bug: the adaptive capacity ignores the factor's upper bound (nothing dropped)
         return route(x, router_weight, groups, cfg.moe_top_k, 0.0, cfg.moe_aux_loss_coef,

@@ -10,7 +10,12 @@ carries the noise of its large addends), so an elementwise rtol would reject cor
   with the scheme's own weights before the step, on identical weights, every step;
 - the update check (``UpdateCheck``): the scheme's new parameters against the run's optimizer
   applied to the scheme's own weights and reported gradients;
-- the initialisation: the scheme's parameters before step 0 equal the golden ones exactly.
+- the initialisation: the scheme's parameters before step 0 equal the golden ones exactly;
+- the model state beside the parameters (``Scheme.full_state``: the MoE routers' balancing
+  biases, DeepSeek-V3 Sec. 2.1.2) after each step against the stepwise golden's: the golden
+  model at the scheme's weights *and state* before the step updates its state from the
+  step's global load, and the scheme's must equal it (rtol, atol); with the parameters, it
+  is compared with the golden trajectory too.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..model.moe import reset_step_loads, update_expert_bias
+from ..model.router import expert_bias_state, load_state
 from ..model.training import clip_coefficient, clip_local_
 from ..results import FirstFailure, StepCheck
 from . import precision
@@ -138,6 +145,8 @@ class Reference:
     detectable: float | None = None
     #: with clipping: the global gradient norm before clipping (``grads`` are clipped)
     grad_norm: float | None = None
+    #: the model state after the step (the routers' balancing biases; empty without them)
+    state: dict | None = None
 
 
 class StepwiseGolden:
@@ -161,6 +170,8 @@ class StepwiseGolden:
         #: optimizer steps on and a scheme reports; ``norm`` is the last global norm before
         #: clipping (fp32 reference)
         self.clip_grad, self.norm = case.run.clip_grad, None
+        #: the model state the last ``at`` left (``at``)
+        self.state: dict[str, torch.Tensor] = {}
         self.params = dict(self.model.named_parameters())
         self.dtype = compute_dtype(case.run)
         self.low = None
@@ -171,35 +182,44 @@ class StepwiseGolden:
     def initial(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
-    def at(self, weights: dict[str, torch.Tensor], inputs, targets, low: bool = False
+    def at(self, weights: dict[str, torch.Tensor], inputs, targets, low: bool = False,
+           state: dict[str, torch.Tensor] | None = None
            ) -> tuple[float, dict[str, torch.Tensor]]:
-        """(loss, gradients) of the reference model at ``weights`` on the global batch; in the
-        compute dtype with ``low`` (gradients returned in fp32)."""
+        """(loss, gradients) of the reference model at ``weights`` and model ``state`` (the
+        routers' balancing biases; None: as they are) on the global batch; in the compute
+        dtype with ``low`` (gradients returned in fp32). ``self.state``: the state the step
+        leaves (the biases updated from the step's load)."""
         model = self.low if low else self.model
         params = dict(model.named_parameters())
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(weights[n].detach().to(p.device, p.dtype))
+        if state is not None:
+            load_state(model, state)
         model.zero_grad(set_to_none=True)
+        reset_step_loads(model)
         loss = model(inputs, targets)
         loss.backward()
+        update_expert_bias(model)
+        self.state = {n: b.detach().float().clone() for n, b in expert_bias_state(model).items()}
         grads = {n: p.grad.detach().float().clone() for n, p in params.items()}
         if self.clip_grad:
             self.norm = clip_local_(list(grads.values()), self.clip_grad)
         return float(loss.detach()), grads
 
-    def reference(self, weights: dict[str, torch.Tensor], inputs, targets) -> Reference:
-        """What checked step must produce at ``weights``, and its tolerances: the fp32
-        reference, and in a lower compute dtype the tolerances derived from the same step in
-        that dtype (``verdict.precision``)."""
-        loss, grads = self.at(weights, inputs, targets)
-        norm = self.norm
+    def reference(self, weights: dict[str, torch.Tensor], inputs, targets,
+                  state: dict[str, torch.Tensor] | None = None) -> Reference:
+        """What checked step must produce at ``weights`` and model ``state``, and its
+        tolerances: the fp32 reference, and in a lower compute dtype the tolerances derived
+        from the same step in that dtype (``verdict.precision``)."""
+        loss, grads = self.at(weights, inputs, targets, state=state)
+        norm, after = self.norm, self.state
         if self.low is None:
-            return Reference(loss, grads, grad_norm=norm)
-        low_loss, low_grads = self.at(weights, inputs, targets, low=True)
+            return Reference(loss, grads, grad_norm=norm, state=after)
+        low_loss, low_grads = self.at(weights, inputs, targets, low=True, state=state)
         tols = precision.tolerances(low_grads, grads, self.dtype)
         return Reference(loss, grads, precision.loss_tolerance(low_loss, loss, self.dtype),
-                         tols, precision.relative(tols, grads), grad_norm=norm)
+                         tols, precision.relative(tols, grads), grad_norm=norm, state=after)
 
 
 def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None = None,
@@ -214,8 +234,10 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
     parameters to param_atol, as AdamW amplifies fp32 noise in near-zero gradients.
     """
     grads = scheme.full_grads()
-    params = scheme.full_params()
-    p = compare(params, golden.params[step], run.rtol, run.param_atol)
+    state = scheme.full_state()
+    params = {**scheme.full_params(), **state}
+    golden_state = golden.states[step] if golden.states else {}
+    p = compare(params, {**golden.params[step], **golden_state}, run.rtol, run.param_atol)
     if reference is not None:
         ref_loss = reference.loss
         g = compare(grads, reference.grads, run.rtol, run.atol, reference.tols)
@@ -228,7 +250,12 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
                     names=sorted(set(g["names"]) | set(p["names"])),
                     missing=g["missing"] + p["missing"], stepwise=reference is not None)
     if update is not None:
-        out.update_excess, out.update_ok = update.check(grads, params)
+        out.update_excess, out.update_ok = update.check(grads, {n: params[n] for n in params
+                                                               if n not in state})
+    st = None
+    if reference is not None and (state or reference.state):
+        st = compare(state, reference.state, run.rtol, run.atol)
+        out.state_max_abs, out.state_ok = st["max_abs"], st["ok"] and not st["missing"]
     if reference is not None and reference.grad_norm is not None:
         out.grad_norm = reference.grad_norm
         out.clip_coef = clip_coefficient(reference.grad_norm, run.clip_grad)
@@ -239,19 +266,29 @@ def check_step(scheme, golden, step: int, loss, run, update: UpdateCheck | None 
         d = abs(float(loss) - ref_loss)
         out.loss, out.golden_loss, out.loss_abs = float(loss), golden.losses[step], d
         out.loss_ok = d <= loss_tol
-    out.failure = _first_failure(out, g, p, loss_tol)
+    out.failure = _first_failure(out, g, p, loss_tol, st)
     return out
 
 
-def _first_failure(out: StepCheck, g: dict, p: dict, loss_tol: float) -> FirstFailure | None:
+#: why a state check fails, in the row's first failure
+DETAIL_STATE = ("the model state after the step (the routers' balancing bias) differs from "
+                "the golden model's update at the scheme's weights and state")
+
+
+def _first_failure(out: StepCheck, g: dict, p: dict, loss_tol: float,
+                   st: dict | None = None) -> FirstFailure | None:
     """What failed first, in the order a reader debugs: loss, gradients, parameters, the
-    update, tensors the golden run lacks."""
+    model state, the update, tensors the golden run lacks."""
     if out.loss_ok is False:
         return FirstFailure("loss", "loss", out.loss_abs, loss_tol)
     if not out.grad_ok and g["worst"]:
         return FirstFailure("gradient", **g["worst"])
     if not out.param_ok and p["worst"]:
         return FirstFailure("parameter", **p["worst"])
+    if out.state_ok is False:
+        if st["worst"]:
+            return FirstFailure("state", detail=DETAIL_STATE, **st["worst"])
+        return FirstFailure("state", (st["missing"] or ["?"])[0], detail=DETAIL_STATE)
     if out.update_ok is False:
         return FirstFailure("update", "(optimizer step)", out.update_excess, 1.0,
                             "the step differs from the run's optimizer applied to the "
@@ -304,6 +341,12 @@ class RankChecker:
             self.update = UpdateCheck(start, case.run)
             self.stepwise = StepwiseGolden(case, type(scheme).routing_groups(case))
             self.init_max_abs = check_initial(start, self.stepwise)
+        #: the scheme's model state before the next step (``Scheme.full_state``)
+        self.state = self._scheme_state()
+
+    def _scheme_state(self) -> dict[str, torch.Tensor]:
+        with comm.unrecorded():
+            return {n: t.detach().cpu().clone() for n, t in self.scheme.full_state().items()}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights before this step (``completed``)."""
@@ -319,9 +362,11 @@ class RankChecker:
                 # built) have no weights to run the reference at: the golden trajectory
                 # checks them, and the merge fails the row as ``uncovered``
                 if set(weights) >= set(self.stepwise.params):
-                    reference = self.stepwise.reference(weights, inputs, targets)
+                    reference = self.stepwise.reference(weights, inputs, targets,
+                                                        self.state)
             out = check_step(self.scheme, self.golden, step, loss, self.run, self.update,
                              reference)
+        self.state = self._scheme_state()
         if step == 0 and self.init_max_abs is not None:
             out.init_max_abs = self.init_max_abs
             out.init_ok = self.init_max_abs == 0.0

@@ -53,12 +53,14 @@ def _shadow_state(update) -> dict[str, tuple[torch.Tensor, dict]]:
     return out
 
 
-def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: bool = False
-                    ) -> dict[str, torch.Tensor] | None:
+def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: bool = False,
+                    model_state: dict | None = None) -> dict[str, torch.Tensor] | None:
     """The shadow carried from step ``first`` to step ``last`` (exclusive) by the golden rule:
-    each step, the golden model's gradients at the shadow's weights on ``batch(case, step)``
-    (the global batch; in the compute dtype with ``low``), then the optimizer. None when no
-    rank holds some parameter (the row already fails as ``uncovered``)."""
+    each step, the golden model's gradients at the shadow's weights and ``model_state`` (the
+    routers' balancing biases, updated by each step) on ``batch(case, step)`` (the global
+    batch; in the compute dtype with ``low``), then the optimizer; the weights and the final
+    state. None when no rank holds some parameter (the row already fails as
+    ``uncovered``)."""
     from ..model import make_optimizer
     with comm.unrecorded():
         state = completed(_shadow_state(update), stepwise.params, lambda mine: mine)
@@ -72,13 +74,14 @@ def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: b
                                      for k, v in st.items()}
     for step in range(first, last):
         x, y = batch(case, step)
-        _, grads = stepwise.at(weights, x, y, low)
+        _, grads = stepwise.at(weights, x, y, low, model_state)
+        model_state = stepwise.state
         for n, w in weights.items():
             w.grad = grads[n].to(w.dtype)
         opt.step()
         for w in weights.values():
             w.grad = None
-    return weights
+    return {**weights, **(model_state or {})}
 
 
 def final_check(checker, case, total: int, batch) -> StepCheck | None:
@@ -89,15 +92,17 @@ def final_check(checker, case, total: int, batch) -> StepCheck | None:
     the golden package imports this one)."""
     run = case.run
     with comm.unrecorded():
-        params = checker.scheme.full_params()
+        params = {**checker.scheme.full_params(), **checker.scheme.full_state()}
         if checker.update is not None:
             # in the compute dtype: a bf16 scheme continued by the bf16 golden rule
             expected = continue_shadow(checker.update, checker.stepwise, case, run.steps, total,
-                                       batch, low=checker.stepwise.low is not None)
+                                       batch, low=checker.stepwise.low is not None,
+                                       model_state=checker.state)
             detail = DETAIL_CONTINUED
         else:
             ref = type(checker.scheme).reference(case, total)
             expected, detail = ref.params[total - 1], DETAIL_REFERENCE
+            expected = {**expected, **(ref.states[total - 1] if ref.states else {})}
     if expected is None:
         return None
     p = compare(params, expected, run.rtol, run.param_atol)

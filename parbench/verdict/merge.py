@@ -84,7 +84,7 @@ class _Tally:
         self.grad_abs = max(self.grad_abs, c.grad_max_abs)
         self.param_abs = max(self.param_abs, c.param_max_abs)
         self.ok = self.ok and c.grad_ok and c.param_ok and not c.missing \
-            and c.init_ok is not False
+            and c.init_ok is not False and c.state_ok is not False
         self.update_ok = self.update_ok and c.update_ok is not False
         self.checked_update = self.checked_update or c.update_ok is not None
         self.update = max(self.update, c.update_excess or 0.0)

@@ -1,0 +1,105 @@
+"""Realistic bugs in the DeepSeek-V3-style MoE of the expert family (DeepSeek-V3 Technical
+Report, arXiv 2412.19437, Sec. 2.1.2): the auxiliary-loss-free balancing bias, the shared
+expert's gradients, group-limited routing. Each runs ``expert.alltoall`` on ``deepseek-tiny``
+(first layer dense, 8 fine-grained experts top-2, one shared expert, the sigmoid router with
+the bias, 2 groups keeping 1) at ep = dp = 2."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parbench.model.router import select
+
+from impls.expert.dispatch import ExpertDispatch
+from impls.expert.scheme import ExpertAllToAll
+
+from .catalogue import mutant
+
+#: the preset and its expert count (the family's case sets num_experts=4)
+DEEPSEEK = {"model": "deepseek-tiny", "num_experts": "8"}
+
+
+# ---- the balancing bias ------------------------------------------------------------------------
+
+
+@mutant("ds-bias-local-load", base="expert.alltoall", overrides=DEEPSEEK,
+        bug="balancing bias updated from each rank's own load: the loads are all-reduced "
+            "into a copy and the update reads the local tensor, so the ranks' biases drift "
+            "apart (DeepSeek's bias must follow the global load)")
+class BiasFromLocalLoad(ExpertAllToAll):
+    def global_load(self, local):
+        total = local.clone()  # a copy: the all-reduce never reaches ``local``
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.ctx.mesh.group("dp"))
+        return local
+
+
+def _gates_with_bias(scores, k, rule, bias):
+    top_e, _ = select(scores, k, rule, bias)
+    biased = scores if bias is None else scores + bias
+    top = biased.gather(1, top_e)
+    # the bug: the gates normalise the biased scores (DeepSeek-V3 Eq. 13 uses s, not s + b)
+    return top_e, top / top.sum(-1, keepdim=True)
+
+
+class _BiasInGates(ExpertDispatch):
+    select_experts = staticmethod(_gates_with_bias)
+
+
+@mutant("ds-bias-in-gates", base="expert.alltoall", overrides=DEEPSEEK,
+        bug="balancing bias added to the gate weights, not only to the choice of experts: "
+            "the gates are the chosen s + b normalised instead of the chosen s")
+class BiasInGates(ExpertAllToAll):
+    dispatch_class = _BiasInGates
+
+
+# ---- the shared expert's gradients -------------------------------------------------------------
+
+
+def _shared_params(model) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".mlp.shared_expert." in n]
+
+
+@mutant("ds-shared-grad-summed", base="expert.alltoall", overrides=DEEPSEEK,
+        bug="shared expert's gradients summed over dp instead of averaged: its share of "
+            "the flat dense all-reduce is scaled back by dp")
+class SharedGradsSummed(ExpertAllToAll):
+    def reduce_dense_gradients(self):
+        super().reduce_dense_gradients()
+        for p in _shared_params(self.model):
+            p.grad.mul_(self.dp)
+
+
+@mutant("ds-shared-as-expert", base="expert.alltoall", overrides=DEEPSEEK,
+        bug="shared expert taken for a routed expert by a name filter ('expert' in the "
+            "name): its gradients go to the expert bucket, reduced over edp only, never "
+            "over the ep replicas that hold the same shared expert")
+class SharedAsExpert(ExpertAllToAll):
+    expert_param = staticmethod(lambda name: ".mlp." in name and "expert" in name)
+
+
+# ---- group-limited routing ---------------------------------------------------------------------
+
+
+def _groups_by_max(scores, k, rule, bias):
+    choice = scores if bias is None else scores + bias
+    t, e = choice.shape
+    # the bug: a group's score is its best expert's, not the sum of its top 2 (Sec. 2.1.2)
+    score = choice.view(t, rule.groups, e // rule.groups).amax(-1)
+    kept = score.topk(rule.topk_groups, dim=-1).indices
+    mask = torch.zeros(t, rule.groups, dtype=torch.bool).scatter_(1, kept, True)
+    mask = mask.unsqueeze(-1).expand(t, rule.groups, e // rule.groups).reshape(t, e)
+    top_e = choice.masked_fill(~mask, float("-inf")).topk(k, dim=-1).indices
+    top_s = scores.gather(1, top_e)
+    return top_e, top_s / top_s.sum(-1, keepdim=True)
+
+
+class _GroupsByMax(ExpertDispatch):
+    select_experts = staticmethod(_groups_by_max)
+
+
+@mutant("ds-groups-by-max", base="expert.alltoall", overrides=DEEPSEEK,
+        bug="group-limited routing keeps the groups of highest single affinity (max) "
+            "instead of the highest sum of their top-2 affinities")
+class GroupsByMax(ExpertAllToAll):
+    dispatch_class = _GroupsByMax
