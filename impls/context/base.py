@@ -25,6 +25,11 @@ the local one and needs no collective (as plain data parallelism; Megatron-LM's
 split over the model-parallel group). A subclass that replaces ``train_step`` (the framework
 baselines) does not inherit ``supports_clip_grad``; it declares it if its own step clips.
 
+Packed documents (``pack_docs``): the rank's tokens take their within-document positions
+(``docs``) and the core masks attention "causal and same document" with the micro-batch's
+documents over the whole sequence (``full_docs``, handed to it by :meth:`bind_documents`).
+A class with its own step or forward (a framework's) does not inherit ``supports_packing``.
+
 ``recompute`` (``shard``): ``full`` checkpoints each layer, ``selective`` the attention core;
 either repeats the core's forward communication in backward.
 
@@ -48,13 +53,14 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.memory import SavedActivations
 from parbench.model import build_model, counted_tokens, make_optimizer
 from parbench.model.packing import documents_of, shard_documents
+from parbench.probes import ModuleProbe, microbatch_rows, reference_order
 from parbench.scheme import Prediction, Scheme
 
 from impls.common.clip import clip_grads_
 from impls.data.buckets import Bucket
 
 from .ring import AttentionClock, RingPeers
-from .shard import embed, mean_loss, shard_forward, summed_loss
+from .shard import Tap, embed, mean_loss, shard_forward, summed_loss
 
 
 class ContextParallelScheme(Scheme):
@@ -78,19 +84,23 @@ class ContextParallelScheme(Scheme):
     model_features: ClassVar[frozenset] = MODEL_FEATURES
     #: the LLaMA features without grouped-query attention (cores with their own scores)
     MHA_FEATURES: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
+    #: reference module name -> probe point (``module_probes``; None: not localising)
+    taps: dict | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # a class with its own step clips, or masks its loss, only if it says so; one with
-        # its own forward (or a framework's) runs the LLaMA blocks only if it says so
+        # its own forward (or a framework's) runs the LLaMA blocks, or packed documents,
+        # only if it says so
         own = cls.__dict__
         if "train_step" in own:
             for flag in ("supports_clip_grad", "supports_loss_mask"):
                 if flag not in own:
                     setattr(cls, flag, False)
-        if ("train_step" in own or "forward" in own or getattr(cls, "baseline_of", None)) \
-                and "model_features" not in own:
-            cls.model_features = frozenset()
+        if "train_step" in own or "forward" in own or getattr(cls, "baseline_of", None):
+            for flag, off in (("model_features", frozenset()), ("supports_packing", False)):
+                if flag not in own:
+                    setattr(cls, flag, off)
 
     # ---- checks before spawning -------------------------------------------------------------
     @classmethod
@@ -165,6 +175,12 @@ class ContextParallelScheme(Scheme):
         self.docs, self.full_docs = (None, None) if i is None else self.mb_docs[i]
         if i is None:
             self.mb_docs = None
+        self.bind_documents(self.full_docs)
+
+    def bind_documents(self, docs) -> None:
+        """Hand the core the micro-batch's packed documents over the whole sequence (None:
+        unpacked, or after the step)."""
+        self.core.docs = docs
 
     def train_step(self, inputs, targets, step):
         pos, mbs = self.local_batch(inputs, targets)
@@ -217,7 +233,7 @@ class ContextParallelScheme(Scheme):
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = shard_forward(self.model, tokens, pos, targets, self.core,
                              self.ctx.options.recompute, saved, self.embed, self.loss_fn(),
-                             getattr(self, "docs", None))
+                             getattr(self, "docs", None), self.taps)
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()
@@ -232,6 +248,26 @@ class ContextParallelScheme(Scheme):
         return embed(model, tokens, pos)
 
     # ---- what the verdict compares --------------------------------------------------------------
+    def module_probes(self) -> list[ModuleProbe] | None:
+        """The reference modules this rank computes (issue 20, sec. 5): ``embed``, every
+        block's ``ln1`` / ``attn`` / ``ln2`` / ``mlp`` and ``head``, through the probe points
+        of ``shard`` (installed here), each micro-batch's call on its rows of the rank's dp
+        slice at the rank's sequence positions (``token_positions``). A rank's micro-batch
+        loss is the mean over its (rows x tokens) -- or with ``loss_mask`` its sum times
+        cp dp / N -- so with the sum over the cp ranks its input gradients are cp dp times
+        the golden run's (``grad_scale`` 1/(cp dp)). None for the framework baselines,
+        whose modules are the framework's."""
+        if getattr(self, "baseline_of", None):
+            return None
+        lay = self.ctx.layout
+        self.taps = {name: Tap() for name in reference_order(self.ctx.model.num_layers)}
+        rows = lay.global_batch_size // self.dp
+        pos = self.token_positions()
+        calls = [(r, pos) for r in microbatch_rows(self.dp_rank * rows, rows,
+                                                   lay.num_microbatches)]
+        return [ModuleProbe(name, tap, list(calls), 1.0 / (self.cp * self.dp))
+                for name, tap in self.taps.items()]
+
     def full_params(self):
         return {n: p.detach() for n, p in self.model.named_parameters()}
 

@@ -47,6 +47,8 @@ class DistFlashAttnScheme(ContextParallelScheme):
     peers_class = DistFlashPeers
     schedule_class = BalancedSchedule
     core_class = DistFlashCore
+    #: every block, helped ones included, masked by the documents' ids (``distflash_attn``)
+    supports_packing = True
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -63,12 +65,20 @@ class DistFlashAttnScheme(ContextParallelScheme):
     def token_positions(self):
         return positions(self.ctx.model.seq_length, self.cp, self.cp_rank)
 
+    def bind_documents(self, docs):
+        self.core.peers.docs = docs
+
+    def module_probes(self):
+        """The shared forward's probes; none under ``recompute=full``, whose layers
+        (``distflash_remat``) run the reference parts inside one autograd function."""
+        return None if self.ctx.options.recompute == "full" else super().module_probes()
+
     def forward(self, tokens, targets, pos, measure: bool = False):
         if self.ctx.options.recompute != "full":
             return super().forward(tokens, targets, pos, measure)
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = remat_shard_forward(self.model, tokens, pos, targets, self.core, saved,
-                                   self.embed, self.loss_fn())
+                                   self.embed, self.loss_fn(), self.docs)
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()

@@ -17,6 +17,12 @@ the queries' dQ back. No worker keeps another worker's K/V between forward and b
 
 Every ordered pair of workers exchanges at most one message of each kind per layer, so the
 messages match in posting order without tags (NCCL) as with them (gloo).
+
+Packed documents (``DistFlashPeers.docs``, the micro-batch's over the whole sequence, set by
+the scheme for each micro-batch, whose backward runs before the next one's forward): every
+block -- the diagonal, a local one, a helped one (the busy worker's queries against the
+helper's keys) -- is masked "causal and same document" on the two chunks' global positions
+(``documents``); no message changes.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .distflash_plan import BalancedSchedule
+from .documents import WHOLE, kernel_args, mask_at, ring_masks
 from .kernels import attn_backward, attn_forward, merge
 
 TAG_KV, TAG_Q, TAG_OUT = 31, 32, 33
@@ -36,6 +43,8 @@ class DistFlashPeers:
 
     #: causal mask on a helped block (it never is: the helper's chunk precedes the queries)
     helped_causal = False
+    #: the micro-batch's packed documents over the whole sequence (None: unpacked)
+    docs = None
 
     def __init__(self, group, clock, schedule_class=BalancedSchedule):
         self.group, self.clock = group, clock
@@ -62,6 +71,16 @@ class DistFlashPeers:
     def merge_remote(self, out, lse, blk_out, blk_lse) -> None:
         """Fold a helper's partial result into the rows (the same online-softmax rule)."""
         merge(out, lse, blk_out, blk_lse)
+
+    def kernel(self, n: int):
+        """``kw(src, causal, queries=None)``: the kernel keywords of the block of worker
+        ``queries``' (default: this worker's) queries against worker ``src``'s K/V -- the
+        documents' mask when packed, else ``causal``."""
+        masks = ring_masks(self.docs, self.rank, self.size, n, "none")
+
+        def kw(src: int, causal: bool, queries: int | None = None) -> dict:
+            return kernel_args(causal, mask_at(masks, src, WHOLE, WHOLE, queries))
+        return kw
 
 
 def _wait(pending):
@@ -95,8 +114,9 @@ def dfa_forward(q, k, v, pe: DistFlashPeers):
         return sends, recv
 
     pending = post(tasks[0]) if tasks else None
+    kw = pe.kernel(n)
     with pe.clock.span("fwd"):
-        out, lse = attn_forward(q, k, v, True)
+        out, lse = attn_forward(q, k, v, **kw(r, True))
     pe.blocks += 1
     sent, keep, results = [], [], []  # keep: the messages in flight
     for i, task in enumerate(tasks):
@@ -108,10 +128,10 @@ def dfa_forward(q, k, v, pe: DistFlashPeers):
             results.append(pe.irecv((b, a, n, d + 1), q, task.helped_by, TAG_OUT))
         with pe.clock.span("fwd"):
             if task.local is not None:
-                o, l_ = attn_forward(q, x[0], x[1], False)
+                o, l_ = attn_forward(q, x[0], x[1], **kw(task.local, False))
                 pe.merge(out, lse, o, l_)
             elif task.helps is not None:
-                o, l_ = attn_forward(x, k, v, pe.helped_causal)
+                o, l_ = attn_forward(x, k, v, **kw(r, pe.helped_causal, task.helps))
         if task.local is not None or task.helps is not None:
             pe.blocks += 1
         if task.helps is not None:
@@ -134,8 +154,9 @@ def dfa_backward(dout, q, k, v, out, lse, pe: DistFlashPeers):
     """(dq, dk, dv) of this worker's chunk given the rows' final output and log-sum-exp."""
     P, r = pe.size, pe.rank
     dout = dout.contiguous()
+    kw = pe.kernel(q.shape[2])
     with pe.clock.span("bwd"):
-        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, True)
+        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, **kw(r, True))
     tasks = pe.schedule.tasks(r) if P > 1 else []
     if not tasks:
         return dq, dk, dv
@@ -169,19 +190,10 @@ def dfa_backward(dout, q, k, v, out, lse, pe: DistFlashPeers):
         if task.helped_by is not None:  # a helper computes a chunk of my queries: dQ back
             mine.append(("dq", pe.irecv(q.shape, q, task.helped_by, TAG_DQ)))
         with pe.clock.span("bwd"):
-            if task.local is not None:
-                a, b_, c = attn_backward(dout, q, x[0], x[1], out, lse, False)
-                dq.add_(a)
-                msg = torch.stack([b_, c])
-                dest, tag = task.local, TAG_DKV
-            elif task.helps is not None:
-                qo, do, oo, lo = x[..., :d], x[..., d:2 * d], x[..., 2 * d:3 * d], x[..., 3 * d]
-                msg, b_, c = attn_backward(do, qo, k, v, oo, lo.float(), pe.helped_causal)
-                dk.add_(b_)
-                dv.add_(c)
-                dest, tag = task.helps, TAG_DQ
-        if task.local is not None or task.helps is not None:
-            msg = msg.contiguous()
+            block = _block_grads(task, x, kw, r, pe.helped_causal, dout, q, k, v, out, lse,
+                                 (dq, dk, dv))
+        if block is not None:
+            msg, dest, tag = block
             sent.append(pe.isend(msg, dest, tag))
             keep.append(msg)
         _land(returns, dq, dk, dv)
@@ -190,6 +202,26 @@ def dfa_backward(dout, q, k, v, out, lse, pe: DistFlashPeers):
     for work in sent:
         work.wait()
     return dq, dk, dv
+
+
+def _block_grads(task, x, kw, r: int, helped_causal: bool, dout, q, k, v, out, lse, grads):
+    """One backward step's block (``dfa_backward``): a local block adds to dQ and returns
+    its dK, dV for their owner; a helped block (``x``: the busy worker's queries, output
+    gradient, output and log-sum-exp) adds to dK, dV and returns the queries' dQ. (message,
+    destination, tag), or None when the worker idles."""
+    dq, dk, dv = grads
+    if task.local is not None:
+        a, b_, c = attn_backward(dout, q, x[0], x[1], out, lse, **kw(task.local, False))
+        dq.add_(a)
+        return torch.stack([b_, c]).contiguous(), task.local, TAG_DKV
+    if task.helps is None:
+        return None
+    d = q.shape[-1]
+    qo, do, oo, lo = x[..., :d], x[..., d:2 * d], x[..., 2 * d:3 * d], x[..., 3 * d]
+    msg, b_, c = attn_backward(do, qo, k, v, oo, lo.float(), **kw(r, helped_causal, task.helps))
+    dk.add_(b_)
+    dv.add_(c)
+    return msg.contiguous(), task.helps, TAG_DQ
 
 
 def _land(returns, dq, dk, dv) -> None:

@@ -66,9 +66,10 @@ class RematLayer(torch.autograd.Function):
 
 
 def remat_shard_forward(model, tokens, pos, targets, core, first_layer=None,
-                        embed_fn=embed, loss_fn=mean_loss) -> torch.Tensor:
-    """``shard.shard_forward`` with every layer a ``RematLayer``."""
-    x = embed_fn(model, tokens, pos)
+                        embed_fn=embed, loss_fn=mean_loss, docs=None) -> torch.Tensor:
+    """``shard.shard_forward`` with every layer a ``RematLayer`` (``docs``: the tokens'
+    within-document positions when packed)."""
+    x = embed_fn(model, tokens, pos if docs is None else docs.pos)
     for i, blk in enumerate(model.blocks.values()):
         if first_layer is not None and i == 0:
             with first_layer:

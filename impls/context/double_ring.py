@@ -21,11 +21,18 @@ owner, picks up each window's total at the entry rank and reaches the owner with
 Causal masks and the zig-zag / striped load balancing (``ring.block_plan``) are decided on
 *global* ring ranks: the block's source is ring rank ((W - t) mod c/w) w + (j - s) mod w at
 inner step s. w = 1 (every hop outer) and w = c (one window) are the single ring.
+
+Packed documents (``DoubleRingPeers.docs``) mask every block "causal and same document" on
+the global positions of the query and the K/V block's ring ranks (``documents``), as the
+single ring does.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from .documents import kernel_args, mask_at, ring_masks
 from .kernels import attn_backward, attn_forward, merge
 from .ring import TAG_DKV, TAG_KV, RingPeers, _rows, block_plan
 
@@ -36,6 +43,9 @@ TAG_DKV_OUTER = 18
 class DoubleRingPeers:
     """This rank's place on the double ring: the inner ring (window) and outer ring peers
     (``RingPeers``, or ones of size 1), the global ring rank and the layout."""
+
+    #: the micro-batch's packed documents over the whole sequence (None: unpacked)
+    docs = None
 
     def __init__(self, inner: RingPeers, outer: RingPeers, clock, balance: str = "none"):
         self.inner, self.outer, self.clock, self.balance = inner, outer, clock, balance
@@ -63,10 +73,26 @@ class DoubleRingPeers:
     def land(self, own: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
         return own.add_(returned)
 
+    def with_documents(self, docs) -> "DoubleRingPeers":
+        """This double ring masking packed ``docs`` (a copy bound to one call)."""
+        out = copy.copy(self)
+        out.docs = docs
+        return out
 
-def _attend(q, kv, out, lse, plan):
-    for qs, ks, causal in plan:
-        o, lb = attn_forward(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), causal)
+    def masks(self, n: int):
+        """The document masks of the c ring ranks' blocks of ``n`` tokens (None: unpacked)."""
+        return ring_masks(self.docs, self.rank, self.size, n, self.balance)
+
+    def calls(self, src: int, n: int, masks):
+        """(query rows, key rows, kernel keywords) of this rank's calls against ring rank
+        ``src``'s block: the block plan, each call masked by the documents when packed."""
+        return [(qs, ks, kernel_args(causal, mask_at(masks, src, qs, ks)))
+                for qs, ks, causal in self.plan(src, n)]
+
+
+def _attend(q, kv, out, lse, calls):
+    for qs, ks, kw in calls:
+        o, lb = attn_forward(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), **kw)
         if out is None:  # the diagonal block (every row, causal) starts the running result
             out, lse = o, lb
         else:
@@ -74,14 +100,14 @@ def _attend(q, kv, out, lse, plan):
     return out, lse
 
 
-def _grad(dout, q, kv, out, lse, dq, plan):
+def _grad(dout, q, kv, out, lse, dq, calls):
     """This rank's dK/dV contribution to one block (None: masked out); dQ added in place."""
-    if not plan:
+    if not calls:
         return None
     blk = torch.zeros_like(kv)
-    for qs, ks, causal in plan:
+    for qs, ks, kw in calls:
         a, b_, c = attn_backward(_rows(dout, qs), _rows(q, qs), _rows(kv[0], ks),
-                                 _rows(kv[1], ks), _rows(out, qs), _rows(lse, qs), causal)
+                                 _rows(kv[1], ks), _rows(out, qs), _rows(lse, qs), **kw)
         _rows(dq, qs).add_(a)
         _rows(blk[0], ks).add_(b_)
         _rows(blk[1], ks).add_(c)
@@ -94,6 +120,7 @@ class DoubleRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: DoubleRingPeers):
         n, inner, w = q.shape[2], ring.inner, ring.w
+        masks = ring.masks(n)
         entry = torch.stack([k, v])
         out = lse = None
         for t in range(ring.windows):
@@ -104,7 +131,7 @@ class DoubleRingAttention(torch.autograd.Function):
                     cur = pending.wait()
                     pending = inner.exchange(cur, TAG_KV) if s < w - 1 else None
                 with ring.clock.span("fwd"):
-                    out, lse = _attend(q, cur, out, lse, ring.plan(ring.source(t, s), n))
+                    out, lse = _attend(q, cur, out, lse, ring.calls(ring.source(t, s), n, masks))
             if outer_hop is not None:
                 entry = outer_hop.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -116,6 +143,7 @@ class DoubleRingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         n, inner, outer, w = q.shape[2], ring.inner, ring.outer, ring.w
+        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         entry = torch.stack([k, v])
@@ -129,13 +157,14 @@ class DoubleRingAttention(torch.autograd.Function):
             outer_hop = ring.forward_entry(entry, t)
             cur, pending = entry, inner.exchange(entry, TAG_KV) if w > 1 else None
             with ring.clock.span("bwd"):
-                kept = _grad(dout, q, entry, out, lse, dq, ring.plan(ring.source(t, 0), n))
+                kept = _grad(dout, q, entry, out, lse, dq, ring.calls(ring.source(t, 0), n, masks))
             for s in range(1, w):
                 cur = pending.wait()
                 incoming = inner.recv_prev(cur, TAG_DKV) if s >= 2 else None  # (same order)
                 pending = inner.exchange(cur, TAG_KV) if s < w - 1 else None
                 with ring.clock.span("bwd"):
-                    blk = _grad(dout, q, cur, out, lse, dq, ring.plan(ring.source(t, s), n))
+                    blk = _grad(dout, q, cur, out, lse, dq,
+                                ring.calls(ring.source(t, s), n, masks))
                 if incoming is not None:
                     buf, work = incoming
                     work.wait()

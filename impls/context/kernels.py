@@ -12,7 +12,15 @@ On CPU the kernels are ATen's fused flash attention for CPU
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, the kernel
 ``F.scaled_dot_product_attention`` itself runs on CPU); elsewhere an explicit fp32 reference
 (``math_forward`` / ``math_backward``) is used. Tensors are (b, heads, n, d); ``causal`` is
-top-left aligned (key index <= query index); ``mask`` is a boolean (n_q, n_k) "may attend".
+top-left aligned (key index <= query index); ``mask`` is a boolean (n_q, n_k) "may attend"
+(or (b, 1, n_q, n_k): packed documents, ``parbench.model.packing.allowed``).
+
+A block in which a query row may attend to no key (a packed document that starts after the
+block's keys) contributes nothing to that row: its output is 0 and its log-sum-exp -inf
+(``_empty_rows``; ATen's CPU flash kernel reports 0 there, as if one key of score 0 had been
+seen), so that ``merge`` weights it exp(-inf) = 0. The backward needs no care: it uses the
+row's final log-sum-exp, finite (every row attends to its own token), so P = exp(-inf - lse)
+= 0 on the empty row.
 """
 from __future__ import annotations
 
@@ -61,9 +69,19 @@ def attn_forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None
     k, v = _expand(k, g), _expand(v, g)
     if q.device.type == "cpu":
         add = None if mask is None else _additive(mask, q.dtype)
-        return _aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=add, scale=_scale(q))
+        return _empty_rows(out, lse, mask)
     return math_forward(q, k, v, causal, mask)
+
+
+def _empty_rows(out: torch.Tensor, lse: torch.Tensor, mask):
+    """``out`` 0 and ``lse`` -inf on the rows ``mask`` lets attend to no key (module
+    docstring): what the block contributes to them is nothing."""
+    if mask is None:
+        return out, lse
+    empty = (~mask.any(-1)).expand(lse.shape)  # mask rows (n_q,) or (b, 1, n_q)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
 
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool = False,
@@ -96,8 +114,13 @@ def math_forward(q, k, v, causal: bool = False, mask=None):
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))  # a row with no key: p = 0, lse = -inf
     return (p @ v.float()).to(q.dtype), lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row with nothing to attend to) as 0, for exp(s - lse)."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def math_backward(dout, q, k, v, out, lse, causal: bool = False, mask=None):
@@ -119,8 +142,11 @@ def math_backward(dout, q, k, v, out, lse, causal: bool = False, mask=None):
 def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
           blk_lse: torch.Tensor) -> None:
     """Fold a block's (output, log-sum-exp) into the running ones, in place (rows of ``out``:
-    (b, h, n, d); ``lse``: (b, h, n)). Starting from lse = -inf and out = 0 gives the block."""
+    (b, h, n, d); ``lse``: (b, h, n)). Starting from lse = -inf and out = 0 gives the block.
+    A block row with lse -inf (nothing attended) leaves the row as it is; a row that has seen
+    nothing on either side stays 0 and -inf (exp(-inf - 0), never exp(-inf + inf))."""
     new = torch.logaddexp(lse, blk_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    out.add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))
+    ref = _finite(new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(blk_out * torch.exp(blk_lse - ref).unsqueeze(-1))
     lse.copy_(new)

@@ -75,6 +75,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
                    "context), head-first placement")
     core_class = LoongTrainCore
     head_sharder = "the head group"
+    #: the double ring masks every block by the documents' ids (``double_ring``)
+    supports_packing = True
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

@@ -17,9 +17,16 @@ Causal masking is decided per block from the *global* positions of the two block
 so rank N-1 computes N blocks and rank 0 one; zig-zag and striped layouts give every rank the
 same work. K/V messages and dK/dV messages use separate tags (gloo) and are posted in the same
 order on both ends of each pair (NCCL, which ignores tags): the backward interleaves them.
+
+Packed documents (``RingPeers.docs``, the micro-batch's over the whole sequence): every
+planned kernel call is masked "causal and same document" on the two blocks' global positions
+(``documents``), forward and backward; a call's ring is bound to its documents
+(``RingPeers.with_documents``) and kept by the autograd node, so the backward masks with the
+forward's documents.
 """
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .documents import kernel_args, mask_at, ring_masks
 from .kernels import attn_backward, attn_forward, merge
 
 TAG_KV = 7
@@ -96,6 +104,9 @@ class AttentionClock:
 class RingPeers:
     """This rank's neighbours on a ring (a process group, or none for a ring of one)."""
 
+    #: the micro-batch's packed documents over the whole sequence (None: unpacked)
+    docs = None
+
     def __init__(self, group, clock: AttentionClock, balance: str = "none"):
         self.group = group
         self.clock = clock
@@ -115,6 +126,21 @@ class RingPeers:
     def merge(self, out, lse, blk_out, blk_lse) -> None:
         """Fold a block's result into the rows (``kernels.merge``)."""
         merge(out, lse, blk_out, blk_lse)
+
+    def with_documents(self, docs) -> "RingPeers":
+        """This ring masking packed ``docs`` (a copy: a call binds its own documents)."""
+        out = copy.copy(self)
+        out.docs = docs
+        return out
+
+    def masks(self, n: int):
+        """The document masks of this ring's blocks of ``n`` tokens (None: unpacked)."""
+        return ring_masks(self.docs, self.rank, self.size, n, self.balance)
+
+    def attend(self, q, k, v, causal: bool, mask=None):
+        """(output, log-sum-exp) of one block: the document ``mask`` or the ``causal``
+        flag (``documents.kernel_args``)."""
+        return attn_forward(q, k, v, **kernel_args(causal, mask))
 
     def land(self, own: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
         """The owner's block gradient: its own contribution plus the accumulator that
@@ -163,17 +189,19 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: RingPeers):
         n, size, rank = q.shape[2], ring.size, ring.rank
+        masks = ring.masks(n)
         kv = torch.stack([k, v]) if size > 1 else None
         pending = ring.exchange(kv, TAG_KV) if size > 1 else None
         with ring.clock.span("fwd"):
-            out, lse = attn_forward(q, k, v, True)
+            out, lse = ring.attend(q, k, v, True, mask_at(masks, rank, (0, n), (0, n)))
         for j in range(1, size):
             kv = pending.wait()
             pending = ring.exchange(kv, TAG_KV) if j < size - 1 else None
+            src = (rank - j) % size
             with ring.clock.span("fwd"):
-                for qs, ks, causal in ring.plan((rank - j) % size, n):
-                    o, lse_b = attn_forward(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks),
-                                            causal)
+                for qs, ks, causal in ring.plan(src, n):
+                    o, lse_b = ring.attend(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks),
+                                           causal, mask_at(masks, src, qs, ks))
                     ring.merge(_rows(out, qs), _rows(lse, qs), o, lse_b)
         if pending is not None:
             pending.wait()
@@ -186,11 +214,13 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         n, size, rank = q.shape[2], ring.size, ring.rank
+        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
         dout = dout.contiguous()
         kv = torch.stack([k, v]) if size > 1 else None
         pending = ring.exchange(kv, TAG_KV) if size > 1 else None
         with ring.clock.span("bwd"):
-            dq, dk, dv = attn_backward(dout, q, k, v, out, lse, True)
+            dq, dk, dv = attn_backward(dout, q, k, v, out, lse,
+                                       **kernel_args(True, mask_at(masks, rank, (0, n), (0, n))))
         if size == 1:
             return dq, dk, dv, None
         own = torch.stack([dk, dv])
@@ -201,13 +231,14 @@ class RingAttention(torch.autograd.Function):
             # K/V of step j): NCCL matches a pair's messages by order, not by tag
             incoming = ring.recv_prev(kv, TAG_DKV) if j >= 2 else None
             pending = ring.exchange(kv, TAG_KV) if j < size - 1 else None
-            plan = ring.plan((rank - j) % size, n)
+            src = (rank - j) % size
+            plan = ring.plan(src, n)
             blk = torch.zeros_like(kv) if plan else None
             with ring.clock.span("bwd"):
                 for qs, ks, causal in plan:
                     a, b_, c = attn_backward(_rows(dout, qs), _rows(q, qs), _rows(kv[0], ks),
                                              _rows(kv[1], ks), _rows(out, qs), _rows(lse, qs),
-                                             causal)
+                                             **kernel_args(causal, mask_at(masks, src, qs, ks)))
                     _rows(dq, qs).add_(a)
                     _rows(blk[0], ks).add_(b_)
                     _rows(blk[1], ks).add_(c)

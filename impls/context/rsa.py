@@ -11,12 +11,18 @@ Backward, as in the authors' reference implementation (ColossalAI's ``RingAV`` a
 this rank's queries) is all-reduced over the ring and each rank keeps its block; dP needs
 every V block again (N - 1 sends); dK of the whole sequence (dS^T Q) is all-reduced likewise;
 dQ needs every K block again (N - 1 sends).
+
+Packed documents (``RingPeers.docs``): the score rows are masked "causal and same document"
+on global positions (``parbench.model.packing.allowed``) before the softmax; every row keeps
+its own token, and the backward works on the saved probabilities, which hold the mask.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from parbench.model.packing import allowed
 
 from .ring import RingPeers
 
@@ -40,6 +46,17 @@ def _ring(ring: RingPeers, local: torch.Tensor, tag: int, use) -> None:
             cur = pending.wait()
 
 
+def _may_attend(docs, rank: int, n: int, size: int, device) -> torch.Tensor:
+    """(n, size n) "key not later", or with packed ``docs`` (b, 1, n, size n) "and in the
+    same document", for rank ``rank``'s contiguous rows."""
+    qpos = torch.arange(rank * n, (rank + 1) * n, device=device)
+    kpos = torch.arange(size * n, device=device)
+    if docs is None:
+        return kpos[None, :] <= qpos[:, None]
+    ids = docs.ids.to(device)
+    return allowed(ids[:, qpos], ids, qpos, kpos)
+
+
 class RingSelfAttention(torch.autograd.Function):
     """Causal attention of this rank's contiguous (b, h, n, d) queries over the ring."""
 
@@ -56,9 +73,7 @@ class RingSelfAttention(torch.autograd.Function):
                 cols[src].copy_(q @ kb.transpose(-1, -2)).mul_(scale)
 
         _ring(ring, k, TAG_K, qk)
-        qpos = torch.arange(rank * n, (rank + 1) * n, device=q.device)
-        kpos = torch.arange(size * n, device=q.device)
-        scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        scores.masked_fill_(~_may_attend(ring.docs, rank, n, size, q.device), float("-inf"))
         p = torch.softmax(scores, dim=-1)
         scores = cols = None  # the score rows live on as p
         out = torch.zeros_like(q)
@@ -115,12 +130,17 @@ class RSACore:
     """q, k, v (b, n, heads, d) of this rank's contiguous tokens -> (b, n, h)."""
 
     attention = RingSelfAttention
+    #: masks packed documents (``ring.docs``: the micro-batch's over the whole sequence)
+    supports_packing = True
+    docs = None
 
     def __init__(self, ring: RingPeers):
         self.ring = ring
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, docs=None):
         b, n, heads, d = q.shape
+        docs = self.docs if docs is None else docs
+        ring = self.ring if docs is None else self.ring.with_documents(docs)
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        out = self.attention.apply(q, k, v, self.ring)
+        out = self.attention.apply(q, k, v, ring)
         return out.transpose(1, 2).reshape(b, n, heads * d)

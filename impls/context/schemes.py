@@ -20,6 +20,8 @@ class RingSelfAttentionScheme(ContextParallelScheme):
     name = "context.ring-self-attention"
     kind = "ring-self-attention"
     description = "Ring Self-Attention (Li et al. 2021): K then V around the ring"
+    #: the score rows masked "causal and same document" (``rsa``)
+    supports_packing = True
     #: its core computes the score rows itself, for num_heads K/V heads
     model_features = ContextParallelScheme.MHA_FEATURES
 
@@ -42,6 +44,8 @@ class RingAttentionScheme(ContextParallelScheme):
     balanced = True
     options = ("cp_balance", "recompute")
     description = "Ring Attention (Liu et al. 2023), causal, zigzag / striped / no balancing"
+    #: every (query block, K/V block) pair masked by the documents' ids (``ring``)
+    supports_packing = True
     core_class = UlyssesRingCore
 
     def build_core(self):
@@ -66,6 +70,8 @@ class UlyssesScheme(ContextParallelScheme):
     name = "context.ulysses"
     kind = "ulysses"
     description = "DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all sequence <-> heads"
+    #: the whole sequence per head after the all-to-all: the documents' mask as is
+    supports_packing = True
     core_class = UlyssesRingCore
 
     @classmethod
@@ -151,6 +157,8 @@ class USPScheme(UlyssesRingGrid, ContextParallelScheme):
     balanced = True
     options = ("cp_balance", "cp_ulysses", "recompute")
     description = "USP (Fang & Zhao 2024): Ulysses x ring attention on a 2-D cp grid"
+    #: the Ulysses gather of the ring rank's tokens, then the ring's document masks
+    supports_packing = True
     core_class = UlyssesRingCore
 
     @classmethod
@@ -202,9 +210,8 @@ class AllGatherScheme(ContextParallelScheme):
     #: mask is the gathered ids' (``GatherGroup.mask``)
     supports_packing = True
 
-    def set_documents(self, i):
-        super().set_documents(i)
-        self.core.g.docs = self.full_docs
+    def bind_documents(self, docs):
+        self.core.g.docs = docs
 
     def build_core(self):
         every = [positions(self.ctx.model.seq_length, self.cp, r, self.balance(self.ctx.case))

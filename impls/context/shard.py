@@ -10,6 +10,14 @@ baselines share it; they differ in the core and in how gradients are reduced.
 ``recompute``: ``full`` checkpoints every layer (reentrant: autograd keeps the layer input),
 ``selective`` the attention core (Korthikanti et al. 2022, Sec. 5); either re-runs the core,
 and its communication, in backward.
+
+Probe points (issue 20, sec. 5; ``parbench.probes``): the attention here is not the reference
+``Attention`` module (its core is distributed) and the embedding and the loss are functions,
+so ``taps`` -- reference module name -> :class:`Tap`, installed only when a failing case is
+localised -- wraps each reference part (``embed``, ``blocks.i.ln1`` / ``attn`` / ``ln2`` /
+``mlp``, ``head``) in a module whose hooks see the part's input and output as the reference
+module's would. A tap fires only while autograd records: under full recomputation a layer's
+first, graph-less forward is not a call of its probe, its recomputation in backward is.
 """
 from __future__ import annotations
 
@@ -25,12 +33,30 @@ def embed(model, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return x if e.pos is None else x + e.pos.weight[pos]
 
 
-def layer(blk, x: torch.Tensor, core, recompute: str = "none", docs=None) -> torch.Tensor:
+class Tap(torch.nn.Module):
+    """``tap(x, fn, *args)`` is ``fn(x, *args)``: a module whose hooks see ``x`` and the
+    result (no parameter, no state)."""
+
+    def forward(self, x, fn, *args):
+        return fn(x, *args)
+
+
+def tapped(taps: dict | None, name: str, fn, x, *args):
+    """``fn(x, *args)``, through ``taps[name]`` when installed and autograd records."""
+    tap = taps.get(name) if taps else None
+    if tap is None or not torch.is_grad_enabled():
+        return fn(x, *args)
+    return tap(x, fn, *args)
+
+
+def layer(blk, x: torch.Tensor, core, recompute: str = "none", docs=None, taps=None,
+          name: str = "blocks.0") -> torch.Tensor:
     """One pre-LN block (``parbench.model.Block``) with ``core`` as its attention;
-    ``docs``: the rank's tokens' positions for RoPE (``attention_inputs``)."""
+    ``docs``: the rank's tokens' positions for RoPE (``attention_inputs``); ``taps``: the
+    probe points of reference block ``name`` (module docstring)."""
     if recompute == "full":
-        return checkpoint(_layer, blk, x, core, "none", docs, use_reentrant=True)
-    return _layer(blk, x, core, recompute, docs)
+        return checkpoint(_layer, blk, x, core, "none", docs, taps, name, use_reentrant=True)
+    return _layer(blk, x, core, recompute, docs, taps, name)
 
 
 def attention_inputs(blk, x: torch.Tensor, docs=None):
@@ -40,18 +66,30 @@ def attention_inputs(blk, x: torch.Tensor, docs=None):
     with ``docs`` (``parbench.model.packing.Documents`` of these tokens: their global
     positions, or within-document ones when packed) RoPE at those positions, not at 0..n-1,
     the classic bug of a context-parallel chunk."""
-    qkv = blk.attn.qkv(blk.ln1(x))
+    return _projected(blk, blk.ln1(x), docs)
+
+
+def _projected(blk, a: torch.Tensor, docs=None):
+    """q, k, v of the normed input ``a`` (``attention_inputs``)."""
+    qkv = blk.attn.qkv(a)
     return tuple(t.transpose(1, 2) for t in blk.attn.heads(qkv, docs, expand=False))
 
 
-def _layer(blk, x, core, recompute, docs=None):
-    q, k, v = attention_inputs(blk, x, docs)
+def _attention(a, blk, core, recompute, docs=None):
+    """The reference ``Attention`` of the normed input ``a`` with ``core`` as its kernel."""
+    q, k, v = _projected(blk, a, docs)
     if recompute == "selective":
         y = checkpoint(core, q, k, v, use_reentrant=True)
     else:
         y = core(q, k, v)
-    x = x + blk.attn.proj(y)
-    return x + blk.mlp(blk.ln2(x))
+    return blk.attn.proj(y)
+
+
+def _layer(blk, x, core, recompute, docs=None, taps=None, name="blocks.0"):
+    a = tapped(taps, f"{name}.ln1", blk.ln1, x)
+    x = x + tapped(taps, f"{name}.attn", _attention, a, blk, core, recompute, docs)
+    h = tapped(taps, f"{name}.ln2", blk.ln2, x)
+    return x + tapped(taps, f"{name}.mlp", blk.mlp, h)
 
 
 def summed_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -71,18 +109,20 @@ def mean_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
                   first_layer=None, embed_fn=embed, loss_fn=mean_loss,
-                  docs=None) -> torch.Tensor:
+                  docs=None, taps=None) -> torch.Tensor:
     """The loss of this rank's tokens (``loss_fn``: their mean, or ``summed_loss``);
     ``first_layer`` (a context manager, e.g. ``SavedActivations``) is entered around
-    layer 0; ``docs``: the tokens' positions for RoPE and packed documents (``layer``)."""
-    x = embed_fn(model, tokens, pos if docs is None else docs.pos)
-    for i, blk in enumerate(model.blocks.values()):
+    layer 0; ``docs``: the tokens' positions for RoPE and packed documents (``layer``);
+    ``taps``: probe points (module docstring)."""
+    at = pos if docs is None else docs.pos
+    x = tapped(taps, "embed", lambda t: embed_fn(model, t, at), tokens)
+    for i, (key, blk) in enumerate(model.blocks.items()):
         if first_layer is not None and i == 0:
             with first_layer:
-                x = layer(blk, x, core, recompute, docs)
+                x = layer(blk, x, core, recompute, docs, taps, f"blocks.{key}")
         else:
-            x = layer(blk, x, core, recompute, docs)
-    return loss_fn(model, x, targets)
+            x = layer(blk, x, core, recompute, docs, taps, f"blocks.{key}")
+    return tapped(taps, "head", lambda h: loss_fn(model, h, targets), x)
 
 
 class ShardedGPT(torch.nn.Module):

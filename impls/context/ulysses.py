@@ -10,6 +10,12 @@ rank's buffer b (s/P) h each. Heads must divide by P.
 USP: the cp ranks form a u x r grid; Ulysses runs inside each u-group (heads / u per rank,
 the u-group's tokens gathered), and ring attention (``ring.RingAttention``) runs over the
 r-groups on those gathered tokens. u = cp is Ulysses, u = 1 is ring attention.
+
+Packed documents (``pack_docs``): after the all-to-all a rank holds its u-group's tokens in
+order -- the whole sequence under Ulysses, the ring rank's tokens under USP -- so the core
+hands the micro-batch's documents over the *whole* sequence (never a rank's shard of them)
+to the ring, which masks each block "causal and same document" on global positions
+(``ring``, ``documents``); a ring of one masks the gathered sequence against itself.
 """
 from __future__ import annotations
 
@@ -69,21 +75,32 @@ class UlyssesRingCore:
     """q, k, v (b, n, heads, d) of this rank's tokens -> attention output (b, n, h).
 
     ``ulysses`` is the all-to-all group (None: no Ulysses level) of ``u`` ranks; ``ring`` the
-    ring over which the (gathered) tokens are spread (a ring of one: local attention)."""
+    ring over which the (gathered) tokens are spread (a ring of one: local attention).
+    ``docs``: the micro-batch's packed documents over the whole sequence (the scheme sets
+    them per micro-batch), or the ``docs`` of one call (bound to that call's ring)."""
 
     attention = RingAttention
     seq_to_heads = SeqToHeads
     heads_to_seq = HeadsToSeq
+    #: masks packed documents (module docstring)
+    supports_packing = True
+    docs = None
 
     def __init__(self, ulysses, u: int, ring: RingPeers):
         self.ulysses, self.u, self.ring = ulysses, u, ring
 
-    def __call__(self, q, k, v):
+    def ring_for(self, docs=None):
+        """The ring of one call: bound to its documents when packed."""
+        docs = self.docs if docs is None else docs
+        return self.ring if docs is None else self.ring.with_documents(docs)
+
+    def __call__(self, q, k, v, docs=None):
         b, n, heads, d = q.shape
+        ring = self.ring_for(docs)
         if self.ulysses is None:
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-            out = self.attention.apply(q, k, v, self.ring)
+            out = self.attention.apply(q, k, v, ring)
             return out.transpose(1, 2).reshape(b, n, heads * d)
         q, k, v = (self.seq_to_heads.apply(t, self.ulysses, self.u) for t in (q, k, v))
-        out = self.attention.apply(q, k, v, self.ring)
+        out = self.attention.apply(q, k, v, ring)
         return self.heads_to_seq.apply(out, self.ulysses, self.u).reshape(b, n, heads * d)

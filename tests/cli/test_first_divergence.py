@@ -167,3 +167,58 @@ def test_a_correct_tensor_parallel_subclass_reports_nothing(tmp_path):
     r = verify(tmp_path, "scheme=mine.py:Correct", *TP_CASE, f"out={tmp_path / 'r'}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "first divergence" not in r.stdout and "first failure" not in r.stdout, r.stdout
+
+
+CP_LN_EPS = HEADER + textwrap.dedent('''
+    class MyRing(get_scheme("context.ring-attention")):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            if self.cp_rank == 1:
+                self.model.blocks["1"].ln2.eps = 1e-3
+''')
+
+CP_NO_RESCALE = HEADER + textwrap.dedent('''
+    import torch
+    from impls.context.ring import RingPeers
+
+    class NoRescale(RingPeers):
+        def merge(self, out, lse, blk_out, blk_lse):
+            new = torch.logaddexp(lse, blk_lse)
+            out.add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))  # rows not rescaled
+            lse.copy_(new)
+
+    class MyRing(get_scheme("context.ring-attention")):
+        peers_class = NoRescale
+
+    class Correct(get_scheme("context.ring-attention")):
+        pass
+''')
+
+CP_CASE = ("cp=2", "model=tiny", "cp_balance=none", "steps=2", "timed_steps=0",
+           "num_microbatches=2")
+
+
+@pytest.mark.parametrize("source, extra, says", [
+    (CP_LN_EPS, (), "forward output of blocks.1.ln2 (rank 1, step 0)"),
+    (CP_NO_RESCALE, ("pack_docs=3",), "forward output of blocks.0.attn (rank 1, step 0)"),
+])
+def test_a_context_parallel_rank_names_its_first_diverging_module(tmp_path, source, extra,
+                                                                   says):
+    """The context family maps the reference modules on each rank's sequence positions
+    (issue 20, sec. 5): cp rank 1's norm of layer 1 with another eps is named, not the MLP
+    and head after it nor rank 0's gradients, which rank 1's loss reaches through the ring;
+    a ring merge that does not rescale its rows is named as layer 0's attention on rank 1
+    (contiguous layout: rank 0 attends to its own block only and merges nothing)."""
+    (tmp_path / "mine.py").write_text(source)
+    r = verify(tmp_path, "scheme=mine.py:MyRing", *CP_CASE, *extra, f"out={tmp_path / 'r'}")
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert f"first divergence: {says}" in line, r.stdout
+
+
+def test_a_correct_context_parallel_subclass_reports_nothing(tmp_path):
+    (tmp_path / "mine.py").write_text(CP_NO_RESCALE)
+    r = verify(tmp_path, "scheme=mine.py:Correct", *CP_CASE, "pack_docs=3",
+               f"out={tmp_path / 'r'}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "first divergence" not in r.stdout and "first failure" not in r.stdout, r.stdout

@@ -104,7 +104,7 @@ def test_the_expert_family_trains_packed_llama_attention(pools, scheme):
     assert merged.equivalent, merged.first_failure
 
 
-@pytest.mark.parametrize("scheme", ["context.ring-attention",
+@pytest.mark.parametrize("scheme", ["baseline.torch.context_parallel",
                                     "pipeline.seq1f1b", "pipeline.pipedream"])
 def test_schemes_without_packing_refuse_before_spawning(scheme):
     pp = "2" if scheme.startswith("pipeline") else "1"
