@@ -296,7 +296,10 @@ class ExpertAllToAll(Scheme):
         return self._gathered({n: p.grad.detach() for n, p in self.named_parameters()})
 
     def full_state(self):
-        """The routers' balancing biases: replicated, each rank's own copy."""
+        """The routers' balancing biases: replicated, each rank's own copy (none without
+        the bias: the framework baselines hold no reference model)."""
+        if not self.ctx.model.moe_bias_update_rate:
+            return {}
         return {n: b.detach() for n, b in expert_bias_state(self.model).items()}
 
     # ---- closed forms and measurements ----------------------------------------------------------
