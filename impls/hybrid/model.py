@@ -22,25 +22,80 @@ parallelism) on the rank's context-parallel tokens, with two hooks filled in:
 This is the structure of the UB-Mesh traffic table (``parbench.analytic.traffic``): TP
 all-reduces per layer, context parallelism by all-gather, EP all-to-alls of the tokens a tp
 rank routes.
+
+A stage is called with the micro-batch's whole samples (tokens and targets over the full
+sequence, as the pipeline executor holds them) and takes its cp positions itself: the first
+stage embeds its tokens' columns, the last scores its targets' columns. So the executor finds
+a packed micro-batch's documents in the tokens every rank holds and hands them to every stage
+(``impls.pipeline.executor``), as it does for the pipeline family:
+
+- **packed documents** (``pack_docs``; Megatron-LM's --reset-position-ids /
+  --reset-attention-mask): the learned positions are the within-document positions of the
+  rank's columns; attention is masked within documents -- with cp = 1 by the Megatron
+  stage's own mask, with cp > 1 by a core that declares ``supports_packing``
+  (:class:`HybridGatherCore`: the gathered keys' documents, bound to the micro-batch at its
+  forward so that a backward run later under the schedule masks with the same ones). A core
+  that declares it is called with the micro-batch's whole ``Documents`` as ``docs``; the
+  scheme refuses ``pack_docs`` with cp > 1 for a core that does not (``core_packs``);
+- **a masked loss** (``loss_mask``, ``summed_loss``): the last stage returns the sum of its
+  counted tokens' losses (the vocab-parallel cross-entropy's per-token output masked, as
+  ``MegatronGPT.token_mean``), not their mean -- a cp shard may hold prompt tokens only --
+  and the scheme scales it by dp cp / N (``scheme.HybridExecutor``);
+- **tied embeddings** across stages: a last stage that does not hold the embedding keeps its
+  tp shard of the output layer as a copy of the word embedding's shard, initialised from the
+  embedding's seed (``impls.pipeline.tied``: ``tied_copies``, ``embedding_init``).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parbench.model import IGNORE_INDEX
 from parbench.model.moe import is_moe_layer
+from parbench.model.packing import documents_of
 
-from impls.context.allgather import AllGatherCore, GatherGroup
+from impls.context.allgather import AllGatherAttention, AllGatherCore, GatherGroup
 from impls.context.ring import RingPeers
 from impls.context.ulysses import UlyssesRingCore
 from impls.expert.dispatch import moe_tokens
+from impls.pipeline.tied import EMBED, HEAD, embedding_init
 from impls.tensor.collectives import CopyToRegion, ReduceFromRegion
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
-from impls.tensor.shards import Placement
+from impls.tensor.shards import Placement, take
 
-#: the context-parallel attention of the hybrid (``ContextOptions.cp_algorithm``)
-CP_KINDS = ("allgather", "ring-attention", "ulysses")
+
+class HybridGatherCore(AllGatherCore):
+    """All-gather CP (``impls.context.allgather``) that masks packed documents: each call
+    binds the micro-batch's documents to its own copy of the gather group, which the
+    autograd node keeps, so the backward masks with them whenever the schedule runs it."""
+
+    #: masks the gathered keys with the micro-batch's documents
+    supports_packing = True
+
+    def __call__(self, q, k, v, docs=None):
+        b, n, heads, d = q.shape
+        g = self.g
+        if docs is not None:
+            g = copy.copy(self.g)
+            g.docs = docs
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out = AllGatherAttention.apply(q, k, v, g)
+        return out.transpose(1, 2).reshape(b, n, heads * d)
+
+
+#: the context-parallel attention core of each ``ContextOptions.cp_algorithm`` of the hybrid
+CORE_CLASSES = {"allgather": HybridGatherCore, "ring-attention": UlyssesRingCore,
+                "ulysses": UlyssesRingCore}
+CP_KINDS = tuple(CORE_CLASSES)
+
+
+def core_packs(kind: str) -> bool:
+    """Does the core of ``cp_algorithm=kind`` mask packed documents (its class declares
+    ``supports_packing``)?"""
+    return bool(getattr(CORE_CLASSES[kind], "supports_packing", False))
 
 
 class HybridLayout(MegatronLayout):
@@ -55,11 +110,12 @@ class HybridLayout(MegatronLayout):
 def build_core(kind: str, group, cp: int, every: list[torch.Tensor], clock, balance: str):
     """The context-parallel attention core over ``group``: q, k, v (b, n, heads, d) ->
     (b, n, heads d)."""
+    cls = CORE_CLASSES[kind]
     if kind == "allgather":
-        return AllGatherCore(GatherGroup(group, every, clock))
+        return cls(GatherGroup(group, every, clock))
     if kind == "ring-attention":
-        return UlyssesRingCore(None, 1, RingPeers(group, clock, balance))
-    return UlyssesRingCore(group, cp, RingPeers(None, clock))
+        return cls(None, 1, RingPeers(group, clock, balance))
+    return cls(group, cp, RingPeers(None, clock))
 
 
 class HybridStage(MegatronGPT):
@@ -70,7 +126,7 @@ class HybridStage(MegatronGPT):
 
     def __init__(self, cfg, seed, *, tp_group, tp, tp_rank, sp, recompute, stage,
                  positions: torch.Tensor, core=None, ep_group=None, ep: int = 1,
-                 ep_rank: int = 0, aux_scale: float = 1.0):
+                 ep_rank: int = 0, aux_scale: float = 1.0, summed_loss: bool = False):
         self.ep, self.ep_rank = ep, ep_rank
         self.per_rank = cfg.num_experts // ep if cfg.num_experts else 0
         super().__init__(cfg, seed, tp_group, tp, tp_rank, sp=sp, recompute=recompute,
@@ -84,6 +140,29 @@ class HybridStage(MegatronGPT):
         self.moe_stats: dict[int, dict] = {}
         self._experts = {i: self._expert_views(i) for i in range(self.lo, self.hi)
                          if is_moe_layer(cfg, i)}
+        #: the loss is the sum over the counted tokens (``loss_mask``), not their mean
+        self.summed_loss = summed_loss
+        # the output layer is the embedding only where this stage holds both; a last stage
+        # without the embedding keeps its own copy of it (``tied_copies``)
+        self.tied = self.tied and self.first
+        if cfg.tie_embeddings and self.last and not self.first:
+            self._init_head_copy(seed)
+
+    def _init_head_copy(self, seed: int) -> None:
+        """This rank's shard of the output-layer copy of a tied embedding: the embedding's
+        initial weights (its seed), the rows its vocabulary placement gives it."""
+        w, pl = self.p(HEAD), self.placements[HEAD]
+        with torch.no_grad():
+            w.copy_(take(embedding_init(pl.full_shape, seed, self.cfg.init_std),
+                         pl.index(self.rank)))
+
+    def tied_copies(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(embedding shard, output-layer copy shard) of a tied weight this stage holds
+        (``impls.pipeline.tied``)."""
+        if not self.cfg.tie_embeddings:
+            return None, None
+        return (self.p(EMBED) if self.first else None,
+                self.p(HEAD) if self.last and not self.first else None)
 
     # ---- which parameters ------------------------------------------------------------------
     def keep(self, name: str) -> bool:
@@ -123,13 +202,40 @@ class HybridStage(MegatronGPT):
     def positions(self, s: int) -> torch.Tensor:
         return torch.tensor(self._positions, dtype=torch.long)
 
-    def attention_core(self, qkv: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, docs=None) -> torch.Tensor:
+        """``tokens`` (first stage) and ``targets`` of the micro-batch's whole samples, or
+        hidden states of the rank's tokens (a later stage); ``docs``: the whole samples'
+        documents (packed). The stage takes its cp positions' columns."""
+        cols = self.positions(0).to(targets.device)
+        if self.first:
+            if docs is None:
+                docs = documents_of(self.cfg, tokens)
+            tokens = tokens[:, cols]
+        return super().forward(tokens, targets[:, cols] if self.last else targets, docs)
+
+    def embed(self, tokens: torch.Tensor, docs=None) -> torch.Tensor:
+        """The Megatron embedding of the rank's tokens, at their within-document positions
+        when packed (the rank's columns of ``docs``)."""
+        cols = self.positions(0).to(tokens.device)
+        return super().embed(tokens, None if docs is None else docs.take(cols))
+
+    def attention_core(self, qkv: torch.Tensor, docs=None) -> torch.Tensor:
+        """The rank's heads' attention: Megatron's own (cp = 1; within ``docs`` when packed)
+        or the cp core's (handed the documents if it masks them, ``core_packs``)."""
         if self.core is None:
-            return super().attention_core(qkv)
+            return super().attention_core(qkv, docs)
         n, b, _ = qkv.shape
         hd = self.cfg.hidden_size // self.cfg.num_heads
         q, k, v = qkv.view(n, b, 3, self.heads, hd).permute(2, 1, 0, 3, 4).unbind(0)
-        return self.core(q, k, v).transpose(0, 1)
+        extra = {} if docs is None else {"docs": docs}
+        return self.core(q, k, v, **extra).transpose(0, 1)
+
+    def token_mean(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The counted tokens' mean loss (``MegatronGPT.token_mean``), or with
+        ``summed_loss`` their sum (the scheme divides by the global count)."""
+        if not self.summed_loss:
+            return super().token_mean(loss, target)
+        return loss.masked_fill(target == IGNORE_INDEX, 0.0).sum()
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if i not in self._experts:

@@ -33,6 +33,20 @@ MoE routing groups: a rank routes one group per micro-batch (its b samples x its
 its cp positions), so the auxiliary terms are scaled by 1/(m t) (summed over tp, averaged
 over dp cp: the mean over all groups), and ``routing_groups`` tells the golden run the same
 cut.
+
+The training features of the other families, on every axis at once:
+
+- ``loss_mask`` (Megatron-LM's --calculate-per-token-loss): a last stage sums its counted
+  tokens' losses and the executor scales the sum by dp cp / N, N the global batch's counted
+  tokens (``executor``); steps 2 and 3 then give the global per-token mean's gradient;
+- ``pack_docs``: every stage gets the micro-batch's documents from the executor, found in the
+  whole samples' tokens (``model``); with cp > 1 only a core that masks them
+  (``model.core_packs``: all-gather CP) -- the others are refused before spawning;
+- ``tie_embeddings`` with a pipeline: the first stage's embedding shard and the last stage's
+  copy of it as the output layer add their gradients over the embedding group before step 2
+  (``impls.pipeline.tied``, Megatron-LM's ``_allreduce_word_embedding_grads``): per tp rank
+  its V'/t rows, one all-reduce on axis ``embd``; both copies report the tied weight's name,
+  and the copy is left out of the clipping norm (Megatron's shared-embedding filter).
 """
 from __future__ import annotations
 
@@ -43,7 +57,7 @@ from parbench.analytic import hybrid as closed
 from parbench.analytic.shape import shape_from
 from parbench.batching import dp_slice, microbatches
 from parbench.config import CaseConfig, ConfigError
-from parbench.model import compute_dtype, make_optimizer, stage_layers
+from parbench.model import compute_dtype, counted_tokens, make_optimizer, stage_layers
 from parbench.model.moe import RoutingGroups
 from parbench.reproduce import ubmesh_measured as table
 from parbench.scheme import Prediction, Scheme, register
@@ -52,14 +66,15 @@ from parbench.schedules import get_spec
 from impls.context.layout import positions
 from impls.context.ring import AttentionClock
 from impls.pipeline import replicas
-from impls.pipeline.executor import Executor
 from impls.pipeline.scheme import schedule_for
+from impls.pipeline.tied import EMBD_AXIS, TiedEmbeddings, reported_name
 from impls.pipeline.weights import StageSlot, SyncWeights
 from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
 from .clip import clip_hybrid_, counted_params, hybrid_norm, norm_axes
-from .model import CP_KINDS, HybridStage, build_core
+from .executor import HybridExecutor
+from .model import CP_KINDS, HybridStage, build_core, core_packs
 from .optimizer import GradientGroup
 
 
@@ -82,9 +97,14 @@ class HybridScheme(Scheme):
     uses = ("tp", "cp", "ep", "dp", "pp")
     supports_moe = True
     supports_clip_grad = True
-    #: the stage model, the gradient groups' synchronisation and their mesh axes (dense,
-    #: experts); the self-test's mutants swap in broken ones
+    #: the summed counted-token losses scaled by dp cp / N (``executor``)
+    supports_loss_mask = True
+    #: documents handed to every stage; cp > 1 only with a core that masks them (``check``)
+    supports_packing = True
+    #: the stage model, the pipeline executor, the gradient groups' synchronisation and
+    #: their mesh axes (dense, experts); the self-test's mutants swap in broken ones
     stage_class = HybridStage
+    executor_class = HybridExecutor
     group_class = GradientGroup
     gradient_axes = ("dp_cp", "edp")
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_algorithm", "etp",
@@ -105,8 +125,10 @@ class HybridScheme(Scheme):
         if m.num_experts and p.tp > 1 and p.expert_tp != 1:  # ep = 1 too (etp 0 = tp)
             raise ConfigError(f"etp={p.etp} (= tp when 0): hybrid keeps experts whole and "
                               "splits their tokens over tp; set etp=1")
-        if p.pp > 1 and m.tie_embeddings:
-            raise ConfigError("tie_embeddings=true with pp > 1 is not supported by hybrid")
+        if m.pack_docs and p.cp > 1 and not core_packs(kind):
+            raise ConfigError(f"pack_docs={m.pack_docs}: hybrid's cp_algorithm={kind!r} core "
+                              f"does not mask packed documents, needed with cp={p.cp} > 1 "
+                              "(use cp_algorithm='allgather', or cp=1)")
         s_l = m.seq_length // p.cp
         if p.tp > 1 and (o.tensor.sp or m.num_experts) and s_l % p.tp:
             raise ConfigError(f"tp={p.tp} must divide seq_length/cp={s_l} (sequence "
@@ -174,12 +196,16 @@ class HybridScheme(Scheme):
                 positions=torch.tensor(self.pos), core=core,
                 ep_group=mesh.group("ep") if par.ep > 1 else None, ep=par.ep,
                 ep_rank=mesh.index("ep") if par.ep > 1 else 0,
-                aux_scale=1.0 / (self.m * self.tp)).to(ctx.device)
+                aux_scale=1.0 / (self.m * self.tp),
+                summed_loss=bool(ctx.run.loss_mask)).to(ctx.device)
             self.slots[key] = StageSlot(key[0], key[1], stage)
         stages = [s.module for s in self.slots.values()]
         self.partial = [p for st in stages for p in st.tp_partial_params()]
         self.dense = [p for st in stages for p in st.dense_params()]
         self.experts = [p for st in stages for p in st.expert_params()]
+        #: the tied word embedding's copies on this rank (collective: the embedding groups)
+        self.tied = TiedEmbeddings(list(self.slots.values()), self.schedule, pp_rank, mesh) \
+            if cfg.tie_embeddings and S > 1 else None
         self.weights = _Accumulate(list(self.slots.values()), ctx.run)
         dense_axis, expert_axis = self.gradient_axes
         self.groups = [
@@ -195,27 +221,37 @@ class HybridScheme(Scheme):
         self.peer = None  # the partner rank of a bidirectional schedule's two copies
         if len(self.schedule.pipes) > 1:
             self.peer = mesh.ranks("pp")[self.schedule.p - 1 - pp_rank]
-        self.executor = Executor(schedule=self.schedule, pp_rank=pp_rank,
-                                 group=mesh.group("pp"), group_ranks=mesh.ranks("pp"),
-                                 slots=self.slots, act_shape=act, dtype=self.dtype,
-                                 device=ctx.device, timeline=ctx.timeline,
-                                 weights=self.weights, m=self.m)
+        self.executor = self.make_executor(act, pp_rank)
+
+    def make_executor(self, act_shape: tuple, pp_rank: int) -> HybridExecutor:
+        """The schedule's executor on the pp group (boundary tensors ``act_shape``)."""
+        mesh, ctx = self.ctx.mesh, self.ctx
+        return self.executor_class(
+            schedule=self.schedule, pp_rank=pp_rank, group=mesh.group("pp"),
+            group_ranks=mesh.ranks("pp"), slots=self.slots, act_shape=act_shape,
+            dtype=self.dtype, device=ctx.device, timeline=ctx.timeline, weights=self.weights,
+            m=self.m, token_sets=self.dp * self.cp)
 
     # ---- the step -----------------------------------------------------------------------------
     def train_step(self, inputs, targets, step):
         mesh, dev, tl = self.ctx.mesh, self.ctx.device, self.ctx.timeline
-        pos = torch.tensor(self.pos, dtype=torch.long)
-        x = dp_slice(inputs, self.dp_rank, self.dp)[:, pos].to(dev)
-        y = dp_slice(targets, self.dp_rank, self.dp)[:, pos].to(dev)
+        # whole samples: each stage takes its cp columns (``model.HybridStage.forward``)
+        x = dp_slice(inputs, self.dp_rank, self.dp).to(dev)
+        y = dp_slice(targets, self.dp_rank, self.dp).to(dev)
         mbs = microbatches(x, y, self.m)
         for g in self.groups:
             g.begin()
         self.weights.step_begin()
+        if self.ctx.run.loss_mask:  # N: the global batch's counted tokens
+            self.executor.global_tokens = counted_tokens(targets)
         out = self.executor.run([a for a, _ in mbs], [b for _, b in mbs], step,
                                 track=False)
         if self.peer is not None:
             with tl.span("sync"):
                 self.sync_replicas()
+        if self.tied is not None:
+            with tl.span(EMBD_AXIS):
+                self.sync_tied()
         with tl.span("reduce"):
             if self.partial:
                 all_reduce_flat([p.grad for p in self.partial], mesh.group("tp"))
@@ -232,8 +268,10 @@ class HybridScheme(Scheme):
 
     def clip_counted(self) -> set[int]:
         """Ids of the parameters whose squares this rank adds: no tp duplicate, no second
-        stage copy (``impls.hybrid.clip``)."""
-        return counted_params(self.slots, self.ctx.mesh.index("tp"), self.peer is not None)
+        stage copy, no output-layer copy of a tied embedding (``impls.hybrid.clip``)."""
+        heads = {id(w) for w in self.tied.heads} if self.tied is not None else set()
+        return counted_params(self.slots, self.ctx.mesh.index("tp"),
+                              self.peer is not None) - heads
 
     def clip_axes(self) -> tuple[list[str], list[str]]:
         """The axes the dense and the expert squares are summed over (then pp)."""
@@ -252,6 +290,12 @@ class HybridScheme(Scheme):
         """A bidirectional schedule's two stage copies: add the partner rank's gradients."""
         replicas.sync_gradients(self.slots, self.ctx.mesh.group("pp"), self.peer)
 
+    def sync_tied(self) -> None:
+        """The tied embedding's first- and last-stage copies (this rank's tp shards): add
+        their gradients over the embedding group (``impls.pipeline.tied``), before the
+        reductions over dp x cp."""
+        self.tied.sync_gradients()
+
     def expert_divisor(self) -> int:
         """Expert gradients are summed over edp and divided by dp cp (module docstring,
         step 3)."""
@@ -267,11 +311,12 @@ class HybridScheme(Scheme):
             values = {k: v for g in self.groups for k, v in g.full(grads).items()}
             slots = list(self.slots.values()) if self.peer is None else \
                 replicas.reported(self.slots, mesh.group("pp"), self.peer, check=not grads)
+            tied = self.tied is not None
             for slot in slots:
                 named = {name: (values[id(local)], pl)
                          for name, (local, pl) in slot.module.shards().items()}
-                out.update(gather_full(named, mesh.group("tp"), mesh.ranks("tp"),
-                                       mesh.index("tp")))
+                full = gather_full(named, mesh.group("tp"), mesh.ranks("tp"), mesh.index("tp"))
+                out.update({reported_name(n, tied): t for n, t in full.items()})
         return out
 
     def full_params(self):

@@ -13,6 +13,11 @@ exchange) the sum is local and nothing is sent.
 
 Each copy reports itself under the golden run's one name, ``embed.tok.weight``, so the
 verdict holds both to the tied gradient: a copy that misses the other's contribution fails.
+
+A stage module names its copies through ``tied_copies``: the reference ``GPTStage`` by its
+``embed`` and ``head`` modules; a module of another shape (the hybrid's tensor-parallel
+stages, ``impls.hybrid.model``) through its own ``tied_copies()`` method, and initialises its
+shard of the copy from ``embedding_init``.
 """
 from __future__ import annotations
 
@@ -58,29 +63,46 @@ def embedding_partition(pp_groups: list[list[int]], schedule, world: int) -> lis
     return [p for p in parts if p] + [[r] for r in range(world) if r not in taken]
 
 
+def tied_copies(module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the word embedding, the output layer's copy) that a stage module holds of the tied
+    weight, None where it holds no such copy; a stage that holds both ends of the model ties
+    them itself (one tensor: the embedding, no copy). A module that is not the reference
+    ``GPTStage`` answers through its own ``tied_copies()``."""
+    own = getattr(module, "tied_copies", None)
+    if callable(own):
+        return own()
+    embed = module.embed.tok.weight if module.embed is not None else None
+    head = module.head.out.weight if module.head is not None and embed is None else None
+    return embed, head
+
+
+def embedding_init(shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """The word embedding's initial (full, fp32) weights, drawn from its own seed as
+    ``parbench.model.init`` draws them: what every output-layer copy starts from."""
+    g = torch.Generator().manual_seed(param_seed(seed, EMBED))
+    return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+
 def init_head_copy(slots: list[StageSlot], seed: int, std: float) -> None:
-    """Give every last-stage copy the word embedding's initial weights, drawn from the
-    embedding's own seed (``parbench.model.init``), so the copies start bit-identical."""
+    """Give every last-stage copy the word embedding's initial weights (``embedding_init``),
+    so the copies start bit-identical."""
     for slot in slots:
         head = getattr(slot.module, "head", None)
         if head is None or getattr(slot.module, "embed", None) is not None:
             continue  # no output layer here, or a whole model that ties them itself
-        g = torch.Generator().manual_seed(param_seed(seed, EMBED))
         w = head.out.weight
         with torch.no_grad():
-            w.copy_((torch.randn(w.shape, generator=g, dtype=torch.float32) * std)
-                    .to(w.device, w.dtype))
+            w.copy_(embedding_init(tuple(w.shape), seed, std).to(w.device, w.dtype))
 
 
 class TiedEmbeddings:
     """This rank's copies of the tied weight and how their gradients are summed."""
 
     def __init__(self, slots: list[StageSlot], schedule, pp_rank: int, mesh):
-        self.embeds = [s.module.embed.tok.weight for s in slots
-                       if s.stage == 0 and s.module.embed is not None]
         # a stage that is both first and last ties its two layers itself (one tensor)
-        self.heads = [s.module.head.out.weight for s in slots
-                      if s.stage == schedule.num_stages - 1 and s.module.embed is None]
+        copies = [tied_copies(s.module) for s in slots]
+        self.embeds = [e for e, _ in copies if e is not None]
+        self.heads = [h for _, h in copies if h is not None]
         layout = mesh.layout
         parts = embedding_partition(layout.groups("pp"), schedule, layout.world_size)
         # collective: every rank creates the embedding groups, in the same order

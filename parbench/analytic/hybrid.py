@@ -33,6 +33,13 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   way; ZeRO-3 as torchtitan runs FSDP under a pipeline, gathered once per step). Bytes per
   element e: 4 (fp32) or 2 (bf16 activations, parameters and gradients; the vocab-parallel
   loss's per-token values stay fp32).
+- **embd** (``tie_embeddings`` with more than one stage; Narayanan et al. 2021, Megatron-LM's
+  ``_allreduce_word_embedding_grads``): the first stage's embedding and the last stage's copy
+  of it as the output layer add their gradients once per step, one all-reduce of the tp
+  rank's V'/t x h rows over the embedding group (the n = 2 ranks of a pipeline that hold
+  exactly one of the copies, :func:`tied_transfers`); a rank holding both adds them locally.
+  The copy is a parameter of the last stage (:func:`stage_params`): its gradient, its AdamW
+  moments and its step counter are model states like the embedding's.
 - **clipping** by global norm (``clip_grad`` > 0; Pascanu et al. 2013; Megatron-LM's
   ``clip_grad_norm_fp32``): the squared norm, 4 bytes, all-reduced once on every axis the
   reduced gradient is spread over (:func:`clip_spread`): tp (shards; duplicates counted on
@@ -48,7 +55,7 @@ from ..options import Options
 from .clip import norm_transfers
 from .comm import Transfer
 from .context import attention_traffic
-from .pipeline import num_stages, stages_on_rank
+from .pipeline import num_stages, stages_on_rank, tied_embedding_holder
 from .shape import Shape, expert_capacity
 from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
 
@@ -122,7 +129,7 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
             add(h, repl=True)  # fc2 bias
     if last:
         add(h, repl=True, count=2)
-        if not shape.tie_embeddings:
+        if not shape.tie_embeddings or not first:  # tied: the last stage's own copy
             add(padded_vocab(shape.V, t) // t * h)
     if t == 1:
         partial = 0
@@ -228,12 +235,29 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
     if partial and t > 1:
         out.append(Transfer("tp", "all_reduce", t, partial * c.e, 1,
                             "gradients partial over tp (routers; SP: replicated params)"))
+    out += tied_transfers(shape, c, pp_rank)
     out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
     out += _grad_sync("edp", t * cp * dp // lay.ep, expert, c, "expert gradients")
     out += norm_transfers(clip_spread(shape, c), c.clip_grad)
     states = _states(c, dense, dense_tensors, dp * cp)
     ex = _states(c, expert, expert_tensors, t * cp * dp // lay.ep)
     return out, {k: states[k] + ex[k] for k in states}
+
+
+def tied_transfers(shape: Shape, c: HybridStep, pp_rank: int) -> list[Transfer]:
+    """The tied word embedding's gradient all-reduce on pipeline rank ``pp_rank`` (module
+    docstring, embd): one all-reduce of the tp rank's V'/t x h rows over the two ranks that
+    hold one copy each; nothing untied, with one stage, or where a rank holds both copies
+    (the V placement, the bidirectional schedules) or neither."""
+    lay = c.layout
+    if not shape.tie_embeddings or num_stages(c.placement, lay.pp, c.chunks) == 1:
+        return []
+    first, last = tied_embedding_holder(c.placement, lay.pp, pp_rank, c.chunks)
+    if first == last:
+        return []
+    numel = padded_vocab(shape.V, lay.tp) // lay.tp * shape.h
+    return [Transfer("embd", "all_reduce", 2, numel * c.e, 1,
+                     "tied word embedding grads (first and last stage)")]
 
 
 def clip_spread(shape: Shape, c: HybridStep) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """A loss mask (``loss_mask``) in the synchronous native pipeline schedules: the last stage
 scales each micro-batch's mean token loss by n_mb / N (n_mb: its counted tokens, N: the
 global batch's; Megatron-LM's --calculate-per-token-loss) and equals the golden run; the
-schemes that do not normalise so yet refuse the field before spawning."""
+schemes that do not normalise so yet refuse the field before spawning (the hybrid's masked
+loss: tests/equivalence/test_hybrid_features.py)."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def test_the_pipeline_family_normalises_by_the_global_token_count(pools, scheme,
     assert merged.equivalent, merged.first_failure
 
 
-@pytest.mark.parametrize("scheme", ["pipeline.bpipe", "hybrid"])
+@pytest.mark.parametrize("scheme", ["pipeline.bpipe"])
 def test_schemes_that_do_not_normalise_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "scheme": scheme})
     with pytest.raises(ConfigError, match="loss_mask=0.6"):
