@@ -50,13 +50,11 @@ def test_allgather_cp_pp_masks_documents_and_a_prompt_only_shard(pools):
     assert_exact(case, merged, per_rank)
 
 
-def test_ring_attention_cp_masks_documents_when_its_core_declares_it(pools):
+def test_ring_attention_cp_masks_documents(pools):
     """tp 2 x cp 2 ring attention (zig-zag): the ring core masks each block with the
-    micro-batch's documents (``impls.context.documents``), handed per call by the hybrid;
-    refused before spawning where the core does not declare ``supports_packing``."""
+    micro-batch's documents (``impls.context.documents``), handed per call by the hybrid."""
     from impls.hybrid.model import core_packs
-    if not core_packs("ring-attention"):
-        pytest.skip("the ring core does not mask packed documents here")
+    assert core_packs("ring-attention")
     case = make_case(tp=2, cp=2, cp_algorithm="ring-attention", cp_balance="zigzag",
                      steps=3, timed_steps=1, loss_mask=0.6, pack_docs=3)
     merged, per_rank = run_on_pool(pools, case)
@@ -66,8 +64,7 @@ def test_ring_attention_cp_masks_documents_when_its_core_declares_it(pools):
 @pytest.mark.parametrize("kind", ["allgather", "ring-attention", "ulysses"])
 def test_packing_with_cp_follows_the_core_class_declaration(kind, monkeypatch):
     """With cp > 1 the hybrid packs only with a cp core whose class declares
-    ``supports_packing`` (all-gather CP; the ring cores once packing lands in
-    ``impls.context``), and refuses the case before spawning otherwise; with cp = 1 the
+    ``supports_packing`` (all-gather, ring and Ulysses CP), and refuses the case before spawning otherwise; with cp = 1 the
     Megatron stage's own mask serves every kind."""
     from impls.hybrid import model
     make_case(cp=1, tp=2, cp_algorithm=kind, pack_docs=3)
