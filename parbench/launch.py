@@ -305,9 +305,12 @@ class WorkerPool:
 
 
 _POOLS: dict[tuple, WorkerPool] = {}
+#: the collective timeout of the process-wide pools (``RunConfig.timeout_s``'s default)
+SHARED_TIMEOUT_S = 120.0
 
 
-def shared_pool(world_size: int, device: str = "cpu", timeout_s: float = 120.0) -> WorkerPool:
+def shared_pool(world_size: int, device: str = "cpu",
+                timeout_s: float = SHARED_TIMEOUT_S) -> WorkerPool:
     """A process-wide pool per (world size, device), restarted if a task killed it."""
     key = (world_size, device)
     pool = _POOLS.get(key)

@@ -99,8 +99,8 @@ class _Runner:
     """Rows of the self-test's cases on shared pools (a fresh one for ``isolated`` schemes);
     the controls run once per (base, overrides, seed)."""
 
-    def __init__(self):
-        self.pools = PoolCache()
+    def __init__(self, share_pools: bool = False):
+        self.pools = PoolCache(shared=share_pools)
         self.controls: dict[tuple, object] = {}
 
     def row(self, case: CaseConfig):
@@ -137,14 +137,16 @@ def _entry(m: Mutant, row, controls_passed: bool) -> dict:
 
 
 def run_selftest(profile: str = "full", seeds: int = 5, only: list[str] | None = None,
-                 progress=None) -> dict:
+                 progress=None, share_pools: bool = False) -> dict:
     """Run the catalogue (``profile``: ``full``, or ``ci``: the stratified sample); returns
-    the counts per outcome, the false alarms and one entry per mutant (``cases``)."""
+    the counts per outcome, the false alarms and one entry per mutant (``cases``).
+    ``share_pools``: run on the process-wide pools (``runner.PoolCache``; the pytest
+    session's) instead of starting the self-test's own."""
     catalogue = load()
     sample = set(ci_sample(catalogue)) if profile == "ci" else set(catalogue)
     chosen = [m for m in catalogue.values()
               if m.id in sample and (only is None or m.id in only)]
-    runner = _Runner()
+    runner = _Runner(share_pools)
     cases: list[dict] = []
     try:
         for m in chosen:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import CaseConfig
-from .launch import RankError, WorkerPool
+from .launch import SHARED_TIMEOUT_S, RankError, WorkerPool, shared_pool
 from .results import (Divergence, Environment, Failure, Memory, RankResult, Row, RowCase,
                       SchemeFigures, Timing, append_row, load_rows)
 from .registry import get_scheme
@@ -183,13 +183,19 @@ def results_dir(suite_name: str, out: str | None, resume: bool) -> Path:
 
 
 class PoolCache:
-    """One live pool per (world size, device), restarted when a task killed it."""
+    """One live pool per (world size, device), restarted when a task killed it. ``shared``:
+    a case with the process-wide pools' settings (one thread per rank, the default
+    collective timeout) runs on ``launch.shared_pool`` -- the pytest session's ranks, started
+    once per session -- which ``close`` leaves open for their owner."""
 
-    def __init__(self):
+    def __init__(self, shared: bool = False):
         self._pools: dict[tuple, WorkerPool] = {}
+        self.shared = shared
 
     def get(self, case: CaseConfig) -> WorkerPool:
         run = case.run
+        if self.shared and run.threads_per_rank == 1 and run.timeout_s == SHARED_TIMEOUT_S:
+            return shared_pool(case.layout.world_size, run.device, run.timeout_s)
         key = (case.layout.world_size, run.device, run.threads_per_rank, run.timeout_s)
         pool = self._pools.get(key)
         if pool is None or not pool.alive:

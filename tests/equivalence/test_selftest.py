@@ -23,10 +23,12 @@ def test_the_catalogue_is_large_and_covers_every_native_family():
     assert set(CI_SUBSET) <= set(catalogue)
 
 
-def test_every_mutant_is_killed_by_a_check_and_no_control_fails():
+def test_every_mutant_is_killed_by_a_check_and_no_control_fails(pools):
     thorough = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
     catalogue = load()
-    result = run_selftest("full" if thorough else "ci", seeds=5 if thorough else 1)
+    # on the session's ranks (the pools fixture's), started once per test session
+    result = run_selftest("full" if thorough else "ci", seeds=5 if thorough else 1,
+                          share_pools=True)
     expected = set(catalogue) if thorough else set(ci_sample(catalogue))
     assert {c["id"] for c in result["cases"]} == expected
     # every scheme that has mutants is sampled, the second wave's included
