@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .comm import Ledger
 from .config import CaseConfig
+from .device import StepTimer, kind
 from .golden import global_batch
 from .memory import PeakMemory, model_states
 from .mesh import Mesh
@@ -109,6 +110,36 @@ def run_case(wctx, case_dict: dict) -> RankResult:
                       timeline=out.timeline, metrics=figures, bubble=bubble, final=final)
 
 
+def time_case(wctx, case_dict: dict) -> dict:
+    """One case's steps on this rank with the instruments of ``run_case`` -- the scheme's
+    ``train_step`` under the ledger, the memory peak on step 1, the timed steps after the
+    warm-up on the device's clock -- and no golden run and no checks: for a model whose
+    golden run the host cannot afford (the device check's ~1B-parameter step on one GPU;
+    the golden run trains on the host's CPU). Returns the step times, the peak and the
+    model states, not a verified row."""
+    case = CaseConfig.from_dict(case_dict)
+    run = case.run
+    torch.manual_seed(run.seed)
+    with wctx.working(f"building {run.scheme}"):
+        mesh = get_mesh(case, wctx.rank)
+        timeline = Timeline(wctx.rank, enabled=False)
+        scheme = get_scheme(run.scheme)(SchemeContext(
+            case=case, mesh=mesh, device=torch.device(wctx.device), timeline=timeline))
+    me = _Rank(wctx, case, scheme, None, mesh, timeline)
+    out = _Steps()
+    for step in range(run.steps + run.timed_steps):
+        wctx.progress(f"step {step}")
+        x, y = global_batch(case, step)
+        ledger = Ledger(axis_of=mesh.axis_of_group, timeline=None, recording=run.instrument)
+        dist.barrier()
+        loss = _train(me, step, x, y, ledger, out)
+        out.losses.append(None if loss is None else float(loss))
+        dist.barrier()
+    return {"rank": wctx.rank, "device": wctx.device, "step_times": out.step_times,
+            "peak_bytes": out.peak, "losses": out.losses,
+            "model_states": model_states(scheme, compute_dtype(run))}
+
+
 def split_figures(metrics: dict) -> tuple[SchemeFigures, BubbleFigures | None]:
     """A scheme's ``metrics()``: its own figures, and its bubble figures (a pipeline's)."""
     figures = dict(metrics)
@@ -149,17 +180,18 @@ def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):
     run, device = me.case.run, me.wctx.device
     if step == (1 if run.steps > 1 else 0):
         base = sum(model_states(me.scheme, compute_dtype(run)).values())
-        with PeakMemory(device.split(":")[0], base) as pm, ledger:
+        with PeakMemory(kind(device), base) as pm, ledger:
             loss = me.scheme.train_step(x, y, step)
         out.peak = pm.peak
         return loss
-    t0, c0 = time.perf_counter(), time.process_time()
+    # on CUDA the step is timed by events on the device, synchronised at its end; on CPU by
+    # the host's clock (parbench.device.StepTimer)
+    timer, c0 = StepTimer(device).start(), time.process_time()
     with ledger:
         loss = me.scheme.train_step(x, y, step)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    seconds = timer.stop()
     if step >= run.steps + run.warmup_steps:
-        out.step_times.append(time.perf_counter() - t0)
+        out.step_times.append(seconds)
         out.step_cpu_times.append(time.process_time() - c0)
     return loss
 

@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .device import CudaPeak, kind
+
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (each counted once)."""
@@ -77,27 +79,29 @@ class _LiveStorages(TorchDispatchMode):
 
 
 class PeakMemory:
-    """``with PeakMemory(device, baseline_bytes) as pm: ...`` then ``pm.peak``."""
+    """``with PeakMemory(device, baseline_bytes) as pm: ...`` then ``pm.peak``: the baseline
+    (the model states alive at the start) plus the most the region added -- on CPU the live
+    storages it created, on CUDA the allocator's peak over what was allocated at the start
+    (``parbench.device.CudaPeak``). ``cuda``: the CUDA module (a fake in tests)."""
 
-    def __init__(self, device: str = "cpu", baseline_bytes: int = 0):
-        self.device = device
+    def __init__(self, device: str = "cpu", baseline_bytes: int = 0, cuda=None):
+        self.device = kind(device)
         self.baseline = baseline_bytes
         self.peak = 0
         self._mode = None
+        self._cuda = CudaPeak(baseline_bytes, cuda) if self.device == "cuda" else None
 
     def __enter__(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        if self._cuda is not None:
+            self._cuda.enter()
         else:
             self._mode = _LiveStorages()
             self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
+        if self._cuda is not None:
+            self.peak = self._cuda.exit()
         else:
             self._mode.__exit__(*exc)
             self.peak = self.baseline + self._mode.peak

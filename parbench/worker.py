@@ -85,14 +85,12 @@ def init_process_group(rank: int, world_size: int, device: str, timeout_s: float
 
     from . import comm
 
+    from .device import bind_rank
+
     torch.set_num_threads(threads)
     comm.install()
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local)
-        dev, backend = f"cuda:{local}", "nccl"
-    else:
-        dev, backend = "cpu", "gloo"
+    # cuda: NCCL and this rank's GPU (LOCAL_RANK) made current; cpu: gloo (parbench.device)
+    dev, backend = bind_rank(device, rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -37,10 +37,11 @@ What is measured:
 ``timing`` how (``local_model``: the reference layer at a rank's local shapes), ``merge``
 makes the ranks' figures a profile, and ``calibrate`` drives it all.
 """
-from .calibrate import add_model_shapes, calibrate, reference_check, run_everywhere
+from .calibrate import (add_model_shapes, calibrate, reference_check, run_everywhere,
+                        with_links_of)
 from .compute import compute_task
 from .merge import build_profile, fit_alpha_beta
 from .plan import Plan
 
 __all__ = ["Plan", "add_model_shapes", "build_profile", "calibrate", "compute_task",
-           "fit_alpha_beta", "reference_check", "run_everywhere"]
+           "fit_alpha_beta", "reference_check", "run_everywhere", "with_links_of"]

@@ -9,7 +9,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..analytic.shape import shape_from
-from ..config import model_preset
 from ..launch import WorkerPool
 from ..worker import in_torchrun, init_from_env
 from ..timemodel import Training, predict_step
@@ -17,7 +16,7 @@ from ..timemodel.profile import COLLECTIVE_OPS, Profile
 from .collectives import collective_task, overlap_task
 from .compute import compute_task, reference_task
 from .merge import build_profile
-from .plan import Plan
+from .plan import Plan, model_config
 
 
 def run_everywhere(fn, world_size: int, device: str, *args) -> list:
@@ -55,12 +54,7 @@ def calibrate(plan: Plan, world_size: int = 2, name: str | None = None,
     say(f"compute: GEMMs ({len(plan.gemm_shapes()) + len(plan.square_sizes)} shapes), "
         f"attention, memory, overheads, AdamW on {world_size} ranks at once")
     compute = run_everywhere(compute_task, world_size, plan.device, plan)
-    say(f"collectives: {', '.join(COLLECTIVE_OPS)} on groups of "
-        f"{', '.join(map(str, plan.group_sizes or range(2, world_size + 1)))} ranks, "
-        f"{len(plan.message_bytes)} message sizes ({time.time() - t0:.0f} s so far)")
-    coll = run_everywhere(collective_task, world_size, plan.device, plan)
-    say(f"overlap of an all-reduce with a GEMM loop ({time.time() - t0:.0f} s so far)")
-    overlap = run_everywhere(overlap_task, world_size, plan.device, plan)
+    coll, overlap = _communication(plan, world_size, say, t0)
     extra = {}
     if reference is not None:
         model_name, b, m = reference
@@ -74,6 +68,33 @@ def calibrate(plan: Plan, world_size: int = 2, name: str | None = None,
     default = "cuda-local" if plan.device.startswith("cuda") else "cpu-local"
     return build_profile(name or default, plan, compute, coll, min(overlap), world_size,
                          ranks_per_node, extra)
+
+
+def _communication(plan: Plan, world_size: int, say, t0: float) -> tuple[list, list[float]]:
+    """The collectives' raw points and the overlap fractions, per rank; on one rank nothing
+    to measure (no points; the overlap left at 1.0 -- ``with_links_of`` can take a preset's)."""
+    if world_size < 2:
+        say("collectives: not measured (one rank)")
+        return [], [1.0]
+    say(f"collectives: {', '.join(COLLECTIVE_OPS)} on groups of "
+        f"{', '.join(map(str, plan.group_sizes or range(2, world_size + 1)))} ranks, "
+        f"{len(plan.message_bytes)} message sizes ({time.time() - t0:.0f} s so far)")
+    coll = run_everywhere(collective_task, world_size, plan.device, plan)
+    say(f"overlap of an all-reduce with a GEMM loop ({time.time() - t0:.0f} s so far)")
+    return coll, run_everywhere(overlap_task, world_size, plan.device, plan)
+
+
+def with_links_of(profile: Profile, preset: Profile) -> None:
+    """A one-rank profile (one GPU: nothing to measure the links with) takes the links,
+    collectives, overlap and node size of ``preset`` (its datasheet figures), and says so
+    in ``meta['communication_from']``; what it measured (compute, memory) stays its own."""
+    profile.links = dict(preset.links)
+    profile.collectives = {lk: {op: dict(f) for op, f in ops.items()}
+                           for lk, ops in preset.collectives.items()}
+    profile.overlap, profile.p2p_blocking = preset.overlap, preset.p2p_blocking
+    profile.ranks_per_node = preset.ranks_per_node
+    profile.meta["communication_from"] = (f"{preset.name} (not measured: "
+                                          f"{profile.meta.get('world_size', 1)} rank)")
 
 
 def add_model_shapes(profile: Profile, plans: list[Plan], world_size: int, base: Plan
@@ -98,7 +119,7 @@ def reference_check(profile: Profile) -> dict | None:
     ref = profile.meta.get("reference_step")
     if not ref:
         return None
-    shape = shape_from(model_preset(ref["model"]))
+    shape = shape_from(model_config(ref["model"]))
     training = Training.of(micro_batch_size=ref["micro_batch_size"],
                            num_microbatches=ref["num_microbatches"], dtype="fp32")
     st = predict_step(shape, training, profile)

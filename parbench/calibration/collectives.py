@@ -14,7 +14,7 @@ from ..comm import Ledger
 from ..timeline import Timeline
 from .local_model import local_modules
 from .plan import Plan
-from .timing import agree_max, barrier, sync
+from .timing import agree_max, barrier, sample_seconds, sync
 
 #: (key "op:n", message bytes, the call, this rank is in the group, seconds per call factor)
 Item = tuple[str, int, Callable[[], Any], bool, float]
@@ -92,12 +92,7 @@ def p2p_items(plan: Plan, dev: str, rank: int) -> list[Item]:
 
 
 def _timed(fn, k: int, dev: str) -> float:
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(k):
-        fn()
-    sync(dev)
-    return (time.perf_counter() - t0) / k
+    return sample_seconds(fn, k, dev)  # after a barrier; CUDA events on a GPU
 
 
 def _after_burst(burst, call, member):

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import RunConfig, model_preset
+from ..config import RunConfig
 from ..model import build_model, make_optimizer, synthetic_batch
-from .plan import Plan
+from .plan import Plan, model_config
 from .timing import dtype_of, time_parts, timeit
 
 
@@ -129,7 +129,7 @@ def reference_task(ctx, model_name: str, b: int, m: int, min_time: float, repeat
                    ) -> float:
     """The reference model's single-rank training step (m micro-batches of b, AdamW) on every
     rank at once: a check of the compute model, not an input to it."""
-    cfg = model_preset(model_name)
+    cfg = model_config(model_name)
     model = build_model(cfg, 0).to(ctx.device)
     opt = make_optimizer(model.parameters(), RunConfig())
     x, y = synthetic_batch(cfg, b, 0, 0)

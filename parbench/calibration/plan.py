@@ -2,7 +2,9 @@
 repeats) and the shape facts it needs."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -97,3 +99,16 @@ def gated_mlp(shape) -> bool:
         return True
     act = getattr(shape, "mlp", None)
     return isinstance(act, str) and act.lower() in ("swiglu", "geglu")
+
+
+def model_config(name: str):
+    """A model preset by name, or a JSON file of ``ModelConfig`` fields (``model=FILE.json``:
+    a model no preset holds, such as the device check's ~1B-parameter step)."""
+    from ..config import ConfigError, ModelConfig, model_preset
+    if not name.endswith(".json"):
+        return model_preset(name)
+    try:
+        fields = json.loads(Path(name).read_text())
+        return ModelConfig(**{"name": Path(name).stem, **fields})
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"model={name!r}: {e}") from None

@@ -4,20 +4,31 @@ paired differences, and the model's own layers at the rank's local shapes
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ..comm import unrecorded
+from ..device import StepTimer, synchronize
 from .local_model import local_modules, vocab_shard
 from .plan import Plan, gated_mlp, kv_width
 
 
 def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    """Wait for the device's queued work (``parbench.device.synchronize``)."""
+    synchronize(device)
+
+
+def sample_seconds(fn: Callable[[], Any], k: int, device: str) -> float:
+    """Seconds per call of ``fn`` over ``k`` calls after a barrier: on CUDA timed by events
+    on the device, synchronised at the end; on CPU by the host's clock
+    (``parbench.device.StepTimer``)."""
+    barrier()
+    timer = StepTimer(device).start()
+    for _ in range(k):
+        fn()
+    return timer.stop() / k
 
 
 def _dist_ready() -> bool:
@@ -48,14 +59,7 @@ def timeit(fn: Callable[[], Any], device: str, min_time: float, repeats: int) ->
     bandwidth) as a run's ranks share it."""
     fn()
     k = _calls_per_sample(fn, device, min_time)
-    samples = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        sync(device)
-        samples.append((time.perf_counter() - t0) / k)
+    samples = [sample_seconds(fn, k, device) for _ in range(repeats)]
     return statistics.median(samples)
 
 
@@ -63,10 +67,9 @@ def _calls_per_sample(fn: Callable[[], Any], device: str, min_time: float) -> in
     """How many calls of ``fn`` make a sample of at least ``min_time`` (the slowest rank's
     single call decides, so every rank runs the same number)."""
     sync(device)
-    t0 = time.perf_counter()
+    timer = StepTimer(device).start()
     fn()
-    sync(device)
-    one = agree_max(max(time.perf_counter() - t0, 1e-7), device)
+    one = agree_max(max(timer.stop(), 1e-7), device)
     return max(1, min(10000, int(min_time / one)))
 
 
@@ -80,14 +83,7 @@ def _paired(base: Callable[[], Any], more: Callable[[], Any], device: str, min_t
     k = _calls_per_sample(more, device, min_time)
     bases, diffs = [], []
     for _ in range(max(3, repeats)):
-        pair = []
-        for fn in (base, more):
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            sync(device)
-            pair.append((time.perf_counter() - t0) / k)
+        pair = [sample_seconds(fn, k, device) for fn in (base, more)]
         bases.append(pair[0])
         diffs.append(pair[1] - pair[0])
     return statistics.median(bases), statistics.median(diffs)

@@ -4,11 +4,16 @@ torchrun, a cluster node's ranks) and write a device profile for the time model.
 Options:
 
 - ``device=cpu|cuda`` (default cpu: gloo, one thread per rank; cuda: NCCL, one GPU per rank);
-- ``world_size=N`` local ranks (default 2; under torchrun the job's);
+- ``world_size=N`` local ranks (default 2 on CPU, the GPUs on CUDA; under torchrun the
+  job's); ``world_size=1`` measures compute only (one GPU: NCCL refuses two ranks on one
+  device), no collectives, and ``links_from=PRESET`` (e.g. ``h200-141gb``) then gives the
+  profile that preset's links and collectives, saying so in its ``meta``;
 - ``model=PRESET[,PRESET...]`` whose GEMM and attention shapes to time (default ``tiny``,
-  the suites' model; ``model=none``: generic sizes only), at ``micro_batch_sizes=1,2,4``,
+  the suites' model; ``model=none``: generic sizes only; ``model=FILE.json``: a JSON
+  object of model fields, a model no preset holds), at ``micro_batch_sizes=1,2,4``,
   ``tp=1,2`` and ``cp=1,2`` (comma lists);
-- ``dtypes=fp32[,bf16]``; ``quick=true`` (fewer repeats and sizes, for a smoke test);
+- ``dtypes=fp32[,bf16]``; ``quick=true`` (fewer repeats and sizes, for a smoke test; on
+  CUDA it keeps a 1 GiB copy and square GEMMs up to 8192, sizes that fill a GPU);
 - ``name=cpu-local`` (the name ``device=`` finds it by) and ``out=FILE.json`` (also write
   there); the profile is saved in ``$PARBENCH_PROFILE_DIR`` (default
   ``~/.cache/parbench/profiles``);
@@ -35,15 +40,16 @@ def _ints(key: str, value: str) -> tuple[int, ...]:
 
 
 _KEYS = ("device=, world_size=, model=, micro_batch_sizes=, tp=, cp=, dtypes=, quick=, "
-         "instrumented=, reference=, name=, out=")
+         "instrumented=, reference=, name=, out=, links_from=")
 
 
 def _models(ov: dict) -> list[str]:
     from ..config import PRESETS
     models = [m for m in str(ov.pop("model", "tiny")).split(",") if m and m != "none"]
     for m in models:
-        if m not in PRESETS:
-            raise ConfigError(f"model={m!r} is not a preset (choose from {', '.join(PRESETS)})")
+        if m not in PRESETS and not m.endswith(".json"):
+            raise ConfigError(f"model={m!r} is not a preset (choose from {', '.join(PRESETS)}) "
+                              "nor a .json file of model fields")
     return models
 
 
@@ -52,7 +58,7 @@ def _plans(ov: dict, device: str, models: list[str]):
     model (their GEMM and attention shapes), from the verb's keys."""
     from ..analytic.shape import shape_from
     from ..calibration import Plan
-    from ..config import model_preset
+    from ..calibration.plan import model_config
     mbs = _ints("micro_batch_sizes", ov.pop("micro_batch_sizes", "1,2,4"))
     tps = _ints("tp", ov.pop("tp", "1,2"))
     cps = _ints("cp", ov.pop("cp", "1,2"))
@@ -62,7 +68,7 @@ def _plans(ov: dict, device: str, models: list[str]):
             raise ConfigError(f"dtypes={d!r} must be fp32, bf16 or fp16")
     quick = coerce(ov.pop("quick", "false"), bool, "quick")
     instrumented = coerce(ov.pop("instrumented", "false"), bool, "instrumented")
-    shapes = [shape_from(model_preset(m)) for m in models]
+    shapes = [shape_from(model_config(m)) for m in models]
     plan = Plan(device=device, dtypes=dtypes, shape=shapes[0] if shapes else None,
                 micro_batch_sizes=mbs, tp_splits=tps, cp_splits=cps,
                 instrumented=instrumented)
@@ -70,6 +76,8 @@ def _plans(ov: dict, device: str, models: list[str]):
         plan.message_bytes = (4, 4096, 262144, 1 << 20)
         plan.square_sizes = (128, 256)
         plan.copy_bytes = 16 << 20
+        if device == "cuda":  # a GPU's figures need sizes that fill it
+            plan.square_sizes, plan.copy_bytes = (1024, 4096, 8192), 1 << 30
         plan.repeats = 3
         plan.min_time_s = 0.01
     extra = [Plan(device=device, dtypes=dtypes, shape=s, micro_batch_sizes=mbs,
@@ -77,21 +85,52 @@ def _plans(ov: dict, device: str, models: list[str]):
     return plan, extra
 
 
-def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
-    from ..calibration import add_model_shapes, calibrate, reference_check
-    from ..timemodel.profile import profile_dir
-
-    ov = parse_overrides(args)
+def _device_and_world(ov: dict) -> tuple[str, int]:
+    """``device=`` and ``world_size=`` (default 2 on CPU, the GPUs on CUDA), checked before
+    any rank is spawned: CUDA must be here, and NCCL needs one GPU per rank."""
+    from ..device import DeviceError, require
     device = ov.pop("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r} must be cpu or cuda")
-    world = coerce(ov.pop("world_size", "2"), int, "world_size")
-    if world < 2:
-        raise ConfigError(f"world_size={world} must be >= 2 (collectives need two ranks)")
+    try:
+        require(device)
+        default = "2"
+        if device == "cuda":
+            import torch
+            default = str(max(1, torch.cuda.device_count()))
+        world = coerce(ov.pop("world_size", default), int, "world_size")
+        if world < 1:
+            raise ConfigError(f"world_size={world} must be >= 1 (1: compute only, no "
+                              "collectives)")
+        require(device, world)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
+    return device, world
+
+
+def _links_from(name: str | None):
+    """``links_from=PRESET``: the datasheet preset whose links and collectives a one-rank
+    profile takes (None: none)."""
+    if name is None:
+        return None
+    from ..timemodel import PRESETS, load_profile
+    if name not in PRESETS:
+        raise ConfigError(f"links_from={name!r} must be a device preset "
+                          f"({', '.join(PRESETS)})")
+    return load_profile(name)
+
+
+def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) -> int:
+    from ..calibration import add_model_shapes, calibrate, reference_check, with_links_of
+    from ..timemodel.profile import profile_dir
+
+    ov = parse_overrides(args)
+    device, world = _device_and_world(ov)
     models = _models(ov)
     plan, extra_plans = _plans(ov, device, models)
     reference = coerce(ov.pop("reference", "true"), bool, "reference")
     name, out = ov.pop("name", None), ov.pop("out", None)
+    links = _links_from(ov.pop("links_from", None))
     if ov:
         raise ConfigError(f"unknown key {sorted(ov)[0]!r} for calibrate ({_KEYS})")
     say = console(stderr=True).print
@@ -100,6 +139,8 @@ def cmd_calibrate(args: list[str], as_json: bool = False, wide: bool = False) ->
     profile = calibrate(plan, world, name, reference=ref, progress=lambda s: say(f"  {s}"))
     if extra_plans:
         add_model_shapes(profile, extra_plans, world, plan)
+    if links is not None:
+        with_links_of(profile, links)
     path = profile.save(profile_dir() / f"{profile.name}.json")
     if out:
         profile.save(out)

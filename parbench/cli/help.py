@@ -85,7 +85,9 @@ VERBS_HELP: dict[str, VerbHelp] = {
     "calibrate": VerbHelp(
         "calibrate [device=cpu|cuda] [key=value ...]",
         "measure this machine (matmul, memory bandwidth, each collective per group size) "
-        "into a device profile", {"device": "cpu | cuda", "world_size": "ranks",
+        "into a device profile", {"device": "cpu | cuda",
+                                  "world_size": "ranks (1: compute only)",
+                                  "links_from": "a preset whose links a 1-rank profile takes",
                                   "model": "models whose layers are timed",
                                   "quick": "true: fewer sizes", "out": "the profile file"},
         example="parbench calibrate quick=true"),

@@ -87,7 +87,19 @@ def load_checked_suite(args: list[str]):
         world = int(os.environ["WORLD_SIZE"])
         keep_world_size(suite, world)
     check_suite(suite, world)
+    require_devices(suite)
     return suite, opts
+
+
+def require_devices(suite) -> None:
+    """Every case's device can run here, before a rank is spawned: ``device=cuda`` on a
+    machine without CUDA, or more NCCL ranks than GPUs, is bad input (``parbench.device``)."""
+    from ..device import DeviceError, require
+    for device, world in sorted({(c.run.device, c.layout.world_size) for c in suite.cases}):
+        try:
+            require(device, world)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
 
 
 def keep_world_size(suite, world: int) -> None:
