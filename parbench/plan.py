@@ -27,18 +27,43 @@ Every layout's memory is counted first, as ``parbench estimate`` counts it
 (``timemodel.memory_per_rank`` = ``analytic.rank_memory``: the accounting and attention of
 ``base``, MoE layers as MoE); those that do not fit in the device's memory are dropped before
 any pricing, the rest are priced by ``parbench.timemodel.predict_step`` and ranked by step
-time. The schedule simulator runs only for layouts whose lower bound (the step without a
-bubble) could still make the top list (``plan``), so the search costs one closed-form pricing
-per layout that fits and a few hundred simulations.
+time (ties in the order :func:`layouts` yields them).
+
+The search (``plan_search``) is exact: its top list is the exhaustive one's (``exhaustive=
+True`` simulates every layout that fits; tests compare the two, dense and MoE). What it
+prunes, and why that keeps the result:
+
+- *memory, by group*: the layouts of one grid at one micro-batch size (a group) are counted
+  together -- the per-rank model states (per grid, vpp and ZeRO stage) and activations (per
+  grid, vpp, b and recomputation) are ``rank_memory``'s own cached pieces, summed with the
+  same float operations, so every layout's fit is ``memory_per_rank``'s, to the bit;
+- *whole groups and pipes, by a bound*: best first, every entry keyed by a lower bound of
+  every layout below it -- a group by the loss all-reduce plus the least mean busy time of
+  its ranks over its recomputations and algorithms (every schedule runs each stage m times
+  in all, and what a schedule adds to the stages only adds; the dp sync and the optimizer
+  are >= 0); a *pipe* (schedule, vpp, recomputation, algorithm) by the very makespan bound
+  of ``predict_step(..., bound=True)`` plus the loss; a layout by its
+  ``predict_step(..., bound=True)`` (the busiest rank's busy time, the fill and drain chain,
+  for the makespan). The search stops when the smallest key, times ``BOUND_SLACK``, exceeds
+  the k-th best simulated step: as before, a layout is simulated only if its own bound could
+  still make the top list, and no layout is skipped that the layout-by-layout search would
+  have simulated, since its group's and pipe's keys are at most its bound;
+- *shared pricing*: stage costs once per (grid, b, vpp, recomputation, algorithm), the
+  pipeline once per pipe for all its ZeRO stages (``timemodel.model.priced_pipeline`` and
+  ``step_seconds``: ``predict_step``'s own code and sums), a full ``StepTime`` only for the
+  top list. ``PlanResult`` counts what was done (considered, over memory, bounded,
+  simulated, skipped).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Callable
 
 from .layout import ConfigError, Layout
+from .plan_search import Group, Counts, cap_of, fits_mask, fitting, search
 from .schedules import ChunkRule, get_spec
 from .timemodel import Training, memory_per_rank, predict_step
 
@@ -71,7 +96,11 @@ class Space:
 
 @dataclass
 class PlanResult:
-    """The ranked layouts that fit, and what the search saw."""
+    """The ranked layouts that fit, and what the search saw: ``evaluated`` layouts the
+    rules accept (every one counted against memory), ``over_memory`` of them over the
+    device's memory; of those that fit, ``bounded`` had their lower bound priced,
+    ``simulated`` were priced exactly (the schedule simulated), ``skipped`` were never
+    priced because their group's bound could not beat the k-th best."""
 
     ranked: list  # (Training, StepTime), fastest first
     evaluated: int
@@ -79,6 +108,9 @@ class PlanResult:
     seconds: float
     #: the fastest that did not fit -- priced only when none fits (what memory cost)
     best_over_memory: list = field(default_factory=list)
+    bounded: int = 0
+    simulated: int = 0
+    skipped: int = 0
 
 
 def layouts(shape, world: int, global_batch: int, space: Space = Space(),
@@ -145,9 +177,18 @@ def _expert_degrees(shape, tp: int, stage: int, space: Space):
 
 def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Training):
     """Every micro-batch size, schedule, ZeRO stage, recomputation and context-parallel
-    algorithm on one grid."""
+    algorithm on one grid (the members of its :func:`_groups`, in their order)."""
+    for group in _groups(shape, grid, global_batch, space, base):
+        for si in range(len(group.scheds)):
+            for oi in range(len(group.options)):
+                yield group.member(si, oi)
+
+
+def _groups(shape, grid: Layout, global_batch: int, space: Space, base: Training):
+    """The grid at each micro-batch size b the batch allows (m = B / (dp b), pipelines need
+    m >= pp): a ``plan_search.Group`` of every (schedule, vpp) times every option set."""
     base = base.with_values(sp=grid.tp > 1)
-    options = [base.options.with_values(zero_stage=zero, recompute=rc, cp_algorithm=algo)
+    options = [_options(base.options, zero, rc, algo)
                for zero in space.zero_stages if not (zero and grid.dp == 1)
                for rc in space.recomputes  # ZeRO with dp = 1 has nothing to shard over
                for algo in _cp_algorithms(shape, grid, space, base)]
@@ -158,11 +199,17 @@ def _per_degrees(shape, grid: Layout, global_batch: int, space: Space, base: Tra
         m = per_rank // b
         if grid.pp > 1 and m < grid.pp:
             continue
-        for schedule, vpp in _schedules(grid.stage_layers(shape.l), grid.pp, m, space):
-            lay = replace(grid, vpp=vpp, schedule=schedule, micro_batch_size=b,
-                          num_microbatches=m)
-            for opts in options:
-                yield replace(base, layout=lay, options=opts)
+        scheds = _schedule_list(tuple(grid.stage_layers(shape.l)), grid.pp, m, space)
+        if scheds and options:
+            lay = replace(grid, micro_batch_size=b, num_microbatches=m)
+            yield Group(0, lay, scheds, base, options)
+
+
+@lru_cache(maxsize=4096)
+def _options(base, zero: int, recompute: str, algorithm: str):
+    """``base`` (an ``Options``) with the ZeRO stage, recomputation and context-parallel
+    algorithm of one candidate (cached: every grid asks for the same few)."""
+    return base.with_values(zero_stage=zero, recompute=recompute, cp_algorithm=algorithm)
 
 
 def _cp_algorithms(shape, grid: Layout, space: Space, base: Training) -> tuple[str, ...]:
@@ -174,6 +221,12 @@ def _cp_algorithms(shape, grid: Layout, space: Space, base: Training) -> tuple[s
     kv = shape.kv_heads
     heads_ok = (shape.a // grid.tp) % grid.cp == 0 and max(kv // grid.tp, 1) % grid.cp == 0
     return tuple(a for a in space.cp_algorithms if a != "ulysses" or heads_ok)
+
+
+@lru_cache(maxsize=4096)
+def _schedule_list(stage_layers: tuple, pp: int, m: int, space: Space) -> list:
+    """:func:`_schedules` as a list, cached (grids of one pp share it)."""
+    return list(_schedules(stage_layers, pp, m, space))
 
 
 def _schedules(stage_layers: list[int], pp: int, m: int, space: Space):
@@ -216,35 +269,74 @@ def plan(shape, world: int, profile, global_batch: int, space: Space = Space(),
     """Price every layout; keep the ``keep`` fastest that fit (and the fastest few that do
     not, to say what memory cost).
 
-    Branch and bound: every layout is first priced with ``predict_step(..., bound=True)``
-    (no schedule simulation: a lower bound of its step); then, in the order of the bounds,
-    layouts are simulated until the next bound exceeds the ``keep``-th best simulated step
-    (``BOUND_SLACK``), so the top list is the exhaustive search's (``exhaustive=True``
-    simulates everything: what the tests compare it with). A custom ``predictor`` is called
-    once per layout. ``base``: precision, accounting and attention of every candidate
+    Branch and bound over groups of layouts (module doc, ``plan_search``): layouts are
+    simulated in the order of their lower bounds ``predict_step(..., bound=True)`` until the
+    next bound -- of a layout, or of a whole group or pipe not yet priced -- exceeds the
+    ``keep``-th best simulated step (``BOUND_SLACK``), so the top list is the exhaustive
+    search's (``exhaustive=True`` simulates everything: what the tests compare it with). A
+    custom ``predictor`` is called once per layout. ``base``: precision, accounting and attention of every candidate
     (:func:`layouts`), so the memory that prunes is ``estimate``'s under the same choices."""
     if world < 1:
         raise ConfigError(f"world={world} must be >= 1")
     if global_batch < 1:
         raise ConfigError(f"global_batch_size={global_batch} must be >= 1")
     t0 = time.perf_counter()
-    cands = layouts(shape, world, global_batch, space, base)
     if predictor is not None:
         exact = lambda trn: predictor(shape, trn, profile)  # noqa: E731
+        cands = layouts(shape, world, global_batch, space, base)
         priced = [(st.step_s, trn, st) for trn in cands for st in (exact(trn),)]
         fits = sorted((x for x in priced if x[2].fits), key=lambda x: x[0])[:keep]
         over = sorted((x for x in priced if not x[2].fits), key=lambda x: x[0])[:3]
         n, n_over = len(priced), len(priced) - sum(1 for x in priced if x[2].fits)
+        counts = Counts(simulated=n)
+    elif exhaustive:
+        fitting_, over_mem = _by_memory(shape, layouts(shape, world, global_batch, space,
+                                                       base), profile)
+        n, n_over = len(fitting_) + len(over_mem), len(over_mem)
+        fits = _ranked(shape, fitting_, profile, keep, True)
+        over = [] if fits else _ranked(shape, over_mem, profile, 3, True)
+        counts = Counts(simulated=len(fitting_))
     else:
-        fitting, over_mem = _by_memory(shape, cands, profile)
-        n, n_over = len(fitting) + len(over_mem), len(over_mem)
-        fits = _ranked(shape, fitting, profile, keep, exhaustive)
-        # the fastest over memory are priced only to say what memory cost when none fits
-        over = [] if fits else _ranked(shape, over_mem, profile, 3, exhaustive)
+        n, n_over, fits, over, counts = _branch_and_bound(shape, world, profile, global_batch,
+                                                          space, keep, base)
     return PlanResult(ranked=[(trn, st) for _, trn, st in fits], evaluated=n,
-                      over_memory=n_over,
-                      seconds=time.perf_counter() - t0,
-                      best_over_memory=[(trn, st) for _, trn, st in over])
+                      over_memory=n_over, seconds=time.perf_counter() - t0,
+                      best_over_memory=[(trn, st) for _, trn, st in over],
+                      bounded=counts.bounded, simulated=counts.simulated,
+                      skipped=counts.skipped)
+
+
+def plan_groups(shape, world: int, global_batch: int, space: Space = Space(),
+                base: Training | None = None) -> list[Group]:
+    """The layouts of :func:`layouts` as groups (one grid at one micro-batch size), in
+    their order, numbered."""
+    groups = [g for grid in _grids(shape, world, global_batch, space)
+              for g in _groups(shape, grid, global_batch, space, base or Training())]
+    for i, g in enumerate(groups):
+        g.order = i
+    return groups
+
+
+def _branch_and_bound(shape, world: int, profile, global_batch: int, space: Space, keep: int,
+                      base: Training | None):
+    """(layouts, over memory, the ``keep`` fastest that fit, the 3 fastest over memory
+    when none fits, Counts): every group's memory counted whole, then the best-first
+    search of ``plan_search.search`` (the module doc)."""
+    groups = plan_groups(shape, world, global_batch, space, base)
+    cap = cap_of(profile)
+    memo: dict = {}
+    for g in groups:
+        g.fits = fits_mask(shape, g, cap, memo)
+    n = sum(g.size for g in groups)
+    n_fit = fitting(groups)
+    best, counts = search(shape, groups, profile, keep, BOUND_SLACK)
+    fits = [(step, trn, st) for step, _, trn, st in best]
+    over: list = []
+    if not fits and n_fit < n:  # what memory cost: the fastest over memory, as before
+        over_mem = [g.member(si, oi) for g in groups for si, row in enumerate(g.fits)
+                    for oi, ok in enumerate(row) if not ok]
+        over = _ranked(shape, over_mem, profile, 3, False)
+    return n, n - n_fit, fits, over, counts
 
 
 def _by_memory(shape, cands, profile) -> tuple[list, list]:
@@ -271,8 +363,10 @@ def _ranked(shape, cands: list, profile, k: int, exhaustive: bool) -> list:
 def _best(bounded, k: int, exact) -> list:
     """The ``k`` smallest exact steps among ``(bound, layout)`` pairs, simulating in the
     order of the bounds until no remaining bound can beat the k-th best."""
-    best: list = []  # (step, order, layout, StepTime), sorted
-    for order, (lb, trn) in enumerate(sorted(bounded, key=lambda x: x[0])):
+    best: list = []  # (step, order, layout, StepTime), sorted; ties in the layouts' order
+    ordered = sorted(((lb, i, trn) for i, (lb, trn) in enumerate(bounded)),
+                     key=lambda x: (x[0], x[1]))
+    for lb, order, trn in ordered:
         if len(best) >= k and lb * BOUND_SLACK > best[k - 1][0]:
             break
         st = exact(trn)

@@ -162,22 +162,56 @@ def _rank(r: int, row: tuple, flight: float, dense: float, moe, counting: Counti
 def _static(shp: Shape, lay: Layout, sp: bool, mode: str, zero: int, counting: Counting):
     """What does not depend on the schedule: per rank (model states, one micro-batch's
     activations of its layers, full recomputation's working layer, logits), and the dense
-    and MoE layer's bytes (cached through :func:`_static_grid`)."""
-    acc = counting.accounting_name
-    dense, moe = layer_bytes(shp, lay, sp, mode, counting)
-    working = layer_bytes(shp, lay, sp, "none", counting) if mode == "full" else (0.0, None)
-    rows, kinds = _stages(shp, lay.pp, lay.tp, lay.ep, lay.vpp, lay.etp,
-                          (lay.first_stage_layers, lay.last_stage_layers))
+    and MoE layer's bytes (cached through :func:`_static_grid`): :func:`rank_states` and
+    :func:`rank_activations` side by side."""
+    grid = (lay.tp, lay.cp, lay.ep, lay.etp, lay.dp, lay.pp, lay.vpp,
+            lay.first_stage_layers, lay.last_stage_layers)
+    states = rank_states(shp, grid, zero, counting.accounting_name)
+    held, work, logits, dense, moe = rank_activations(shp, grid, lay.micro_batch_size, sp,
+                                                      mode, counting)
+    return tuple(zip(states, held, work, logits)), dense, moe
+
+
+@lru_cache(maxsize=65536)
+def rank_states(shp: Shape, grid: tuple, zero: int, acc: str) -> tuple[float, ...]:
+    """Each pipeline rank's padded model states (and DeepSpeed's ZeRO-3 buffer) of the
+    padded shape on ``grid`` = (tp, cp, ep, etp, dp, pp, vpp, first, last): the same for
+    every micro-batch size, recomputation and schedule (the planner counts whole groups
+    of layouts with it)."""
+    tp, cp, ep, etp, dp, pp, vpp, first, last = grid
+    lay = Layout(tp=tp, cp=cp, ep=ep, etp=etp, dp=dp, pp=pp, vpp=vpp,
+                 first_stage_layers=first, last_stage_layers=last)
+    rows, _ = _stages(shp, pp, tp, ep, vpp, etp, (first, last))
     buffer = _layer_buffer(shp, lay, zero, acc)
-    logits = activations.logits_bytes(shp.s // lay.cp, lay.micro_batch_size, shp.V, lay.tp,
-                                      counting.logits_bytes)
-    out = []
-    for r, (n_layers, n_moe) in enumerate(kinds):
-        held = (n_layers - n_moe) * dense + n_moe * (moe or 0.0)
-        work = (working[1] if n_moe else working[0]) or 0.0
-        out.append((_states(rows[r], lay, zero, acc) + buffer, held, work,
-                    logits if r == lay.pp - 1 else 0.0))
-    return tuple(out), dense, moe
+    return tuple(_states(row, lay, zero, acc) + buffer for row in rows)
+
+
+@lru_cache(maxsize=4096)
+def _layer_bytes(shp: Shape, tp: int, cp: int, expert_tp: int, b: int, sp: bool, mode: str,
+                 counting: Counting) -> tuple[float, float | None]:
+    """:func:`layer_bytes` by the layout's numbers it reads (tp, cp, expert tp, b)."""
+    lay = Layout(tp=tp, cp=cp, etp=0 if expert_tp == tp else expert_tp, dp=expert_tp,
+                 micro_batch_size=b)  # dp: any that lets the expert grid pass its rule
+    return layer_bytes(shp, lay, sp, mode, counting)
+
+
+@lru_cache(maxsize=65536)
+def rank_activations(shp: Shape, grid: tuple, b: int, sp: bool, mode: str,
+                     counting: Counting) -> tuple:
+    """(held, working, logits) per pipeline rank -- one micro-batch's activations of its
+    layers, full recomputation's working layer, the last rank's logits -- and the dense and
+    MoE layer's bytes, of the padded shape on ``grid`` (as :func:`rank_states`) at
+    micro-batch size ``b``: the same for every ZeRO stage and schedule."""
+    tp, cp, ep, etp, dp, pp, vpp, first, last = grid
+    dense, moe = _layer_bytes(shp, tp, cp, etp or tp, b, sp, mode, counting)
+    working = _layer_bytes(shp, tp, cp, etp or tp, b, sp, "none", counting) \
+        if mode == "full" else (0.0, None)
+    _, kinds = _stages(shp, pp, tp, ep, vpp, etp, (first, last))
+    logits = activations.logits_bytes(shp.s // cp, b, shp.V, tp, counting.logits_bytes)
+    held = tuple((n_layers - n_moe) * dense + n_moe * (moe or 0.0) for n_layers, n_moe in kinds)
+    work = tuple((working[1] if n_moe else working[0]) or 0.0 for _, n_moe in kinds)
+    last_logits = tuple(logits if r == pp - 1 else 0.0 for r in range(len(kinds)))
+    return held, work, last_logits, dense, moe
 
 
 def peak_rank_memory(shape, lay: Layout, options: Options, counting: Counting,

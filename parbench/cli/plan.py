@@ -62,7 +62,9 @@ def cmd_plan(args: list[str], as_json: bool = False, wide: bool = False) -> int:
                           "calibrated": profile.calibrated, "device_kind": device_kind(profile),
                           "accounting": _accounting(base), "attention": base.attention,
                           "global_batch_size": batch, "evaluated": res.evaluated,
-                          "over_memory": res.over_memory, "seconds": res.seconds,
+                          "over_memory": res.over_memory, "bounded": res.bounded,
+                          "simulated": res.simulated, "skipped": res.skipped,
+                          "seconds": res.seconds,
                           "ranked": [as_dict(trn, st) for trn, st in res.ranked],
                           "unpriced_schedules": skipped}, indent=2, default=str))
         return 0 if res.ranked else 1
@@ -127,8 +129,10 @@ def _print_breakdowns(out, res) -> None:
 def _print(out, name, world, device, batch, res, why) -> None:
     from rich.table import Table
     out.print(f"[bold]parbench plan[/] {name} on {world} × {device}, global batch {batch}: "
-              f"{res.evaluated} layouts priced in {res.seconds:.2f} s, "
-              f"{res.over_memory} over the device's memory")
+              f"{res.evaluated} layouts considered in {res.seconds:.2f} s: "
+              f"{res.over_memory} over the device's memory; of those that fit, "
+              f"{res.bounded} priced with a lower bound ({res.simulated} of them simulated), "
+              f"{res.skipped} skipped whole by their group's bound", soft_wrap=True)
     if not res.ranked:
         out.print("[red]no layout fits[/]; the fastest over memory:")
         for trn, st in res.best_over_memory:

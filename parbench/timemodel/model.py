@@ -128,6 +128,31 @@ def _predict(shape, trn: Training, profile: Profile, bound: bool = False) -> Ste
     return step_time(shape, trn, profile, stages, pipe, sync)
 
 
+def priced_pipeline(shape, trn: Training, profile: Profile, bound: bool = False,
+                    bubble: bool = True, stages: StageCosts | None = None):
+    """(stage costs, pipeline run) of ``trn``, as ``predict_step`` prices them before the
+    critical rank's sync: the same for layouts that differ in the ZeRO stage alone (but
+    PipeDream's per-micro-batch updates, which read it), so the planner prices them once
+    for all of them (:func:`step_seconds`). ``stages``: the stage costs of the same grid,
+    micro-batch size, vpp and options, copied (the schedule adds to its own copy);
+    ``bubble=False``: the makespan without p2p latency is not simulated (only the
+    bubble and the exposed pp time read it)."""
+    if stages is None:
+        stages = _stage_costs(shape, trn, profile)
+    elif trn.layout.pp > 1 and _schedule_adds(profile, get_spec(trn.layout.schedule)):
+        stages = StageCosts(stages.layer, stages.emb, stages.head,
+                            [c.copy() for c in stages.per_stage])
+    return stages, _pipeline(shape, trn, profile, stages.per_stage, bound, bubble)
+
+
+def step_seconds(shape, trn: Training, profile: Profile, stages: StageCosts,
+                 pipe: PipelineRun) -> float:
+    """``predict_step(...).step_s`` from :func:`priced_pipeline`'s parts: the makespan, the
+    critical rank's data-parallel sync, optimizer step and loss all-reduce (the same sum)."""
+    sync = _critical_sync(shape, trn, profile, stages.per_stage, pipe)
+    return pipe.makespan + sync.dp_exposed + sync.opt_s + sync.loss_s
+
+
 def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
     """Each virtual stage's cost of one micro-batch: its dense and MoE layers, the embedding
     on the first stage, the LM head on the last."""
@@ -160,9 +185,10 @@ def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
 
 
 def _pipeline(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
-              bound: bool) -> PipelineRun:
+              bound: bool, bubble: bool = True) -> PipelineRun:
     """The schedule run with the stage costs (one stage: m micro-batches back to back);
-    ``bound``: the busiest rank's busy time instead of the simulated makespan."""
+    ``bound``: the busiest rank's busy time instead of the simulated makespan; ``bubble``:
+    also the makespan without p2p latency (else the makespan stands in for it)."""
     lay = trn.layout
     p, m = lay.pp, lay.num_microbatches
     if p == 1:
@@ -179,7 +205,8 @@ def _pipeline(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
         makespan = makespan0 = chain_bound(trn, stage_costs, busy_ranks)
     else:
         # the latency of each cross-rank dependency (in the simulator)
-        makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs, p2p)
+        makespan, makespan0, busy_ranks = _simulated(shape, trn, profile, stage_costs, p2p,
+                                                     bubble)
     return PipelineRun(spec, spec.weight_rule, makespan, makespan0, busy_ranks, p2p)
 
 
@@ -195,10 +222,17 @@ def _p2p_time(shape, trn: Training, profile: Profile) -> float:
     return profile.collective_time("send", 2, s_p2p, link)
 
 
+def _schedule_adds(profile: Profile, spec: ScheduleSpec) -> bool:
+    """Whether :func:`_add_schedule_costs` changes the stage costs (each of its cases)."""
+    return bool(profile.p2p_blocking or spec.splits_backward
+                or spec.weight_rule is WeightRule.PIPEDREAM)
+
+
 def _add_schedule_costs(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
                         spec: ScheduleSpec, p2p: float) -> None:
     """What the schedule adds to each virtual stage's costs: blocking sends, a split
-    backward's engine calls, PipeDream's per-micro-batch weight updates."""
+    backward's engine calls, PipeDream's per-micro-batch weight updates (the cases of
+    :func:`_schedule_adds`)."""
     nstages = len(stage_costs)
     chunks = trn.layout.chunk_layers(shape.l)
     if profile.p2p_blocking:
@@ -313,11 +347,12 @@ def _version_copy(profile: Profile, psi: float, tensors: int) -> float:
     return profile.mem_time(2 * 4 * psi, tensors)
 
 
-def _simulated(shape, trn: Training, profile: Profile, stage_costs, p2p_s: float):
+def _simulated(shape, trn: Training, profile: Profile, stage_costs, p2p_s: float,
+               bubble: bool = True):
     """``pipeline_time``, with a schedule the simulator refuses named in the error."""
     lay = trn.layout
     try:
-        return pipeline_time(shape, trn, profile, stage_costs, p2p_s)
+        return pipeline_time(shape, trn, profile, stage_costs, p2p_s, bubble)
     except Exception as exc:  # noqa: BLE001 - a schedule the simulator refuses
         raise ValueError(f"schedule={lay.schedule!r} with pp={lay.pp}, vpp={lay.vpp}, "
                          f"num_microbatches={lay.num_microbatches}: {exc}") from None

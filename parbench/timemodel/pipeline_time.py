@@ -52,9 +52,11 @@ def _stage_map(name: str, p: int, v: int) -> int:
 
 
 def pipeline_time(shape, trn: Training, profile: Profile, stage_costs: list[_Costs],
-                  p2p_s: float) -> tuple[float, float, list[float]]:
+                  p2p_s: float, bubble: bool = True) -> tuple[float, float, list[float]]:
     """(makespan, makespan without p2p latency, busy per rank) of the schedule, simulated
-    with normalised costs (cached), or in closed form for very long schedules."""
+    with normalised costs (cached), or in closed form for very long schedules;
+    ``bubble=False``: the makespan again instead of the one without p2p latency (one
+    simulation instead of two, for a caller that reads the step alone)."""
     lay = trn.layout
     p, m, v = lay.pp, lay.num_microbatches, lay.vpp
     name = lay.schedule
@@ -80,7 +82,7 @@ def pipeline_time(shape, trn: Training, profile: Profile, stage_costs: list[_Cos
     kf, kb, kw = key(tf), key(tb), key(tw)
     q = _sig(p2p_s / unit, digits) if p2p_s / unit > 1e-3 else 0.0
     ms, busy = _simulate(name, p, m, v, kf, kb, kw, q)
-    ms0, _ = _simulate(name, p, m, v, kf, kb, kw, 0.0) if q else (ms, busy)
+    ms0, _ = _simulate(name, p, m, v, kf, kb, kw, 0.0) if q and bubble else (ms, busy)
     return ms * unit, ms0 * unit, [x * unit for x in busy]
 
 
