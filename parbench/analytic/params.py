@@ -47,7 +47,8 @@ component                       full count                  per rank (tensor-par
 ==============================  ==========================  ==============================
 RMSNorm (``norm="rmsnorm"``)    h (weight only)             h         (replicated)
 QKV with GQA (``num_kv_heads``) h (h + 2 h_kv) [+ h + 2h_kv  (h (h + 2 h_kv) [+ ...]) / t
-                                bias]                       (t must divide num_kv_heads)
+                                bias]                       (t | num_kv_heads or
+                                                            num_kv_heads | t: no replica)
 SwiGLU (``mlp="swiglu"``)       3hf [+ 2f + h bias]         3hf / t [+ 2f / t + h]
 no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its own)
 ==============================  ==========================  ==============================
@@ -55,6 +56,8 @@ no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its
 GQA: Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from
 Multi-Head Checkpoints", Sec. 2; the K and V projections are h -> h_kv. SwiGLU: Shazeer 2020,
 "GLU Variants Improve Transformer", Eq. 6 (FFN_SwiGLU = (Swish(xW) * xV) W_2: three matrices).
+With t > num_kv_heads Megatron-Core still splits the fused QKV evenly, (h + 2 h_kv) / t rows
+a rank, and all-gathers its output instead of replicating K/V weights (:mod:`.gqa`).
 With these, LLaMA-2 (Touvron et al. 2023, "Llama 2", Table 1 and the released
 ``config.json``: h = 4096, l = 32, a = 32, f = 11008 for 7B; h = 8192, l = 80, a = 64,
 num_kv_heads = 8, f = 28672 for 70B; V = 32000, RMSNorm, no biases, untied head, RoPE) has
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .gqa import check_query_groups
 from .expert_layout import check_ep, check_etp, expert_layout  # noqa: F401  (re-exported)
 from .mla import mla_linears  # noqa: F401  (re-exported)
 from .shape import Shape, divides, moe_layer_count, require_positive_int
@@ -98,9 +102,7 @@ def textbook_total_params(h: int, l: int, V: int, s: int) -> int:  # noqa: E741,
 def _check_tp(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
-    if shape.kv_heads != shape.num_heads:
-        # Megatron-Core splits the query groups over tp (num_query_groups / tp per rank)
-        divides("tp", tp, "num_kv_heads", shape.kv_heads)
+    check_query_groups(shape, tp)  # tp | num_kv_heads, or num_kv_heads | tp
     divides("tp", tp, "ffn_hidden_size", shape.f)
     divides("tp", tp, "vocab_size", shape.vocab_size)
 
