@@ -194,6 +194,10 @@ class RunConfig:
     #: the traffic ledger and the timeline record every step (false: off, for measuring
     #: their overhead; a row then has no bytes)
     instrument: bool = True
+    #: the verdict's reference work (golden run, stepwise reference, final continuation)
+    #: computed once on rank 0 and sent to every rank (false: on every rank, as before issue
+    #: 24 -- what ``scripts/bench_verdict.py`` compares it with)
+    shared_reference: bool = True
     fail_at_step: int = _rule(-1, "step", "testing aid: rank fail_rank fails at this step")
     fail_rank: int = _rule(0, "nonneg")
     fail_kind: str = "raise"  # testing aid: raise | hang (sleep inside the step)
