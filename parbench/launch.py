@@ -27,6 +27,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import time
@@ -184,6 +185,7 @@ class WorkerPool:
                     raise
 
     def _start_on(self, port: int, start_timeout_s: float) -> None:
+        os.makedirs(self._stack_dir, exist_ok=True)  # a failed start's close removed it
         self._results = self._ctx.Queue()
         self._task_qs = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = []
@@ -218,6 +220,7 @@ class WorkerPool:
         for p in self._procs:
             p.join(2)
         self._procs = []
+        shutil.rmtree(self._stack_dir, ignore_errors=True)  # read by _hang before it closes
 
     def __enter__(self) -> "WorkerPool":
         return self
