@@ -114,6 +114,7 @@ class ModelConfig:
     moe_bias_update_rate: float = _rule(0.0, "nonneg", "expert bias's gamma; 0 = no bias")
     moe_router_groups: int = _rule(0, "nonneg", "expert groups; 0 = not group-limited")
     moe_router_topk_groups: int = _rule(0, "nonneg", "groups kept per token")
+    moe_router_scaling: float = _rule(1.0, "gt0", "routed gates' factor (DeepSeek-V3: 2.5)")
     #: analytic only, multi-head latent attention (DeepSeek-V2 / V3; Megatron's --kv-lora-rank
     #: --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim): kv_lora_rank > 0
     kv_lora_rank: int = _rule(0, "nonneg", "MLA's K/V latent; 0 = no MLA (analytic only)")

@@ -209,9 +209,12 @@ def _router_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     """The router arguments (megatron/core/transformer/moe/moe_utils.py,
     ``topk_routing_with_score_function``; the rules of transformer_config.py): the expert
     bias (sigmoid only, as Megatron-Core requires; gamma = ``--moe-router-bias-update-rate``,
-    1e-3 when absent) into ``vals``; the gates parbench computes differently refused."""
+    1e-3 when absent) into ``vals``; a top-k scaling factor of 0 as none (Megatron-Core
+    scales by a nonzero factor only); the gates parbench computes differently refused."""
     if not vals.get("num_experts"):
         return
+    if vals.get("moe_router_scaling") == 0:
+        vals["moe_router_scaling"] = 1.0
     sigmoid = vals.get("moe_router") == "sigmoid"
     k = vals.get("moe_top_k", MEGATRON_MOE_DEFAULTS["moe_top_k"])
     if args.get("--moe-router-enable-expert-bias"):

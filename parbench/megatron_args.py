@@ -32,6 +32,9 @@ MEGATRON_ARGS = {
     # group-limited routing (megatron/core/transformer/moe/moe_utils.py, group_limited_topk;
     # the checks in imports._router_groups)
     "--moe-router-group-topk": ("moe_router_topk_groups", int),
+    # the routed gates times the factor after their normalisation (moe_utils.py,
+    # topk_routing_with_score_function; DeepSeek-V3's 2.5): parbench.model.router
+    "--moe-router-topk-scaling-factor": ("moe_router_scaling", float),
 }
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
@@ -128,8 +131,6 @@ MEGATRON_REFUSED = {
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",
     "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
-    "--moe-router-topk-scaling-factor": "scaled routing weights (the top-k gates times the "
-    "factor, DeepSeek-V3's 2.5) are not modelled: parbench's gates sum to 1",
     "--moe-router-force-load-balancing": "forced uniform routing (a benchmark mode) is not "
     "modelled",
     "--rotary-scaling-factor": "YaRN rotary scaling is not modelled",

@@ -90,11 +90,13 @@ class Inputs(Block):
     moe_bias_update_rate: float | None = optional()
     moe_router_groups: int | None = optional()
     moe_router_topk_groups: int | None = optional()
+    moe_router_scaling: float | None = optional()
 
 
 def _router_inputs(shape: Shape) -> dict[str, Any]:
     """The DeepSeek-V3 router settings an MoE model uses (``parbench.moe_rules``): the sigmoid
-    score, the balancing bias's gamma, the groups; none for the default softmax router."""
+    score, the balancing bias's gamma, the groups, the gates' scaling; none for the default
+    softmax router."""
     more: dict[str, Any] = {}
     if shape.moe_router != "softmax":
         more["moe_router"] = shape.moe_router
@@ -103,6 +105,8 @@ def _router_inputs(shape: Shape) -> dict[str, Any]:
     if shape.moe_router_groups:
         more.update(moe_router_groups=shape.moe_router_groups,
                     moe_router_topk_groups=shape.moe_router_topk_groups)
+    if shape.moe_router_scaling != 1.0:
+        more["moe_router_scaling"] = shape.moe_router_scaling
     return more
 
 

@@ -228,7 +228,6 @@ def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
 #: (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), written out; each feature parbench
 #: does not model must be refused by name, the rest must import
 DEEPSEEK_V3_REFUSED = {
-    "--moe-router-topk-scaling-factor 2.5": "scaled routing weights",
     "--moe-router-load-balancing-type seq_aux_loss": "seq_aux_loss is not supported",
     "--moe-router-force-load-balancing": "forced uniform routing",
     "--rotary-scaling-factor 40": "YaRN rotary scaling is not modelled",
@@ -241,7 +240,7 @@ DEEPSEEK_V3_ROUTER = """
 --moe-router-pre-softmax --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4
 --moe-router-num-groups 8 --moe-router-score-function sigmoid --moe-router-enable-expert-bias
 --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion
---moe-shared-expert-overlap
+--moe-shared-expert-overlap --moe-router-topk-scaling-factor 2.5
 """
 DEEPSEEK_V3_MODEL = """
 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
@@ -282,11 +281,12 @@ def test_megatron_lms_deepseek_v3_example_routing_applies_the_deepseek_v3_router
     assert (m.moe_router, m.moe_bias_update_rate, m.moe_top_k) == ("sigmoid", 1e-3, 8)
     assert (m.moe_router_groups, m.moe_router_topk_groups) == (8, 4)
     assert (m.moe_first_dense, m.moe_every, m.moe_aux_loss_coef) == (3, 1, 1e-4)
+    assert m.moe_router_scaling == 2.5
     ignored = megatron_ignored(argv)
     for name in ("--moe-router-pre-softmax", "--moe-router-dtype", "--moe-permute-fusion",
                  "--moe-shared-expert-overlap", "--moe-grouped-gemm", "--norm-epsilon"):
         assert name in ignored
     for name in ("--moe-router-score-function", "--moe-router-enable-expert-bias",
                  "--moe-router-group-topk", "--moe-router-num-groups",
-                 "--moe-router-bias-update-rate"):
+                 "--moe-router-bias-update-rate", "--moe-router-topk-scaling-factor"):
         assert name not in ignored

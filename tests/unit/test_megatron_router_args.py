@@ -1,5 +1,5 @@
 """``megatron_args=``: Megatron-LM's router arguments (issue 21) -- DeepSeek-V3's sigmoid score,
-auxiliary-loss-free expert bias and group-limited routing applied; what parbench computes
+auxiliary-loss-free expert bias, group-limited routing and routed scaling factor applied; what parbench computes
 differently refused with the reason. The expected values are Megatron-Core's semantics:
 megatron/core/transformer/transformer_config.py (defaults, rules) and
 megatron/core/transformer/moe/moe_utils.py (``topk_routing_with_score_function``,
@@ -58,6 +58,16 @@ def test_the_group_count_without_group_topk_changes_nothing():
     assert megatron_ignored(shlex.split(text)) == ["--moe-router-num-groups"]
 
 
+def test_the_topk_scaling_factor_scales_the_gates():
+    """moe_utils.py, topk_routing_with_score_function: probs * scaling_factor after the
+    normalisation (DeepSeek-V3's 2.5); absent or 0 (``if scaling_factor:``), not scaled."""
+    assert _model(SIGMOID + "--moe-router-topk-scaling-factor 2.5").moe_router_scaling == 2.5
+    assert _model(SIGMOID).moe_router_scaling == 1.0
+    assert _model(SIGMOID + "--moe-router-topk-scaling-factor 0").moe_router_scaling == 1.0
+    over = megatron_overrides(SIGMOID + "--moe-router-topk-scaling-factor 2.5")
+    assert over["model.moe_router_scaling"] == "2.5"
+
+
 def test_megatron_core_moe_defaults_when_left_out():
     """moe_router_topk 2, --moe-aux-loss-coeff 0.0, --moe-expert-capacity-factor None (no
     token dropped: parbench's 0)."""
@@ -87,7 +97,6 @@ def test_softmax_top1_is_the_pre_softmax_switch_router():
     (SIGMOID + "--moe-router-group-topk 1 --moe-router-num-groups 4",
      "by its top 4 scores, parbench by its top 2"),
     (TINY + "--moe-router-score-function sqrtsoftplus", "sqrtsoftplus is not supported"),
-    (SIGMOID + "--moe-router-topk-scaling-factor 2.5", "scaled routing weights"),
     (SIGMOID + "--moe-router-frobnicate 1", "'--moe-router-frobnicate' is not supported"),
 ])
 def test_what_parbench_computes_otherwise_is_refused_with_its_reason(text, match):
@@ -97,13 +106,16 @@ def test_what_parbench_computes_otherwise_is_refused_with_its_reason(text, match
 
 
 def test_estimate_states_the_router_and_run_gets_its_fields(capsys):
-    assert main(["estimate", "megatron_args=" + TINY + ROUTER, "--json"]) == 0
+    scaled = TINY + ROUTER + " --moe-router-topk-scaling-factor 2.5"
+    assert main(["estimate", "megatron_args=" + scaled, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["inputs"]
+    assert out["moe_router_scaling"] == 2.5
     assert (out["moe_router"], out["moe_bias_update_rate"]) == ("sigmoid", 1e-3)
     assert (out["moe_router_groups"], out["moe_router_topk_groups"]) == (4, 2)
     assert main(["estimate", "megatron_args=" + TINY, "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)["inputs"]
-    assert not {"moe_router", "moe_bias_update_rate", "moe_router_groups"} & set(plain)
+    assert not {"moe_router", "moe_bias_update_rate", "moe_router_groups",
+                "moe_router_scaling"} & set(plain)
     over = megatron_overrides(TINY + ROUTER)
     assert (over["model.moe_router"], over["model.moe_bias_update_rate"]) == ("sigmoid", "0.001")
     assert (over["model.moe_router_groups"], over["model.moe_router_topk_groups"]) == ("4", "2")
