@@ -39,8 +39,9 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     require_nonneg_int("generate", generate)
     s = shape.s if prompt is None else prompt
     require_positive_int("prompt", s)
-    if shape.kv_heads % tp and not shape.mla:
-        raise ValueError(f"tp={tp} does not divide num_kv_heads={shape.kv_heads}")
+    if shape.kv_heads % tp and tp % shape.kv_heads and not shape.mla:
+        raise ValueError(f"tp={tp} and num_kv_heads={shape.kv_heads}: one must divide the "
+                         "other (K/V heads are split over tp, or replicated)")
     layers_rank = max(len(ix) for ix in param_model.stage_layer_indices(
         shape.num_layers, pp, vpp, first=ends[0], last=ends[1]))
     e = bytes_per_element
@@ -54,8 +55,9 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     else:
         total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e,
                                       shape.kv_hidden)
+        # a rank holds its share of the K/V heads, at least one whole (replicated) head
         per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
-                                         shape.kv_hidden // tp)
+                                         max(shape.kv_heads // tp, 1) * (shape.h // shape.a))
     extra = {"formula": "e x b x l x (kv_lora_rank + qk_rope_head_dim) x (s + n); per rank "
                         "l / pp layers, the latent whole"} if shape.mla else {}
     return KVCache(batch=batch, prompt_tokens=s, generated_tokens=generate,

@@ -47,7 +47,9 @@ component                       full count                  per rank (tensor-par
 ==============================  ==========================  ==============================
 RMSNorm (``norm="rmsnorm"``)    h (weight only)             h         (replicated)
 QKV with GQA (``num_kv_heads``) h (h + 2 h_kv) [+ h + 2h_kv  (h (h + 2 h_kv) [+ ...]) / t
-                                bias]                       (t must divide num_kv_heads)
+                                bias]                       when t divides num_kv_heads;
+                                                            h (h / g + 2d) [+ h/g + 2d]
+                                                            when g = num_kv_heads divides t
 SwiGLU (``mlp="swiglu"``)       3hf [+ 2f + h bias]         3hf / t [+ 2f / t + h]
 no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its own)
 ==============================  ==========================  ==============================
@@ -98,9 +100,13 @@ def textbook_total_params(h: int, l: int, V: int, s: int) -> int:  # noqa: E741,
 def _check_tp(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
-    if shape.kv_heads != shape.num_heads:
-        # Megatron-Core splits the query groups over tp (num_query_groups / tp per rank)
-        divides("tp", tp, "num_kv_heads", shape.kv_heads)
+    g = shape.kv_heads
+    if g != shape.num_heads and g % tp and tp % g:
+        # Megatron-Core splits the query groups over tp (num_query_groups / tp per rank), or
+        # with fewer groups than ranks replicates each group tp / num_query_groups times
+        # (transformer_config.py: one must be a multiple of the other)
+        raise ValueError(f"tp={tp} and num_kv_heads={g}: one must divide the other (K/V "
+                         "heads are split over tp, or replicated tp/num_kv_heads times)")
     divides("tp", tp, "ffn_hidden_size", shape.f)
     divides("tp", tp, "vocab_size", shape.vocab_size)
 
@@ -139,8 +145,15 @@ def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
         lin = mla_linears(shape, tp)
         return {"qkv": sum(n for name, n in lin if name != "proj"),
                 "proj": dict(lin)["proj"]}
-    h, kv = shape.h, shape.kv_hidden
+    h, kv, g = shape.h, shape.kv_hidden, shape.kv_heads
     b = int(shape.bias)
+    if tp > g:
+        # Megatron-Core with fewer query groups than tp ranks (attention.py, num_query_groups
+        # < world_size): each rank's QKV projection is its whole group -- the group's h / g
+        # query columns and one K and one V head, replicated tp / g times -- and the rank keeps
+        # its h / tp query heads of the output; the output projection stays split by tp
+        cols = h // g + 2 * (h // shape.a)
+        return {"qkv": h * cols + b * cols, "proj": h * h // tp + b * h}
     return {"qkv": (h * (h + 2 * kv) + b * (h + 2 * kv)) // tp,
             "proj": h * h // tp + b * h}
 
