@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parbench.model.mla import LATENT_EPS, MLADims, latent_attention, latent_heads
+from parbench.model.mla import LATENT_EPS, MLADims, latent_heads
 from parbench.model.packing import self_mask
 
 from .collectives import CopyToRegion
@@ -64,7 +64,7 @@ def mla_attention(model, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
     s = x.shape[0]
     pos = torch.arange(s, device=x.device) if docs is None else docs.pos
     q, k, v = latent_heads(q, kv, k_rope, model.heads, dims, pos, model.cfg.rope_theta)
-    y = latent_attention(q, k, v, dims, None if docs is None else self_mask(docs))
+    y = model.latent_core(q, k, v, dims, None if docs is None else self_mask(docs))
     y = y.permute(2, 0, 1, 3).reshape(s, x.shape[1], model.heads * dims.v)
     return model.row(y, model.p(f"{pre}.proj.weight"), None)
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX, GPTStage
 from parbench.model.blocks import NORM_EPS, rotate
+from parbench.model.mla import latent_attention
 from parbench.model.packing import documents_of, self_mask
 
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
@@ -264,6 +265,10 @@ class MegatronGPT(Tapped, nn.Module):
     def copy_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """MLA's ``f`` on the up projections' inputs (``megatron_mla``)."""
         return copy_to_heads(x, self.group)
+
+    def latent_core(self, q, k, v, dims, mask=None) -> torch.Tensor:
+        """MLA's core on the rank's heads: softmax(q k^T / sqrt(d + d_R)) v."""
+        return latent_attention(q, k, v, dims, mask)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
