@@ -88,7 +88,9 @@ class Megatron1D(MegatronFigures):
     supports_packing = True
     #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
     #: (t | num_kv_heads), SwiGLU's [gate; up] sharded half by half, RMSNorm, no biases
-    model_features = MODEL_FEATURES
+    #: and multi-head latent attention (``megatron_mla``; not under sp, nor selective
+    #: recomputation)
+    model_features = MODEL_FEATURES | {"mla"}
 
     def build_model(self):
         ctx = self.ctx
@@ -105,6 +107,9 @@ class Megatron1D(MegatronFigures):
             raise ConfigError(f"tp={t} does not divide num_kv_heads={g}: {cls.name} splits the "
                               "query groups over tp (Megatron-Core's num_query_groups / tp); "
                               "K/V heads replicated over tp are not implemented")
+        if case.model.kv_lora_rank and case.options.recompute == "selective":
+            raise ConfigError(f"recompute=selective with kv_lora_rank={case.model.kv_lora_rank}"
+                              f": {cls.name} recomputes no MLA core (use none or full)")
 
     def module_probes(self):
         """The reference modules as probe points of the model (``MegatronGPT.tap``;
@@ -149,6 +154,7 @@ class MegatronSP(Megatron1D):
                    "sequence, all-gather / reduce-scatter around the parallel linears")
     options = ("recompute",)
     sp = True
+    model_features = MODEL_FEATURES
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
