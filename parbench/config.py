@@ -61,8 +61,9 @@ class ModelConfig:
 
     GPT-2 style by default. The LLaMA-style fields (``features``) and the DeepSeek-style MoE
     fields (``moe_features``, ``parbench.moe_rules``) run in the reference model and in the
-    schemes that declare them (``Scheme.model_features``, ``Scheme.moe_features``); the
-    vocabulary padding and MLA's fields are analytic only (``ANALYTIC_ONLY_FIELDS``).
+    schemes that declare them (``Scheme.model_features``, ``Scheme.moe_features``), as do
+    multi-head latent attention's fields (feature ``mla``, ``parbench.model.mla``); the
+    vocabulary padding is analytic only (``ANALYTIC_ONLY_FIELDS``).
     """
 
     name: str = "custom"
@@ -114,10 +115,12 @@ class ModelConfig:
     moe_bias_update_rate: float = _rule(0.0, "nonneg", "expert bias's gamma; 0 = no bias")
     moe_router_groups: int = _rule(0, "nonneg", "expert groups; 0 = not group-limited")
     moe_router_topk_groups: int = _rule(0, "nonneg", "groups kept per token")
-    #: analytic only, multi-head latent attention (DeepSeek-V2 / V3; Megatron's --kv-lora-rank
+    moe_router_scaling: float = _rule(1.0, "gt0", "routed gates' factor (DeepSeek-V3: 2.5)")
+    #: multi-head latent attention (DeepSeek-V2 / V3; Megatron's --kv-lora-rank
     #: --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim): kv_lora_rank > 0
-    kv_lora_rank: int = _rule(0, "nonneg", "MLA's K/V latent; 0 = no MLA (analytic only)")
-    q_lora_rank: int = _rule(0, "nonneg", "MLA's query latent; 0 = none (analytic only)")
+    #: (parbench.model.mla; bias=false; rope_theta rotates the qk_rope_head_dim parts)
+    kv_lora_rank: int = _rule(0, "nonneg", "MLA's K/V latent; 0 = no MLA")
+    q_lora_rank: int = _rule(0, "nonneg", "MLA's query latent; 0 = none")
     qk_head_dim: int = _rule(0, "nonneg", "MLA's query/key head dim; 0 = head_dim")
     qk_rope_head_dim: int = _rule(0, "nonneg", "MLA's rotary query/key part")
     v_head_dim: int = _rule(0, "nonneg", "MLA's value head dim; 0 = head_dim")
@@ -139,7 +142,8 @@ class ModelConfig:
                       f"num_kv_heads={self.num_kv_heads}"),
               "swiglu": (self.mlp == "swiglu", "mlp=swiglu"),
               "rmsnorm": (self.norm == "rmsnorm", "norm=rmsnorm"),
-              "no-bias": (not self.bias, "bias=false")}
+              "no-bias": (not self.bias, "bias=false"),
+              "mla": (self.kv_lora_rank > 0, f"kv_lora_rank={self.kv_lora_rank}")}
         return {name: field for name, (used, field) in on.items() if used}
 
     def moe_features(self) -> dict[str, str]:
@@ -194,6 +198,10 @@ class RunConfig:
     #: the traffic ledger and the timeline record every step (false: off, for measuring
     #: their overhead; a row then has no bytes)
     instrument: bool = True
+    #: the verdict's reference work (golden run, stepwise reference, final continuation)
+    #: computed once on rank 0 and sent to every rank (false: on every rank, as before issue
+    #: 24 -- what ``scripts/bench_verdict.py`` compares it with)
+    shared_reference: bool = True
     fail_at_step: int = _rule(-1, "step", "testing aid: rank fail_rank fails at this step")
     fail_rank: int = _rule(0, "nonneg")
     fail_kind: str = "raise"  # testing aid: raise | hang (sleep inside the step)
@@ -302,8 +310,6 @@ def validate_model(m: ModelConfig) -> None:
 #: runnable case must leave them at their default; and what the reference model does instead
 ANALYTIC_ONLY_FIELDS = {
     "make_vocab_size_divisible_by": (1, "does not pad its vocabulary"),
-    **{name: (0, "runs multi-head (or grouped-query) attention") for name in (
-        "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim")},
 }
 
 
@@ -319,9 +325,31 @@ def validate_runnable_model(m: ModelConfig) -> None:
         raise ConfigError(f"num_experts={m.num_experts} with mlp={m.mlp}, bias={m.bias}: the "
                           "reference MoE's experts are GELU MLPs with biases (set mlp=gelu, "
                           "bias=true)")
-    if m.rope_theta and m.head_dim % 2:
+    validate_mla(m)
+    if m.rope_theta and m.head_dim % 2 and not m.kv_lora_rank:
         raise ConfigError(f"rope_theta={m.rope_theta:g} needs an even head_dim (hidden_size / "
                           f"num_heads = {m.head_dim}): RoPE rotates pairs of dimensions")
+
+
+def validate_mla(m: ModelConfig) -> None:
+    """Multi-head latent attention's rules (``parbench.model.mla``): its fields only with
+    kv_lora_rank > 0, no biases, RoPE on the decoupled parts only and with a base."""
+    mla_fields = ("q_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if not m.kv_lora_rank:
+        for name in mla_fields:
+            if getattr(m, name):
+                raise ConfigError(f"{name}={getattr(m, name)} is multi-head latent "
+                                  "attention's: it needs kv_lora_rank > 0")
+        return
+    if m.bias:
+        raise ConfigError(f"kv_lora_rank={m.kv_lora_rank} with bias=true: multi-head latent "
+                          "attention's linears have no biases (set bias=false)")
+    if m.qk_rope_head_dim and (not m.rope_theta or m.qk_rope_head_dim % 2):
+        raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim} needs rope_theta > 0 "
+                          f"(is {m.rope_theta:g}) and an even width: RoPE rotates pairs")
+    if m.rope_theta and not m.qk_rope_head_dim:
+        raise ConfigError(f"rope_theta={m.rope_theta:g} with kv_lora_rank={m.kv_lora_rank}: "
+                          "MLA rotates only its decoupled parts (set qk_rope_head_dim > 0)")
 
 
 def validate_layout(c: "CaseConfig") -> None:

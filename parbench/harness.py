@@ -34,6 +34,7 @@ from .registry import get_scheme
 from .timeline import Timeline
 from .verdict.checks import RankChecker
 from .verdict.final import final_check
+from .verdict.once import on_rank0
 
 _MESHES: dict[tuple, Mesh] = {}
 
@@ -60,6 +61,8 @@ class _Steps:
     ledger: list[dict] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
     peak: int | None = None
+    #: wall seconds spent in the verdict's work on this rank (golden run, checks)
+    verdict_s: float = 0.0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _Rank:
 
 def run_case(wctx, case_dict: dict) -> RankResult:
     """One case on this rank (``wctx``: the pool's or torchrun's WorkerContext)."""
+    t_case = time.perf_counter()
     case = CaseConfig.from_dict(case_dict)
     run = case.run
     torch.manual_seed(run.seed)
@@ -88,26 +92,31 @@ def run_case(wctx, case_dict: dict) -> RankResult:
         timeline = Timeline(wctx.rank, enabled=run.instrument)
         scheme = cls(SchemeContext(case=case, mesh=mesh, device=torch.device(wctx.device),
                                    timeline=timeline))
+    out = _Steps()
+    t0 = time.perf_counter()
     with wctx.working("golden run"):  # local work: progress for the hang detector
-        golden = cls.reference(case, run.steps)
+        golden = on_rank0(lambda: cls.reference(case, run.steps), run.shared_reference)
         checker = RankChecker(scheme, case, golden)
+    out.verdict_s += time.perf_counter() - t0
     me = _Rank(wctx, case, scheme, checker, mesh, timeline)
     wctx.progress("built")
-    out = _Steps()
     total = run.steps + run.timed_steps
     for step in range(total):
         _step(me, step, out)
     final = None
     if run.timed_steps:
+        t0 = time.perf_counter()
         with wctx.working("checking the final state"):
             final = final_check(me.checker, case, total, global_batch)
+        out.verdict_s += time.perf_counter() - t0
     figures, bubble = split_figures(scheme.metrics())
     return RankResult(rank=wctx.rank, losses=out.losses, checks=out.checks,
                       step_times=out.step_times, step_cpu_times=out.step_cpu_times,
                       peak_bytes=out.peak,
                       model_states_per_step=out.states, wire_by_axis_per_step=out.wire,
                       calls_by_axis_per_step=out.calls, ledger=out.ledger,
-                      timeline=out.timeline, metrics=figures, bubble=bubble, final=final)
+                      timeline=out.timeline, metrics=figures, bubble=bubble, final=final,
+                      case_s=time.perf_counter() - t_case, verdict_s=out.verdict_s)
 
 
 def time_case(wctx, case_dict: dict) -> dict:
@@ -171,7 +180,9 @@ def _step(me: _Rank, step: int, out: _Steps) -> None:
         me.wctx.progress(f"checking step {step}")
         out.states.append(model_states(me.scheme, compute_dtype(run)))
         out.losses.append(loss)
+        t0 = time.perf_counter()
         out.checks.append(me.checker.check(step, loss, x, y))
+        out.verdict_s += time.perf_counter() - t0
 
 
 def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):

@@ -18,6 +18,7 @@ from .layout import Layout
 from .megatron_args import (
     MEGATRON_ARGS,
     MEGATRON_ATTENTION,
+    MEGATRON_BIAS_UPDATE_RATE,
     MEGATRON_CHECKED,
     MEGATRON_CHECKED_FLAGS,
     MEGATRON_CHOICES,
@@ -26,6 +27,7 @@ from .megatron_args import (
     MEGATRON_FLAGS,
     MEGATRON_IGNORED_FLAGS,
     MEGATRON_IGNORED_VALUED,
+    MEGATRON_MOE_DEFAULTS,
     MEGATRON_REFUSED,
 )
 from .overrides import apply_overrides, coerce
@@ -94,7 +96,21 @@ def read_megatron(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             out[key] = value if typ is str else coerce(value, typ, key)
         else:
             raise ConfigError(f"Megatron argument {key!r} is not supported (unknown to parbench)")
-    return out, ignored
+    return out, ignored + _without_effect(out)
+
+
+def _without_effect(args: dict[str, Any]) -> list[str]:
+    """The arguments given that Megatron-Core reads but that change nothing beside the
+    others, in the order given: the bias update rate without
+    ``--moe-router-enable-expert-bias`` (megatron/core/transformer/moe/router.py keeps no
+    bias then), the group count without ``--moe-router-group-topk`` (moe_utils.py's
+    ``group_limited_topk`` runs only with it), ``--moe-router-pre-softmax`` with the sigmoid
+    score (only the softmax branch of ``topk_routing_with_score_function`` reads it)."""
+    sigmoid = args.get("--moe-router-score-function") == "sigmoid"
+    idle = {"--moe-router-bias-update-rate": not args.get("--moe-router-enable-expert-bias"),
+            "--moe-router-num-groups": not args.get("--moe-router-group-topk"),
+            "--moe-router-pre-softmax": sigmoid}
+    return [k for k in args if idle.get(k)]
 
 
 def megatron_values(argv: list[str]) -> dict[str, Any]:
@@ -151,6 +167,7 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     if vals.get("rope_theta") and "--rotary-base" in args:
         vals["rope_theta"] = args["--rotary-base"]
     _mla_check(args, vals)
+    _router_checks(args, vals)
     hidden, heads = vals.get("hidden_size"), vals.get("num_heads")
     kv = args.get("--kv-channels")
     if kv is not None and hidden and heads and kv * heads != hidden and \
@@ -188,6 +205,61 @@ def _mla_check(args: dict[str, Any], vals: dict[str, Any]) -> None:
                           "it; give the flag or drop the argument")
 
 
+def _router_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
+    """The router arguments (megatron/core/transformer/moe/moe_utils.py,
+    ``topk_routing_with_score_function``; the rules of transformer_config.py): the expert
+    bias (sigmoid only, as Megatron-Core requires; gamma = ``--moe-router-bias-update-rate``,
+    1e-3 when absent) into ``vals``; a top-k scaling factor of 0 as none (Megatron-Core
+    scales by a nonzero factor only); the gates parbench computes differently refused."""
+    if not vals.get("num_experts"):
+        return
+    if vals.get("moe_router_scaling") == 0:
+        vals["moe_router_scaling"] = 1.0
+    sigmoid = vals.get("moe_router") == "sigmoid"
+    k = vals.get("moe_top_k", MEGATRON_MOE_DEFAULTS["moe_top_k"])
+    if args.get("--moe-router-enable-expert-bias"):
+        if not sigmoid:
+            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                              "sigmoid (Megatron-Core's rule)")
+        vals["moe_bias_update_rate"] = args.get("--moe-router-bias-update-rate",
+                                                MEGATRON_BIAS_UPDATE_RATE)
+    if sigmoid and k == 1:
+        raise ConfigError("--moe-router-score-function sigmoid with --moe-router-topk 1 is not "
+                          "supported: Megatron-Core gates with the sigmoid score itself, "
+                          "parbench with the chosen score normalised (1)")
+    if not sigmoid and k == 1 and not args.get("--moe-router-pre-softmax"):
+        raise ConfigError("--moe-router-topk 1 with the softmax score needs "
+                          "--moe-router-pre-softmax (Megatron-Core's rule)")
+    if not sigmoid and k > 1 and args.get("--moe-router-pre-softmax"):
+        raise ConfigError("--moe-router-pre-softmax with --moe-router-topk > 1 is not "
+                          "supported: pre-softmax routing (top-k gates not renormalised) is "
+                          "not modelled")
+    _router_groups(args, vals, sigmoid, k)
+
+
+def _router_groups(args: dict[str, Any], vals: dict[str, Any], sigmoid: bool, k: int) -> None:
+    """Group-limited routing (moe_utils.py, ``group_limited_topk``): on with
+    ``--moe-router-group-topk``, which needs ``--moe-router-num-groups``; Megatron-Core scores
+    a group by the sum of its top k // group_topk scores, parbench by its top 2 (DeepSeek-V3
+    Sec. 2.1.2, ``parbench.model.router``): read when they agree (DeepSeek-V3: k = 8 of 4
+    groups) and with the sigmoid score (under softmax Megatron-Core groups the logits)."""
+    topk_groups = vals.get("moe_router_topk_groups")
+    if not topk_groups:
+        return
+    groups = args.get("--moe-router-num-groups")
+    if not groups:
+        raise ConfigError("--moe-router-group-topk needs --moe-router-num-groups "
+                          "(Megatron-Core's rule)")
+    if not sigmoid:
+        raise ConfigError("--moe-router-group-topk with the softmax score is not supported: "
+                          "Megatron-Core picks the groups by the logits, parbench by the scores")
+    if k // topk_groups != 2:
+        raise ConfigError(f"--moe-router-group-topk={topk_groups} with --moe-router-topk={k} "
+                          "is not supported: Megatron-Core scores a group by its top "
+                          f"{k // topk_groups} scores, parbench by its top 2")
+    vals["moe_router_groups"] = groups
+
+
 def moe_layer_freq(text: str, num_layers: int | None) -> dict[str, int]:
     """Megatron's ``--moe-layer-freq``: an integer k (every k-th layer an MoE layer), or a
     pattern of 0 (dense) and 1 (MoE) per layer such as ``([0]*3+[1]*58)`` (DeepSeek-V3's
@@ -223,6 +295,9 @@ def _case_fields(args: dict[str, Any]) -> dict[str, Any]:
     tied unless untied, as Megatron ties them)."""
     vals = {MEGATRON_ARGS[k][0]: v for k, v in args.items() if k in MEGATRON_ARGS}
     vals.setdefault("tie_embeddings", True)
+    if vals.get("num_experts"):
+        for name, value in MEGATRON_MOE_DEFAULTS.items():
+            vals.setdefault(name, value)
     vals.update(_choice_fields(args))
     _megatron_checks(args, vals)
     vals.setdefault("ffn_hidden_size", 0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import time
@@ -140,6 +141,8 @@ def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, resu
 #: the default start-up net: 4- and 8-rank pools took more than 120 s to start on a 2-core
 #: machine whose cores two other processes kept busy (issue 19's CI-under-load runs)
 START_TIMEOUT_S = 300.0
+#: how many ports a pool tries before a start that found its port taken is an error
+PORT_TRIES = 3
 
 
 class WorkerPool:
@@ -171,7 +174,18 @@ class WorkerPool:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _start(self, start_timeout_s: float) -> None:
-        port = free_port()
+        """Start the ranks on a fresh port; a port taken between ``free_port`` choosing it
+        and rank 0 listening on it (another process's connection can take any free port)
+        is chosen again, up to ``PORT_TRIES`` times -- any other start failure is raised."""
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._start_on(free_port(), start_timeout_s)
+            except RankError as exc:
+                if "EADDRINUSE" not in exc.traceback_text or attempt == PORT_TRIES - 1:
+                    raise
+
+    def _start_on(self, port: int, start_timeout_s: float) -> None:
+        os.makedirs(self._stack_dir, exist_ok=True)  # a failed start's close removed it
         self._results = self._ctx.Queue()
         self._task_qs = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = []
@@ -206,6 +220,7 @@ class WorkerPool:
         for p in self._procs:
             p.join(2)
         self._procs = []
+        shutil.rmtree(self._stack_dir, ignore_errors=True)  # read by _hang before it closes
 
     def __enter__(self) -> "WorkerPool":
         return self

@@ -29,6 +29,12 @@ MEGATRON_ARGS = {
     "--kv-lora-rank": ("kv_lora_rank", int), "--q-lora-rank": ("q_lora_rank", int),
     "--qk-head-dim": ("qk_head_dim", int), "--qk-pos-emb-head-dim": ("qk_rope_head_dim", int),
     "--v-head-dim": ("v_head_dim", int),
+    # group-limited routing (megatron/core/transformer/moe/moe_utils.py, group_limited_topk;
+    # the checks in imports._router_groups)
+    "--moe-router-group-topk": ("moe_router_topk_groups", int),
+    # the routed gates times the factor after their normalisation (moe_utils.py,
+    # topk_routing_with_score_function; DeepSeek-V3's 2.5): parbench.model.router
+    "--moe-router-topk-scaling-factor": ("moe_router_scaling", float),
 }
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
@@ -52,14 +58,16 @@ MEGATRON_CHOICES = {
                                 "selective": {"recompute": "selective"}},
     "--moe-router-load-balancing-type": {"aux_loss": {}, "none": {"moe_aux_loss_coef": 0.0}},
     "--transformer-impl": {"local": {}, "transformer_engine": {}},
-    # softmax over the experts (sigmoid scores, DeepSeek-V3's, are not modelled)
-    "--moe-router-score-function": {"softmax": {}},
+    # megatron/core/transformer/moe/moe_utils.py, topk_routing_with_score_function: softmax
+    # over the experts or DeepSeek-V3's sigmoid affinities (sqrtsoftplus is not modelled)
+    "--moe-router-score-function": {"softmax": {}, "sigmoid": {"moe_router": "sigmoid"}},
 }
 #: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
 MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
                      "--max-position-embeddings": int, "--rotary-percent": float,
                      "--attention-dropout": float, "--hidden-dropout": float,
-                     "--attention-backend": str, "--moe-layer-freq": str}
+                     "--attention-backend": str, "--moe-layer-freq": str,
+                     "--moe-router-num-groups": int, "--moe-router-bias-update-rate": float}
 #: ``--attention-backend`` -> how ``estimate`` counts and prices attention: Megatron-Core's
 #: ``auto`` (its default), ``flash`` and ``fused`` run a fused kernel that keeps no s x s
 #: scores; ``unfused`` and ``local`` materialise them
@@ -67,8 +75,19 @@ MEGATRON_ATTENTION = {"auto": "flash", "flash": "flash", "fused": "flash", "unfu
                       "local": "eager"}
 #: flags read by the checks: GQA's and MLA's switches, and ``--qk-layernorm`` (under MLA the
 #: latents' RMSNorms, which parbench counts; without MLA per-head query/key norms, refused)
+#: and the router's: ``--moe-router-enable-expert-bias`` (with ``--moe-router-bias-update-rate``,
+#: :data:`MEGATRON_BIAS_UPDATE_RATE` when absent) and ``--moe-router-pre-softmax``
 MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention", "--multi-latent-attention",
-                                    "--qk-layernorm"})
+                                    "--qk-layernorm", "--moe-router-enable-expert-bias",
+                                    "--moe-router-pre-softmax"})
+#: Megatron-Core's default ``moe_router_bias_update_rate`` (megatron/core/transformer/
+#: transformer_config.py: "The default value 1e-3 is same as that used in DeepSeekV3")
+MEGATRON_BIAS_UPDATE_RATE = 1e-3
+#: Megatron-Core's MoE defaults where parbench's differ, taken when an MoE model
+#: (``--num-experts``) leaves them out: top-2 (transformer_config.py ``moe_router_topk``), no
+#: auxiliary loss (arguments.py ``--moe-aux-loss-coeff`` 0.0), no capacity limit
+#: (``--moe-expert-capacity-factor`` None: no token dropped)
+MEGATRON_MOE_DEFAULTS = {"moe_top_k": 2, "moe_aux_loss_coef": 0.0, "moe_capacity_factor": 0.0}
 #: Megatron arguments that derive a layout field from the others
 MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
                      "--num-layers-per-virtual-pipeline-stage": "vpp"}
@@ -85,7 +104,8 @@ no-load-optim no-load-rng no-save-optim no-save-rng exit-on-missing-checkpoint
 use-checkpoint-args accumulate-allreduce-grads-in-fp32 attention-softmax-in-fp32
 distribute-saved-activations use-torch-fsdp2 ddp-average-in-collective
 align-grad-reduce align-param-gather defer-embedding-wgrad-compute
-no-check-for-nan-in-loss-and-grad no-mmap-bin-files auto-detect-ckpt-format""".split())
+no-check-for-nan-in-loss-and-grad no-mmap-bin-files auto-detect-ckpt-format
+moe-shared-expert-overlap moe-router-fusion""".split())
 #: Megatron arguments with values that do not change what parbench computes (schedule, data,
 #: logging, checkpoints, performance); their values are skipped up to the next ``--``
 MEGATRON_IGNORED_VALUED = frozenset("--" + n for n in """
@@ -111,13 +131,6 @@ MEGATRON_REFUSED = {
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",
     "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
-    "--moe-router-pre-softmax": "pre-softmax routing (top-k gates not renormalised) is "
-    "not modelled",
-    "--moe-router-topk-scaling-factor": "scaled routing weights are not modelled",
-    "--moe-router-group-topk": "group-limited routing is not modelled",
-    "--moe-router-num-groups": "group-limited routing is not modelled",
-    "--moe-router-enable-expert-bias": "the auxiliary-loss-free expert bias is not modelled",
-    "--moe-router-bias-update-rate": "the auxiliary-loss-free expert bias is not modelled",
     "--moe-router-force-load-balancing": "forced uniform routing (a benchmark mode) is not "
     "modelled",
     "--rotary-scaling-factor": "YaRN rotary scaling is not modelled",

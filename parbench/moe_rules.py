@@ -15,7 +15,9 @@ DeepSeekMoE, Dai et al. 2024, Sec. 3.1-3.2; Megatron-Core's names in brackets):
 - ``moe_bias_update_rate``: gamma of the auxiliary-loss-free balancing bias (Sec. 2.1.2; 0 =
   no bias) (--moe-router-enable-expert-bias, --moe-router-bias-update-rate);
 - ``moe_router_groups`` / ``moe_router_topk_groups``: group-limited routing (Sec. 2.1.2,
-  "Node-Limited Routing") (--moe-router-num-groups, --moe-router-group-topk).
+  "Node-Limited Routing") (--moe-router-num-groups, --moe-router-group-topk);
+- ``moe_router_scaling``: the routed gates, once normalised, times this factor (DeepSeek-V3's
+  ``routed_scaling_factor`` 2.5; 1 = none) (--moe-router-topk-scaling-factor).
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from .layout import ConfigError
 #: the DeepSeek-style MoE fields of ``ModelConfig`` (read by the schemes that run them)
 DEEPSEEK_MOE_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_first_dense",
                        "moe_router", "moe_bias_update_rate", "moe_router_groups",
-                       "moe_router_topk_groups")
+                       "moe_router_topk_groups", "moe_router_scaling")
 
 #: the scores a router may compute
 ROUTERS = ("softmax", "sigmoid")
 
 #: the DeepSeek-style MoE features (``moe_features``) a scheme may declare it runs
 MOE_FEATURES = frozenset({"fine-grained", "shared-expert", "first-dense", "sigmoid-router",
-                          "expert-bias", "group-limited"})
+                          "expert-bias", "group-limited", "router-scaling"})
 
 
 def moe_features(m) -> dict[str, str]:
@@ -43,7 +45,8 @@ def moe_features(m) -> dict[str, str]:
           "first-dense": (m.moe_first_dense, "moe_first_dense"),
           "sigmoid-router": (m.moe_router != "softmax", "moe_router"),
           "expert-bias": (m.moe_bias_update_rate, "moe_bias_update_rate"),
-          "group-limited": (m.moe_router_groups, "moe_router_groups")}
+          "group-limited": (m.moe_router_groups, "moe_router_groups"),
+          "router-scaling": (m.moe_router_scaling != 1.0, "moe_router_scaling")}
     return {name: f"{field}={getattr(m, field)}" for name, (used, field) in on.items()
             if used}
 

@@ -67,6 +67,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                           moe_router_groups=2, moe_router_topk_groups=1,
                           moe_aux_loss_coef=0.0001, moe_capacity_factor=0.0,
                           position_embeddings=False, rope_theta=10000.0, norm="rmsnorm"),
+    # Multi-head latent attention (DeepSeek-V2 Sec. 2.1) at the size of ``llama-tiny``: a
+    # 16-wide K/V latent, a 12-wide query latent, heads of 8 + 4 rotary (query / key) and 8
+    # (value); RoPE on the decoupled parts, RMSNorm, SwiGLU, no biases. Runnable.
+    "mla-tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                     ffn_hidden_size=64, seq_length=16, position_embeddings=False,
+                     rope_theta=10000.0, mlp="swiglu", norm="rmsnorm", bias=False,
+                     kv_lora_rank=16, q_lora_rank=12, qk_head_dim=8, qk_rope_head_dim=4,
+                     v_head_dim=8),
     # Mixtral (Jiang et al. 2024, "Mixtral of Experts", Table 1; Mistral AI's released
     # config.json): 8 SwiGLU experts per layer, top-2, every layer MoE, GQA with 8 KV heads,
     # RoPE (theta 1e6), RMSNorm, no biases, untied head. 8x7B: 32 layers of 4096, experts of

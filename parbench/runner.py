@@ -121,8 +121,11 @@ def timing(case: CaseConfig, merged: Merged, per_rank: list[RankResult]) -> Timi
     step = merged.step_time_s
     tokens = case.layout.global_batch_size * case.model.seq_length
     cpu = [statistics.median(r.step_cpu_times) for r in per_rank if r.step_cpu_times]
+    shares = [r.verdict_s / r.case_s for r in per_rank if r.case_s > 0]
     return Timing(step_s=step, per_rank_s=[list(r.step_times) for r in per_rank],
-                  tokens_per_s=tokens / step if step else None, cpu_s=max(cpu) if cpu else None)
+                  tokens_per_s=tokens / step if step else None, cpu_s=max(cpu) if cpu else None,
+                  verdict_share=max(shares) if shares else None,
+                  case_s=max((r.case_s for r in per_rank), default=None) or None)
 
 
 def memory(case: CaseConfig, cls, merged: Merged, pred) -> Memory:

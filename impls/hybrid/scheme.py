@@ -109,7 +109,10 @@ class HybridScheme(Scheme):
     gradient_axes = ("dp_cp", "edp")
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_algorithm", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef")
+               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_scaling")
+    #: of DeepSeek-V3's MoE, the routed gates' scaling factor: the MoE layers route with the
+    #: reference router's rule (``impls.expert.dispatch``, ``parbench.model.router.rule_of``)
+    moe_features = frozenset({"router-scaling"})
 
     # ---- checks ---------------------------------------------------------------------------------
     @classmethod

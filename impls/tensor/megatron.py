@@ -87,8 +87,10 @@ class Megatron1D(MegatronFigures):
     #: tokens (``MegatronGPT.forward``; Megatron's --reset-attention-mask / -position-ids)
     supports_packing = True
     #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
-    #: (t | num_kv_heads) or, t > num_kv_heads, the QKV output gathered (``gqa``), SwiGLU's [gate; up] sharded half by half, RMSNorm, no biases
-    model_features = MODEL_FEATURES
+    #: (t | num_kv_heads) or, t > num_kv_heads, the QKV output gathered (``gqa``), SwiGLU's
+    #: [gate; up] sharded half by half, RMSNorm, no biases and multi-head latent attention
+    #: (``megatron_mla``; not under sp, nor selective recomputation)
+    model_features = MODEL_FEATURES | {"mla"}
 
     def build_model(self):
         ctx = self.ctx
@@ -105,6 +107,9 @@ class Megatron1D(MegatronFigures):
             raise ConfigError(f"tp={t} and num_kv_heads={g}: one must divide the other "
                               f"({cls.name} splits the query groups over tp, or with t > g "
                               "gathers the QKV output as Megatron-Core does)")
+        if case.model.kv_lora_rank and case.options.recompute == "selective":
+            raise ConfigError(f"recompute=selective with kv_lora_rank={case.model.kv_lora_rank}"
+                              f": {cls.name} recomputes no MLA core (use none or full)")
 
     def module_probes(self):
         """The reference modules as probe points of the model (``MegatronGPT.tap``;
@@ -149,6 +154,7 @@ class MegatronSP(Megatron1D):
                    "sequence, all-gather / reduce-scatter around the parallel linears")
     options = ("recompute",)
     sp = True
+    model_features = MODEL_FEATURES
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

@@ -44,10 +44,12 @@ import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX, GPTStage
 from parbench.model.blocks import NORM_EPS, rotate
+from parbench.model.mla import latent_attention
 from parbench.model.packing import documents_of, self_mask
 
 from . import gqa
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
+from .megatron_mla import UP_PROJECTIONS, copy_to_heads, mla_attention, mla_rows
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
                      VocabParallelCrossEntropy, vocab_parallel_embedding)
 from .shards import Placement, blocks, take
@@ -91,7 +93,7 @@ class MegatronLayout:
     def placement(self, name: str, shape: tuple) -> Placement:
         """The placement of full parameter ``name`` (of shape ``shape``)."""
         cfg, t = self.cfg, self.tp
-        h, f = cfg.hidden_size, cfg.ffn
+        f = cfg.ffn
         rows_v = self.vp // t
         leaf = name.split(".")[-2:]
         kind = ".".join(leaf)
@@ -103,8 +105,11 @@ class MegatronLayout:
         if kind in ("fc1.weight", "fc1.bias"):
             return Placement(name, shape, lambda r: (self.fc1_rows(r),) + (None,) *
                              (len(shape) - 1))
-        if kind == "proj.weight":
-            return Placement(name, shape, lambda r: (None, blocks(r * h // t, h // t)))
+        if kind in UP_PROJECTIONS:  # multi-head latent attention's, by heads
+            return Placement(name, shape, mla_rows(shape, t))
+        if kind == "proj.weight":  # input features: h, or a d_v under MLA
+            w = shape[1] // t
+            return Placement(name, shape, lambda r: (None, blocks(r * w, w)))
         if kind == "fc2.weight":
             return Placement(name, shape, lambda r: (None, blocks(r * f // t, f // t)))
         return Placement(name, shape)  # LayerNorms, row-parallel biases, positions
@@ -258,7 +263,9 @@ class MegatronGPT(Tapped, nn.Module):
     def attention(self, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
         """Layer ``i``'s attention on its normalised input: QKV column-parallel, the core of
         the rank's heads, the projection row-parallel (reduced: whole, or under sp the
-        rank's sequence shard) plus its bias."""
+        rank's sequence shard) plus its bias; multi-head latent attention: ``megatron_mla``."""
+        if self.cfg.kv_lora_rank:
+            return mla_attention(self, x, i, docs)
         pre = f"blocks.{i}.attn"
         qkv = self.column(x, self.p(f"{pre}.qkv.weight"), self.bias(f"{pre}.qkv.bias"))
         if self.gathers_qkv:
@@ -272,6 +279,14 @@ class MegatronGPT(Tapped, nn.Module):
         tensors``, :mod:`.gqa`)."""
         full = gqa.gather_qkv(qkv, self.group, self.tp)
         return gqa.local_qkv(full, self.cfg, self.tp, self.rank)
+
+    def copy_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """MLA's ``f`` on the up projections' inputs (``megatron_mla``)."""
+        return copy_to_heads(x, self.group)
+
+    def latent_core(self, q, k, v, dims, mask=None) -> torch.Tensor:
+        """MLA's core on the rank's heads: softmax(q k^T / sqrt(d + d_R)) v."""
+        return latent_attention(q, k, v, dims, mask)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP: fc1 column-, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)

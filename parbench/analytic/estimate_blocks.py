@@ -86,6 +86,28 @@ class Inputs(Block):
     moe_every: int | None = optional()
     moe_capacity_factor: float | None = optional()
     moe_top_k: int | None = optional()
+    moe_router: str | None = optional()
+    moe_bias_update_rate: float | None = optional()
+    moe_router_groups: int | None = optional()
+    moe_router_topk_groups: int | None = optional()
+    moe_router_scaling: float | None = optional()
+
+
+def _router_inputs(shape: Shape) -> dict[str, Any]:
+    """The DeepSeek-V3 router settings an MoE model uses (``parbench.moe_rules``): the sigmoid
+    score, the balancing bias's gamma, the groups, the gates' scaling; none for the default
+    softmax router."""
+    more: dict[str, Any] = {}
+    if shape.moe_router != "softmax":
+        more["moe_router"] = shape.moe_router
+    if shape.moe_bias_update_rate:
+        more["moe_bias_update_rate"] = shape.moe_bias_update_rate
+    if shape.moe_router_groups:
+        more.update(moe_router_groups=shape.moe_router_groups,
+                    moe_router_topk_groups=shape.moe_router_topk_groups)
+    if shape.moe_router_scaling != 1.0:
+        more["moe_router_scaling"] = shape.moe_router_scaling
+    return more
 
 
 def layout_inputs(lay: Layout, options: Options, counting: Counting, **more: Any) -> Inputs:
@@ -111,7 +133,7 @@ def shape_inputs(unpadded: Shape, padded: Shape, lay: Layout, options: Options,
     if padded.moe:
         more.update(etp=lay.expert_tp, edp=lay.edp, moe_every=padded.moe_every,
                     moe_capacity_factor=padded.moe_capacity_factor,
-                    moe_top_k=padded.moe_top_k)
+                    moe_top_k=padded.moe_top_k, **_router_inputs(padded))
     return layout_inputs(lay, options, counting, **more)
 
 

@@ -64,6 +64,10 @@ class Shape:
       ``first_k_dense_replace``); ``moe_bias_update_rate`` > 0: each MoE layer's router
       keeps E float32 balancing biases, updated after each step from the global load
       (DeepSeek-V3, arXiv 2412.19437, Sec. 2.1.2) -- state, not parameters;
+      ``moe_router`` (softmax | sigmoid), group-limited routing (``moe_router_groups``,
+      ``moe_router_topk_groups``) and the gates' ``moe_router_scaling`` change no count
+      (the router's E x h weight and its per-token top-k either way): carried so that
+      ``estimate`` states them;
     - multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, Sec. 2.1.2; Megatron's
       ``--multi-latent-attention``), on when ``kv_lora_rank`` > 0: K and V up-projected from
       a ``kv_lora_rank`` latent of each token (normalised), the queries from a ``q_lora_rank``
@@ -98,6 +102,10 @@ class Shape:
     moe_shared_expert_size: int = 0
     moe_first_dense: int = 0
     moe_bias_update_rate: float = 0.0
+    moe_router: str = "softmax"
+    moe_router_groups: int = 0
+    moe_router_topk_groups: int = 0
+    moe_router_scaling: float = 1.0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_head_dim: int = 0
@@ -290,8 +298,9 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_le
                  "moe_top_k", "moe_every", "moe_capacity_factor", "num_kv_heads", "mlp",
                  "norm", "bias", "make_vocab_size_divisible_by", "moe_ffn_hidden_size",
                  "moe_shared_expert_size", "moe_first_dense", "moe_bias_update_rate",
-                 "kv_lora_rank", "q_lora_rank",
-                 "qk_head_dim", "qk_rope_head_dim", "v_head_dim")
+                 "moe_router", "moe_router_groups", "moe_router_topk_groups",
+                 "moe_router_scaling", "kv_lora_rank", "q_lora_rank", "qk_head_dim",
+                 "qk_rope_head_dim", "v_head_dim")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:

@@ -25,6 +25,7 @@ from .params import (attention_params, dense_block_tensor_sizes, norm_tensor_siz
                      shape_mlp_params)
 from .gqa import check_query_groups, qkv_gather_transfers
 from .comm import Transfer, as_number, tp_traffic, tp_vocab_traffic, wire_factor
+from .mla import mla_replicated_params, mla_tp_input_width
 from .shape import Shape, divides, require_positive_int
 
 RECOMPUTE = ("none", "selective", "full")
@@ -75,6 +76,7 @@ def megatron_params(shape: Shape, tp: int) -> RankParams:
     attn = attention_params(shape, tp)
     layer = attn["qkv"] + attn["proj"] + shape_mlp_params(shape, tp) + 2 * norm
     layer_repl = 2 * norm + (2 * h if shape.bias else 0)  # norms, proj and fc2 biases
+    layer_repl += mla_replicated_params(shape) if shape.mla else 0  # MLA's down projections
     replicated = pos + L * layer_repl + norm
     numel = vp * h // tp * (1 if shape.tie_embeddings else 2) + L * layer + pos + norm
     tensors = (1 + int(shape.position_embeddings) + L * len(dense_block_tensor_sizes(shape))
@@ -133,8 +135,9 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
     norm = norm_transfers({"tp": tp}, clip_grad) + \
         qkv_gather_transfers(shape, b, s, tp, recompute, e, L * m)
     if not sp:
-        return tp_traffic(b, s, h, tp, L, m, e, full) + \
-            tp_vocab_traffic(b, s, h, tp, m, e, loss_bytes=4) + norm
+        layers = mla_layer_traffic(shape, b, tp, L * m, e, full) if shape.mla else \
+            tp_traffic(b, s, h, tp, L, m, e, full)
+        return layers + tp_vocab_traffic(b, s, h, tp, m, e, loss_bytes=4) + norm
     S = b * s * h * e  # noqa: N806
     return megatron_layer_traffic(b, s, h, tp, recompute, sp, e, L * m) + [
         Transfer("tp", "reduce_scatter", tp, S, m, "embedding partial lookups (fwd)"),
@@ -145,6 +148,22 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
         Transfer("tp", "all_reduce", tp, e * megatron_params(shape, tp).replicated, 1,
                  "sequence-parallel parameter gradients (once per step)"),
     ] + norm
+
+
+def mla_layer_traffic(shape: Shape, b: int, tp: int, count: int, e: int = 4,
+                      full: bool = False) -> list[Transfer]:
+    """Megatron 1D with multi-head latent attention, ``count`` layer micro-batches: the
+    attention's ``g`` after its row-parallel projection and the MLP's ``f`` and ``g`` are
+    all-reduces of S = b s h e as in :func:`comm.tp_traffic` (the forward ones twice with
+    full recomputation); the attention's ``f`` sits after the replicated down projections
+    (as Megatron-Core's column-parallel up projections take it), an all-reduce in backward
+    of b s w e, w = ``mla.mla_tp_input_width`` (the query latent or h, the K/V latent, the
+    shared rotary key), so that the replicated weights' gradients are whole on every rank."""
+    S = b * shape.s * shape.h * e  # noqa: N806
+    return [Transfer("tp", "all_reduce", tp, S, (5 if full else 3) * count,
+                     "g (fwd, recompute) / MLP f (bwd)"),
+            Transfer("tp", "all_reduce", tp, b * shape.s * mla_tp_input_width(shape) * e,
+                     count, "MLA f (bwd): latents, query input and rotary key")]
 
 
 @dataclass(frozen=True)

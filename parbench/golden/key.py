@@ -41,7 +41,7 @@ KEY_FORMAT = 2
 RUN_FIELDS_NOT_READ = frozenset({
     "scheme", "steps", "warmup_steps", "timed_steps", "device", "threads_per_rank",
     "timeout_s", "hang_timeout_s", "rtol", "atol", "param_atol", "instrument",
-    "fail_at_step", "fail_rank", "fail_kind"})
+    "fail_at_step", "fail_rank", "fail_kind", "shared_reference"})
 
 #: options the golden run does not read (how the ranks partition the work); ``family.field``
 OPTIONS_NOT_READ = frozenset({

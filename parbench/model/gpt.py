@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..layout import chunk_range
 from .blocks import MLP, Attention, Embedding, Head, make_norm
 from .init import init_parameters
+from .mla import LatentAttention
 from .moe import MoE, RoutingGroups, is_moe_layer
 from .packing import Documents, documents_of
 
@@ -27,7 +28,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0, routing: RoutingGroups | None = None):
         super().__init__()
         self.ln1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
         self.ln2 = make_norm(cfg)
         self.mlp = MoE(cfg, routing) if is_moe_layer(cfg, index) else MLP(cfg)
 

@@ -14,12 +14,13 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_parameters(module: nn.Module, seed: int, std: float, prefix: str = "") -> None:
-    """Normal(0, std) for weights of linears/embeddings, zeros for biases, ones for LN."""
+    """Normal(0, std) for weights of linears/embeddings, zeros for biases, ones for the
+    norms (LN, and MLA's latent norms ``q_norm`` / ``kv_norm``)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             full = prefix + name
             if full.endswith("ln1.weight") or full.endswith("ln2.weight") or \
-                    full.endswith("ln.weight"):
+                    full.endswith("ln.weight") or full.endswith("_norm.weight"):
                 p.fill_(1.0)
             elif full.endswith(".bias"):
                 p.zero_()

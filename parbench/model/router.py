@@ -21,6 +21,14 @@
 - **Gates** (Eq. 13): the chosen experts' scores normalised to sum 1 for the sigmoid router
   (k = 1: a gate of 1), and for the softmax router with k > 1 (GShard's top-2); the softmax
   router with k = 1 keeps the chosen probability (Switch).
+- **Routed scaling** (DeepSeek-V3's ``routed_scaling_factor``, 2.5 in its released config;
+  Megatron-Core's ``--moe-router-topk-scaling-factor``): the gates above, *after* their
+  normalisation, times the factor ``scaling`` (1: none), so that they sum to the factor.
+  Megatron-Core's ``topk_routing_with_score_function`` (megatron/core/transformer/moe/
+  moe_utils.py) multiplies the final probabilities by it after either score function's
+  normalisation (the sigmoid scores' division by their sum, the softmax over the top-k
+  logits or the pre-softmax probabilities), before the gates weigh the experts' outputs;
+  the balancing loss's scores are not scaled.
 - **Scores of the balancing loss** (Eq. 19): the softmax probabilities; the sigmoid
   affinities normalised over all E experts, s_i / sum_j s_j.
 """
@@ -38,16 +46,19 @@ BIAS_NAME = "expert_bias"
 @dataclass(frozen=True)
 class RouterRule:
     """How a router scores and chooses (module docstring): ``score`` softmax | sigmoid,
-    ``groups`` G (0: not group-limited), ``topk_groups`` kept per token."""
+    ``groups`` G (0: not group-limited), ``topk_groups`` kept per token, ``scaling`` the
+    routed gates' factor (1: none)."""
 
     score: str = "softmax"
     groups: int = 0
     topk_groups: int = 0
+    scaling: float = 1.0
 
 
 def rule_of(cfg) -> RouterRule:
     """The router rule of a model config."""
-    return RouterRule(cfg.moe_router, cfg.moe_router_groups, cfg.moe_router_topk_groups)
+    return RouterRule(cfg.moe_router, cfg.moe_router_groups, cfg.moe_router_topk_groups,
+                      cfg.moe_router_scaling)
 
 
 def scores_of(logits: torch.Tensor, rule: RouterRule) -> torch.Tensor:
@@ -80,16 +91,19 @@ def group_mask(choice: torch.Tensor, groups: int, topk_groups: int) -> torch.Ten
 def select(scores: torch.Tensor, k: int, rule: RouterRule,
            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts ``[T, k]`` in choice order, gates ``[T, k]``): the top-k of scores + bias
-    among the token's groups, gated by the unbiased scores (module docstring)."""
+    among the token's groups, gated by the unbiased scores, normalised, then times
+    ``rule.scaling`` (module docstring)."""
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     if rule.groups:
         choice = choice.masked_fill(~group_mask(choice, rule.groups, rule.topk_groups),
                                     float("-inf"))
     top_e = choice.topk(k, dim=-1).indices
-    top_s = scores.gather(1, top_e)
+    gates = scores.gather(1, top_e)
     if rule.score == "sigmoid" or k > 1:
-        return top_e, top_s / top_s.sum(-1, keepdim=True)
-    return top_e, top_s
+        gates = gates / gates.sum(-1, keepdim=True)
+    if rule.scaling != 1.0:
+        gates = gates * rule.scaling
+    return top_e, gates
 
 
 def updated_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:

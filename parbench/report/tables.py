@@ -142,12 +142,20 @@ def wide_table(fam: str, rows: list[Row], ratios: dict) -> Table:
             r.scheme, cells.degrees(r) + ("*" if r in shared else ""), cells.verdict(r),
             "\n".join(cells.fmt_sci(x) for x in (v.max_loss_abs, v.max_grad_abs,
                                                  v.max_param_abs)),
-            cells.update_check(r), *tol_cell, cells.fmt_ms(r.time.step_s),
+            cells.update_check(r), *tol_cell, _step_cell(r),
             f"{r.time.tokens_per_s:.0f}" if r.time.tokens_per_s else "—",
             cells.peak(r), cells.states(r), cells.wire_detail(r), rat_s,
             *([cells.paper_states(r) or "—"] if paper else []),
             *[cells.figure_value(r, k) for k in further])
     return t
+
+
+def _step_cell(r: Row) -> str:
+    """The median step, and the verdict's share of the case's wall time (issue 24)."""
+    share = r.time.verdict_share
+    return cells.fmt_ms(r.time.step_s) + (f"\nverdict {share:.0%} of the case's "
+                                           f"{r.time.case_s:.1f} s" if share is not None
+                                           and r.time.case_s else "")
 
 
 def tables(rows: list[Row], wide: bool = False) -> list[Table]:

@@ -208,6 +208,11 @@ class RankResult:
     #: sharing the cores, so ``scripts/bench_overhead.py`` compares instrumentation on and off
     #: with it
     step_cpu_times: list[float] = field(default_factory=list)
+    #: wall seconds of this rank's part of the case (``harness.run_case``, scheme built to
+    #: figures returned) and, of them, the verdict's: its golden run, every checked step's
+    #: checks and the final check (issue 24: the verdict's share of a case)
+    case_s: float = 0.0
+    verdict_s: float = 0.0
 
     @property
     def model_state_bytes(self) -> dict[str, int] | None:

@@ -121,6 +121,12 @@ class Timing:
     #: the median timed step's CPU seconds of the busiest rank's process (``RankResult.
     #: step_cpu_times``)
     cpu_s: float | None = None
+    #: the verdict's share of the case's wall time: per rank, the seconds of its golden run
+    #: and checks over the seconds of its part of the case (``RankResult.verdict_s`` /
+    #: ``case_s``), the largest over the ranks
+    verdict_share: float | None = None
+    #: the slowest rank's wall seconds of its part of the case (``RankResult.case_s``)
+    case_s: float | None = None
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Realistic bugs in the DeepSeek-V3-style MoE of the expert family (DeepSeek-V3 Technical
 Report, arXiv 2412.19437, Sec. 2.1.2): the auxiliary-loss-free balancing bias, the shared
-expert's gradients, group-limited routing. Each runs ``expert.alltoall`` on ``deepseek-tiny``
+expert's gradients, group-limited routing, the routed scaling factor. Each runs ``expert.alltoall`` on ``deepseek-tiny``
 (first layer dense, 8 fine-grained experts top-2, one shared expert, the sigmoid router with
-the bias, 2 groups keeping 1) at ep = dp = 2."""
+the bias, 2 groups keeping 1) at ep = dp = 2; the scaling mutant with the factor 2.5."""
 from __future__ import annotations
 
 import torch
@@ -103,3 +103,26 @@ class _GroupsByMax(ExpertDispatch):
             "instead of the highest sum of their top-2 affinities")
 class GroupsByMax(ExpertAllToAll):
     dispatch_class = _GroupsByMax
+
+
+# ---- the routed scaling factor ----------------------------------------------------------------
+
+
+def _scaled_before_normalising(scores, k, rule, bias):
+    top_e, _ = select(scores, k, rule, bias)
+    # the bug: the factor multiplies the chosen scores before their normalisation, where it
+    # cancels (Megatron-Core's topk_routing_with_score_function scales the normalised gates)
+    top_s = scores.gather(1, top_e) * rule.scaling
+    return top_e, top_s / top_s.sum(-1, keepdim=True)
+
+
+class _ScaledBeforeNormalising(ExpertDispatch):
+    select_experts = staticmethod(_scaled_before_normalising)
+
+
+@mutant("ds-scaling-before-normalisation", base="expert.alltoall",
+        overrides={**DEEPSEEK, "moe_router_scaling": "2.5"},
+        bug="routed scaling factor applied to the chosen affinities before the top-k "
+            "normalisation, so it cancels: the gates sum to 1 instead of the factor 2.5")
+class ScalingBeforeNormalising(ExpertAllToAll):
+    dispatch_class = _ScaledBeforeNormalising

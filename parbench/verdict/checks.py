@@ -31,6 +31,7 @@ from ..model.router import expert_bias_state, load_state
 from ..model.training import clip_coefficient, clip_local_
 from ..results import FirstFailure, StepCheck
 from . import precision
+from .once import on_rank0, pack, unpack
 
 
 def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float,
@@ -320,10 +321,10 @@ def completed(mine: dict, names, portable) -> dict:
     if complete.item():
         return mine
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, portable(mine))
+    dist.all_gather_object(parts, pack(portable(mine)))
     full: dict = {}
     for part in parts:
-        for n, v in part.items():
+        for n, v in unpack(part).items():
             full.setdefault(n, v)
     return full
 
@@ -362,8 +363,10 @@ class RankChecker:
                 # built) have no weights to run the reference at: the golden trajectory
                 # checks them, and the merge fails the row as ``uncovered``
                 if set(weights) >= set(self.stepwise.params):
-                    reference = self.stepwise.reference(weights, inputs, targets,
-                                                        self.state)
+                    # computed once, on rank 0 (``once``): the whole model's weights are
+                    # alike on every rank, a rank's own copy of them held to its update check
+                    reference = on_rank0(lambda: self.stepwise.reference(
+                        weights, inputs, targets, self.state), self.run.shared_reference)
             out = check_step(self.scheme, self.golden, step, loss, self.run, self.update,
                              reference)
         self.state = self._scheme_state()

@@ -36,6 +36,7 @@ import torch
 from .. import comm
 from ..results import FirstFailure, StepCheck
 from .checks import compare, completed
+from .once import on_rank0
 
 #: why a final check fails, in the row's first failure
 DETAIL_CONTINUED = ("after the last timed step, against the golden rule continued over the "
@@ -61,11 +62,20 @@ def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: b
     batch; in the compute dtype with ``low``), then the optimizer; the weights and the final
     state. None when no rank holds some parameter (the row already fails as
     ``uncovered``)."""
-    from ..model import make_optimizer
     with comm.unrecorded():
         state = completed(_shadow_state(update), stepwise.params, lambda mine: mine)
     if set(stepwise.params) - set(state):
         return None
+    # the golden work once, on rank 0 (``once``): the whole shadow is alike on every rank
+    return on_rank0(lambda: _continued(state, stepwise, case, first, last, batch, low,
+                                       model_state), case.run.shared_reference)
+
+
+def _continued(state: dict, stepwise, case, first: int, last: int, batch, low: bool,
+               model_state: dict | None) -> dict[str, torch.Tensor]:
+    """:func:`continue_shadow`'s steps from the whole shadow ``state`` (name -> (weights,
+    optimizer state))."""
+    from ..model import make_optimizer
     weights = {n: w.clone() for n, (w, _) in state.items()}
     opt = make_optimizer(list(weights.values()), case.run)
     for n, (_, st) in state.items():
@@ -100,7 +110,8 @@ def final_check(checker, case, total: int, batch) -> StepCheck | None:
                                        model_state=checker.state)
             detail = DETAIL_CONTINUED
         else:
-            ref = type(checker.scheme).reference(case, total)
+            ref = on_rank0(lambda: type(checker.scheme).reference(case, total),
+                           run.shared_reference)
             expected, detail = ref.params[total - 1], DETAIL_REFERENCE
             expected = {**expected, **(ref.states[total - 1] if ref.states else {})}
     if expected is None:

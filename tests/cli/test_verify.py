@@ -76,7 +76,8 @@ def test_verify_a_users_ddp_then_its_bug(user_dir):
     ok = verify(user_dir, "scheme=mine:MyDDP", "suite=smoke", f"out={user_dir / 'r1'}")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "equivalent" in ok.stdout and "data.ddp's closed form" in ok.stdout
-    bad = verify(user_dir, "scheme=broken.py:MyDDP", f"out={user_dir / 'r2'}")
+    # one case (dp=2): the default case set a bare ``verify`` runs is test_verify_defaults'
+    bad = verify(user_dir, "scheme=broken.py:MyDDP", "dp=2", f"out={user_dir / 'r2'}")
     assert bad.returncode == 3, bad.stdout + bad.stderr
     assert "NOT equivalent" in bad.stdout
     # the failing step, rank, kind and tensor are named, with the difference and tolerance

@@ -53,6 +53,16 @@ def test_dropless_runs_deepseek_tiny_at_ep4(pools):
     assert_bytes_exact(case, per_rank)
 
 
+def test_alltoall_runs_the_routed_scaling_factor(pools):
+    """moe_router_scaling=2.5 (DeepSeek-V3's routed_scaling_factor) at ep = dp = 2: the gates
+    times 2.5 after their normalisation, equal to the golden run step by step."""
+    case = deepseek_case(ep=2, dp=2, moe_router_scaling=2.5)
+    assert case.model.moe_router_scaling == 2.5
+    merged, per_rank = run_on_pool(pools, case)
+    assert_equivalent_with_bias(merged, per_rank)
+    assert_exact(case, per_rank)
+
+
 @pytest.mark.parametrize("scheme,want", [
     ("hybrid", "moe_ffn_hidden_size=16: scheme hybrid does not run this DeepSeek-style MoE"),
     ("baseline.deepspeed.moe", "moe_ffn_hidden_size=16: baseline baseline.deepspeed.moe "

@@ -89,6 +89,16 @@ def test_moe_routing_drops_tokens_and_the_golden_agrees(pools):
     assert sum(sum(r.metrics["moe_dropped_per_expert"]) for r in per_rank) > 0
 
 
+def test_moe_routed_scaling_factor_matches_the_golden_run(pools):
+    """moe_router_scaling=2.5 (DeepSeek-V3's routed_scaling_factor): the top-2 gates times
+    2.5 in every MoE layer under tp x ep x dp, equal to the golden run."""
+    case = make_case(tp=2, dp=2, ep=2, etp=1, num_experts=4, moe_top_k=2,
+                     moe_router_scaling=2.5)
+    assert case.model.moe_router_scaling == 2.5
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
+
+
 @pytest.mark.parametrize("ov", [
     {"tp": 2, "pp": 2, "sp": True, "schedule": "zb-h2", "recompute": "full",
      "num_microbatches": 4},

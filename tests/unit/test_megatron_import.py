@@ -228,17 +228,20 @@ def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
 #: (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), written out; each feature parbench
 #: does not model must be refused by name, the rest must import
 DEEPSEEK_V3_REFUSED = {
-    "--moe-router-score-function sigmoid": "parbench reads softmax",
-    "--moe-router-group-topk 4": "group-limited routing is not modelled",
-    "--moe-router-num-groups 8": "group-limited routing is not modelled",
-    "--moe-router-enable-expert-bias": "auxiliary-loss-free expert bias is not modelled",
-    "--moe-router-bias-update-rate 1e-3": "auxiliary-loss-free expert bias is not modelled",
-    "--moe-router-topk-scaling-factor 2.5": "scaled routing weights are not modelled",
-    "--moe-router-pre-softmax": "pre-softmax routing",
+    "--moe-router-load-balancing-type seq_aux_loss": "seq_aux_loss is not supported",
+    "--moe-router-force-load-balancing": "forced uniform routing",
     "--rotary-scaling-factor 40": "YaRN rotary scaling is not modelled",
     "--mtp-num-layers 1": "multi-token prediction is not modelled",
     "--recompute-modules mlp moe mla_up_proj layernorm": "only whole-model recomputation",
 }
+#: the same script's routing arguments parbench applies (and --moe-shared-expert-overlap of
+#: examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh), in the order given
+DEEPSEEK_V3_ROUTER = """
+--moe-router-pre-softmax --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4
+--moe-router-num-groups 8 --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion
+--moe-shared-expert-overlap --moe-router-topk-scaling-factor 2.5
+"""
 DEEPSEEK_V3_MODEL = """
 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
 --kv-channels 128 --max-position-embeddings 4096 --seq-length 4096
@@ -266,3 +269,24 @@ def test_megatron_lms_deepseek_v3_example_model_imports_with_its_published_count
     shape = shape_from(case.model)
     assert total_params(shape) == 671_026_404_352
     assert shape.moe_first_dense == 3 and shape.q_lora_rank == 1536
+
+
+def test_megatron_lms_deepseek_v3_example_routing_applies_the_deepseek_v3_router():
+    """Megatron-Core's semantics (megatron/core/transformer/moe/moe_utils.py,
+    topk_routing_with_score_function): sigmoid scores, the expert bias at gamma 1e-3, 4 of 8
+    groups, top-8; --moe-router-pre-softmax is read by the softmax branch only, so with the
+    sigmoid score it changes nothing and is listed as ignored with the performance flags."""
+    argv = shlex.split(DEEPSEEK_V3_MODEL + DEEPSEEK_V3_ROUTER)
+    m = from_megatron_args(argv).model
+    assert (m.moe_router, m.moe_bias_update_rate, m.moe_top_k) == ("sigmoid", 1e-3, 8)
+    assert (m.moe_router_groups, m.moe_router_topk_groups) == (8, 4)
+    assert (m.moe_first_dense, m.moe_every, m.moe_aux_loss_coef) == (3, 1, 1e-4)
+    assert m.moe_router_scaling == 2.5
+    ignored = megatron_ignored(argv)
+    for name in ("--moe-router-pre-softmax", "--moe-router-dtype", "--moe-permute-fusion",
+                 "--moe-shared-expert-overlap", "--moe-grouped-gemm", "--norm-epsilon"):
+        assert name in ignored
+    for name in ("--moe-router-score-function", "--moe-router-enable-expert-bias",
+                 "--moe-router-group-topk", "--moe-router-num-groups",
+                 "--moe-router-bias-update-rate", "--moe-router-topk-scaling-factor"):
+        assert name not in ignored

@@ -1,0 +1,40 @@
+"""Multi-head latent attention (``parbench.model.mla``) under the native Megatron 1D scheme
+(``impls.tensor.megatron_mla``: down projections duplicated, up projections column-parallel
+over heads, output projection row-parallel) against the golden run; every step's bytes and
+calls equal the closed form (``analytic.tensor.mla_layer_traffic``). What it cannot run is
+refused before spawning."""
+from __future__ import annotations
+
+import pytest
+
+from parbench.config import CaseConfig, ConfigError, validate_case
+from parbench.overrides import apply_overrides
+from parbench.registry import get_scheme
+from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
+
+TP = {"model": "mla-tiny", "dp": "1", "tp": "2", "num_microbatches": "2", "steps": "2",
+      "timed_steps": "1"}
+
+
+def case_for(scheme: str, **extra) -> CaseConfig:
+    case = apply_overrides(CaseConfig(), {**TP, "scheme": scheme, **extra})
+    validate_case(case)
+    get_scheme(scheme).check(case)
+    return case
+
+
+@pytest.mark.parametrize("extra", [{}, {"q_lora_rank": "0", "recompute": "full"}])
+def test_megatron_1d_trains_latent_attention(pools, extra):
+    case = case_for("tensor.megatron", **extra)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    assert_wire_and_calls_per_step(get_scheme("tensor.megatron").predict(case), per_rank)
+
+
+@pytest.mark.parametrize("scheme,extra,words", [
+    ("tensor.megatron-sp", {}, "kv_lora_rank=16: scheme tensor.megatron-sp"),
+    ("tensor.megatron", {"recompute": "selective"}, "recompute=selective"),
+    ("data.ddp", {"tp": "1", "dp": "2"}, "kv_lora_rank=16: scheme data.ddp")])
+def test_what_is_not_run_is_refused(scheme, extra, words):
+    with pytest.raises(ConfigError, match=words):
+        case_for(scheme, **extra)
