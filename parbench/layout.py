@@ -331,6 +331,7 @@ def _dims(model: Any) -> dict[str, int]:
     get = lambda name, default=0: getattr(model, name, default) or default  # noqa: E731
     h = get("hidden_size")
     return {"heads": get("num_heads"), "kv_heads": get("num_kv_heads") or get("num_heads"),
+            "head": h // get("num_heads", 1),
             "ffn": get("ffn_hidden_size") or 4 * h, "seq": get("seq_length"),
             "vocab": get("vocab_size"), "div": get("make_vocab_size_divisible_by", 1),
             "experts": get("num_experts"), "layers": get("num_layers"),
@@ -343,8 +344,9 @@ def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = 
 
     - tp divides the attention heads and the MLP's hidden size (Shoeybi et al. 2019, Sec. 3:
       heads and the MLP's columns are split over tp);
-    - K/V heads under grouped-query attention: tp divides them, or they divide tp and each is
-      replicated tp / num_kv_heads times (Megatron-Core's replication rule);
+    - K/V heads under grouped-query attention: tp divides them, or they divide tp, each
+      shared by tp / num_kv_heads ranks, and tp divides the fused QKV's output width
+      (Megatron-Core's rule and its even split of linear_qkv: ``analytic.gqa``);
     - tp divides the padded vocabulary (it always does: the padding is a multiple of tp);
     - cp divides the sequence, 2 cp with the zig-zag split (Liu et al. 2023; each rank takes
       two chunks); with sequence parallelism tp divides the rank's s / cp tokens (Korthikanti
@@ -359,7 +361,10 @@ def model_rules(lay: Layout, model: Any, *, sp: bool = False, cp_balance: str = 
         yield f"tp={t} does not divide num_heads={d['heads']}"
     if d["kv_heads"] % t and t % d["kv_heads"]:
         yield (f"tp={t} and num_kv_heads={d['kv_heads']}: one must divide the other (K/V "
-               "heads are split over tp, or replicated tp/num_kv_heads times)")
+               "heads are split over tp, or each shared by tp/num_kv_heads ranks)")
+    elif d["kv_heads"] < t and d["heads"] and (d["heads"] + 2 * d["kv_heads"]) * d["head"] % t:
+        yield (f"tp={t} does not divide the fused QKV width (num_heads + 2 num_kv_heads) "
+               f"head_dim={(d['heads'] + 2 * d['kv_heads']) * d['head']}")
     if d["ffn"] % t:
         yield f"tp={t} does not divide ffn_hidden_size={d['ffn']}"
     if padded_vocab(d["vocab"], t, d["div"]) % t:

@@ -88,6 +88,22 @@ class GatherFromSequence(torch.autograd.Function):
         return reduce_scatter_dim0(grad, ctx.group, ctx.size), None, None
 
 
+class GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension forward, reduce-scatter along it backward
+    (Megatron-Core's ``all_gather_last_dim_from_tensor_parallel_region``): moved to dim 0 so
+    that one flat buffer travels each way."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return all_gather_dim0(x.movedim(-1, 0), group, size).movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim0(grad.movedim(-1, 0), ctx.group, ctx.size).movedim(0, -1), \
+            None, None
+
+
 class AllReduceSum(torch.autograd.Function):
     """A sum over the group whose every rank consumes the result (LayerNorm statistics of a
     hidden dimension split over ranks): all-reduce forward, all-reduce of the gradient

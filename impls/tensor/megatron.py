@@ -87,9 +87,9 @@ class Megatron1D(MegatronFigures):
     #: tokens (``MegatronGPT.forward``; Megatron's --reset-attention-mask / -position-ids)
     supports_packing = True
     #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
-    #: (t | num_kv_heads), SwiGLU's [gate; up] sharded half by half, RMSNorm, no biases
-    #: and multi-head latent attention (``megatron_mla``; not under sp, nor selective
-    #: recomputation)
+    #: (t | num_kv_heads) or, t > num_kv_heads, the QKV output gathered (``gqa``), SwiGLU's
+    #: [gate; up] sharded half by half, RMSNorm, no biases and multi-head latent attention
+    #: (``megatron_mla``; not under sp, nor selective recomputation)
     model_features = MODEL_FEATURES | {"mla"}
 
     def build_model(self):
@@ -103,10 +103,10 @@ class Megatron1D(MegatronFigures):
         if case.options.tensor.sp and not cls.sp:
             raise ConfigError(f"sp=true is scheme tensor.megatron-sp, not {cls.name}")
         g, t = case.model.num_kv_heads, case.layout.tp
-        if g and g % t:
-            raise ConfigError(f"tp={t} does not divide num_kv_heads={g}: {cls.name} splits the "
-                              "query groups over tp (Megatron-Core's num_query_groups / tp); "
-                              "K/V heads replicated over tp are not implemented")
+        if g and g % t and t % g:
+            raise ConfigError(f"tp={t} and num_kv_heads={g}: one must divide the other "
+                              f"({cls.name} splits the query groups over tp, or with t > g "
+                              "gathers the QKV output as Megatron-Core does)")
         if case.model.kv_lora_rank and case.options.recompute == "selective":
             raise ConfigError(f"recompute=selective with kv_lora_rank={case.model.kv_lora_rank}"
                               f": {cls.name} recomputes no MLA core (use none or full)")

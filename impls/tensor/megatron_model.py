@@ -9,8 +9,10 @@ One tp rank holds (t = tp, r = its index in the tp group):
   gradients are those of the unpadded vocabulary); the position embedding whole;
 - per layer: the QKV projection split by heads (column-parallel: the Q rows of query heads
   ``[r a/t, (r+1) a/t)`` and, with grouped-query attention, the K and V rows of K/V heads
-  ``[r g/t, (r+1) g/t)`` -- Megatron-Core splits the query groups over tp, so t must divide
-  g = num_kv_heads), the attention projection split by input features (row-parallel, bias
+  ``[r g/t, (r+1) g/t)`` -- Megatron-Core splits the query groups over tp; with t > g =
+  num_kv_heads a 1/t of Megatron-Core's group-interleaved rows, the output all-gathered and
+  the rank's query heads and their group's K/V head taken from it: :mod:`.gqa`), the
+  attention projection split by input features (row-parallel, bias
   whole), fc1 column- and fc2 row-parallel (SwiGLU: the gate rows ``[r f/t, (r+1) f/t)``
   and the up rows ``[f + r f/t, f + (r+1) f/t)``, as Megatron-Core's fused linear_fc1 shards
   [gate; up] per rank), both norms whole (LayerNorm or RMSNorm);
@@ -45,6 +47,7 @@ from parbench.model.blocks import NORM_EPS, rotate
 from parbench.model.mla import latent_attention
 from parbench.model.packing import documents_of, self_mask
 
+from . import gqa
 from .collectives import ReduceFromRegion, ReduceScatterToSequence
 from .megatron_mla import UP_PROJECTIONS, copy_to_heads, mla_attention, mla_rows
 from .layers import (ColumnParallelLinear, Recompute, RowParallelLinear,
@@ -67,10 +70,13 @@ class MegatronLayout:
 
     def qkv_rows(self, r: int) -> torch.Tensor:
         """Rank r's rows of [Q (a heads); K (g heads); V (g heads)] x d: its query heads
-        and its own query groups' K/V heads (Megatron-Core's num_query_groups / tp)."""
+        and its own query groups' K/V heads (Megatron-Core's num_query_groups / tp); with
+        t > g a 1/t of Megatron-Core's group-interleaved rows (``gqa.qkv_rows``)."""
         cfg, t = self.cfg, self.tp
         d, a = cfg.head_dim, cfg.num_heads
         g = cfg.num_kv_heads or a
+        if g < t:
+            return gqa.qkv_rows(cfg, t, r)
         q, kv = a * d // t, g * d // t
         return torch.cat([blocks(r * q, q), blocks(a * d + r * kv, kv),
                           blocks((a + g) * d + r * kv, kv)])
@@ -129,7 +135,10 @@ class MegatronGPT(Tapped, nn.Module):
         self.sp, self.recompute = sp and tp > 1, recompute
         self.layout = self.layout_cls(cfg, tp)
         self.heads = cfg.num_heads // tp
-        self.kv_heads = (cfg.num_kv_heads or cfg.num_heads) // tp
+        g = cfg.num_kv_heads or cfg.num_heads
+        self.kv_heads = max(g // tp, 1)
+        #: t > g: the QKV output is gathered and the rank's group taken (``gqa``)
+        self.gathers_qkv = g < tp
         self.vocab_start = rank * (self.layout.vp // tp)
         self.lo, self.hi, self.first, self.last = stage or (0, cfg.num_layers, True, True)
         full = GPTStage(cfg, self.lo, self.hi, self.first, self.last, seed)
@@ -259,8 +268,17 @@ class MegatronGPT(Tapped, nn.Module):
             return mla_attention(self, x, i, docs)
         pre = f"blocks.{i}.attn"
         qkv = self.column(x, self.p(f"{pre}.qkv.weight"), self.bias(f"{pre}.qkv.bias"))
+        if self.gathers_qkv:
+            qkv = self.query_group(qkv)
         return self.row(self.attend(qkv, docs), self.p(f"{pre}.proj.weight"),
                         self.bias(f"{pre}.proj.bias"))
+
+    def query_group(self, qkv: torch.Tensor) -> torch.Tensor:
+        """t > g: the rank's [q; k; v] columns from the all-gathered QKV output (its a/t
+        query heads and their group's K/V head; Megatron-Core's ``get_query_key_value_
+        tensors``, :mod:`.gqa`)."""
+        full = gqa.gather_qkv(qkv, self.group, self.tp)
+        return gqa.local_qkv(full, self.cfg, self.tp, self.rank)
 
     def copy_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """MLA's ``f`` on the up projections' inputs (``megatron_mla``)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..layout import ConfigError, Layout
 from ..options import Options
-from . import comm, context, tensor
+from . import comm, context, gqa, tensor
 from .counting import Counting
 from .estimate_blocks import Block, StageParams, optional
 from .shape import Shape, exact_factor, expert_capacity, moe_layer_count
@@ -80,10 +80,9 @@ def first_stage_layers(shape: Shape, lay: Layout) -> int:
 
 def local_kv_width(shape: Shape, tp: int) -> int:
     """One tensor-parallel rank's K (or V) width: its share of the K/V heads, at least one
-    whole head (a head replicated tp / num_kv_heads times when tp exceeds them: the layout's
-    replication rule)."""
-    d = shape.h // shape.a
-    return max(shape.kv_heads // tp, 1) * d
+    whole head (when tp exceeds them the t / num_kv_heads ranks of a query group each hold
+    its K/V activations, from the gathered QKV output: :mod:`.gqa`)."""
+    return gqa.local_kv_heads(shape, tp) * (shape.h // shape.a)
 
 
 def cp_transfers(shape: Shape, lay: Layout, algorithm: str, s_local: int, full: bool,
@@ -141,8 +140,9 @@ def communication_block(shape: Shape, lay: Layout, options: Options, counting: C
     pipeline stage: tensor (Megatron, with SP), context, expert, pipeline p2p and gradients."""
     e, sp, full = counting.bytes_per_element, options.tensor.sp, options.recompute == "full"
     b, m = lay.micro_batch_size, lay.num_microbatches
-    tr = comm.tp_traffic(b, s_local, shape.h, lay.tp, first_stage_layers(shape, lay), m, e,
-                         full, sp)
+    layers = first_stage_layers(shape, lay)
+    tr = comm.tp_traffic(b, s_local, shape.h, lay.tp, layers, m, e, full, sp) + \
+        gqa.qkv_gather_transfers(shape, b, s_local, lay.tp, options.recompute, e, layers * m)
     if lay.cp > 1:
         tr += cp_transfers(shape, lay, options.context.cp_algorithm, s_local, full, e)
     routing = None
@@ -165,19 +165,21 @@ def per_layer_traffic(shape: Shape, micro_batch: int, tp: int, cp: int, sp: bool
     """One rank's traffic for one transformer layer and one micro-batch, forward and backward
     (and the recomputed forward), under each way of splitting a layer that parbench models,
     at this configuration's degrees: Megatron TP and TP + SP (``tensor.megatron_layer_traffic``:
-    SP counts the column-parallel inputs' backward re-gather; ``paper`` is Korthikanti et
-    al.'s 4 all-reduces or 4 all-gather + reduce-scatter pairs), and over the cp ranks ring
-    attention, DeepSpeed-Ulysses and all-gather CP (``context.attention_traffic``) on this
-    rank's h / tp of the width. Each entry: {axis: {count, message_bytes, wire_bytes}}."""
+    SP counts the column-parallel inputs' backward re-gather; both the GQA QKV gather when
+    tp > num_kv_heads, ``analytic.gqa``; ``paper`` is Korthikanti et al.'s 4 all-reduces or 4
+    all-gather + reduce-scatter pairs), and over the cp ranks ring attention,
+    DeepSpeed-Ulysses and all-gather CP (``context.attention_traffic``) on this rank's h / tp
+    of the width. Each entry: {axis: {count, message_bytes, wire_bytes}}."""
     b, s, h = micro_batch, shape.s, shape.h
     out: dict[str, Any] = {"scope": "one rank, one layer, one micro-batch (fwd + bwd"
                                     + (" + recompute" if recompute != "none" else "") + ")"}
     if tp > 1:
+        kv = gqa.qkv_gather_transfers(shape, b, s // cp, tp, recompute, e)
         out["tp"] = comm.summarize(tensor.megatron_layer_traffic(b, s // cp, h, tp, recompute,
-                                                                 False, e))
+                                                                 False, e) + kv)
         if (s // cp) % tp == 0:
             out["tp_sp"] = comm.summarize(tensor.megatron_layer_traffic(
-                b, s // cp, h, tp, recompute, True, e))
+                b, s // cp, h, tp, recompute, True, e) + kv)
         paper = comm.summarize(comm.tp_traffic(b, s // cp, h, tp, 1, 1, e,
                                                recompute == "full", sp))
         out["paper_tp" + ("_sp" if sp else "")] = paper

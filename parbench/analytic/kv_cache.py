@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from . import memory
 from . import params as param_model
 from .estimate_blocks import Block
+from .gqa import check_query_groups, local_kv_heads
 from .shape import (Shape, require_nonneg_int, require_positive_int)
 
 
@@ -24,7 +25,7 @@ class KVCache(Block):
     per_rank_bytes: int
     layers_per_rank: int
     formula: str = ("2 (K, V) x e x b x l x (num_kv_heads x head_dim) x (s + n); per rank "
-                    "l / pp layers and num_kv_heads / tp heads")
+                    "l / pp layers and max(num_kv_heads / tp, 1) heads")
 
 
 def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = None,
@@ -33,15 +34,16 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     """The KV cache of ``batch`` sequences of ``prompt`` (default ``seq_length``) tokens plus
     ``generate`` generated ones: 2 e b l h_kv (s + n) bytes (:func:`.memory.kv_cache_bytes`;
     4 b l h (s + n) in fp16 without GQA), and per rank: the K/V heads split over tp
-    (Megatron-Core splits the query groups, so h_kv / t columns), the layers over pp (the
-    most loaded pipeline rank's layers; ``ends``: an uneven first / last rank's layers)."""
+    (Megatron-Core splits the query groups, so h_kv / t columns; with t > num_kv_heads one
+    whole head, held by the t / num_kv_heads ranks of its group: :mod:`.gqa`), the layers
+    over pp (the most loaded pipeline rank's layers; ``ends``: an uneven first / last rank's
+    layers)."""
     require_positive_int("batch", batch)
     require_nonneg_int("generate", generate)
     s = shape.s if prompt is None else prompt
     require_positive_int("prompt", s)
-    if shape.kv_heads % tp and tp % shape.kv_heads and not shape.mla:
-        raise ValueError(f"tp={tp} and num_kv_heads={shape.kv_heads}: one must divide the "
-                         "other (K/V heads are split over tp, or replicated)")
+    if not shape.mla:
+        check_query_groups(shape, tp)
     layers_rank = max(len(ix) for ix in param_model.stage_layer_indices(
         shape.num_layers, pp, vpp, first=ends[0], last=ends[1]))
     e = bytes_per_element
@@ -55,9 +57,8 @@ def kv_cache(shape: Shape, batch: int, generate: int, *, prompt: int | None = No
     else:
         total = memory.kv_cache_bytes(batch, shape.l, shape.h, s, generate, e,
                                       shape.kv_hidden)
-        # a rank holds its share of the K/V heads, at least one whole (replicated) head
         per_rank = memory.kv_cache_bytes(batch, layers_rank, shape.h, s, generate, e,
-                                         max(shape.kv_heads // tp, 1) * (shape.h // shape.a))
+                                         local_kv_heads(shape, tp) * shape.head_dim)
     extra = {"formula": "e x b x l x (kv_lora_rank + qk_rope_head_dim) x (s + n); per rank "
                         "l / pp layers, the latent whole"} if shape.mla else {}
     return KVCache(batch=batch, prompt_tokens=s, generated_tokens=generate,

@@ -47,9 +47,8 @@ component                       full count                  per rank (tensor-par
 ==============================  ==========================  ==============================
 RMSNorm (``norm="rmsnorm"``)    h (weight only)             h         (replicated)
 QKV with GQA (``num_kv_heads``) h (h + 2 h_kv) [+ h + 2h_kv  (h (h + 2 h_kv) [+ ...]) / t
-                                bias]                       when t divides num_kv_heads;
-                                                            h (h / g + 2d) [+ h/g + 2d]
-                                                            when g = num_kv_heads divides t
+                                bias]                       (t | num_kv_heads or
+                                                            num_kv_heads | t: no replica)
 SwiGLU (``mlp="swiglu"``)       3hf [+ 2f + h bias]         3hf / t [+ 2f / t + h]
 no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its own)
 ==============================  ==========================  ==============================
@@ -57,6 +56,8 @@ no biases (``bias=False``)      every linear's bias gone    (LayerNorm keeps its
 GQA: Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from
 Multi-Head Checkpoints", Sec. 2; the K and V projections are h -> h_kv. SwiGLU: Shazeer 2020,
 "GLU Variants Improve Transformer", Eq. 6 (FFN_SwiGLU = (Swish(xW) * xV) W_2: three matrices).
+With t > num_kv_heads Megatron-Core still splits the fused QKV evenly, (h + 2 h_kv) / t rows
+a rank, and all-gathers its output instead of replicating K/V weights (:mod:`.gqa`).
 With these, LLaMA-2 (Touvron et al. 2023, "Llama 2", Table 1 and the released
 ``config.json``: h = 4096, l = 32, a = 32, f = 11008 for 7B; h = 8192, l = 80, a = 64,
 num_kv_heads = 8, f = 28672 for 70B; V = 32000, RMSNorm, no biases, untied head, RoPE) has
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .gqa import check_query_groups
 from .expert_layout import check_ep, check_etp, expert_layout  # noqa: F401  (re-exported)
 from .mla import mla_linears  # noqa: F401  (re-exported)
 from .shape import Shape, divides, moe_layer_count, require_positive_int
@@ -100,13 +102,7 @@ def textbook_total_params(h: int, l: int, V: int, s: int) -> int:  # noqa: E741,
 def _check_tp(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
-    g = shape.kv_heads
-    if g != shape.num_heads and g % tp and tp % g:
-        # Megatron-Core splits the query groups over tp (num_query_groups / tp per rank), or
-        # with fewer groups than ranks replicates each group tp / num_query_groups times
-        # (transformer_config.py: one must be a multiple of the other)
-        raise ValueError(f"tp={tp} and num_kv_heads={g}: one must divide the other (K/V "
-                         "heads are split over tp, or replicated tp/num_kv_heads times)")
+    check_query_groups(shape, tp)  # tp | num_kv_heads, or num_kv_heads | tp
     divides("tp", tp, "ffn_hidden_size", shape.f)
     divides("tp", tp, "vocab_size", shape.vocab_size)
 
@@ -145,15 +141,8 @@ def attention_params(shape: Shape, tp: int = 1) -> dict[str, int]:
         lin = mla_linears(shape, tp)
         return {"qkv": sum(n for name, n in lin if name != "proj"),
                 "proj": dict(lin)["proj"]}
-    h, kv, g = shape.h, shape.kv_hidden, shape.kv_heads
+    h, kv = shape.h, shape.kv_hidden
     b = int(shape.bias)
-    if tp > g:
-        # Megatron-Core with fewer query groups than tp ranks (attention.py, num_query_groups
-        # < world_size): each rank's QKV projection is its whole group -- the group's h / g
-        # query columns and one K and one V head, replicated tp / g times -- and the rank keeps
-        # its h / tp query heads of the output; the output projection stays split by tp
-        cols = h // g + 2 * (h // shape.a)
-        return {"qkv": h * cols + b * cols, "proj": h * h // tp + b * h}
     return {"qkv": (h * (h + 2 * kv) + b * (h + 2 * kv)) // tp,
             "proj": h * h // tp + b * h}
 

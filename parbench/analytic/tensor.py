@@ -23,6 +23,7 @@ from fractions import Fraction
 from .clip import norm_transfers
 from .params import (attention_params, dense_block_tensor_sizes, norm_tensor_sizes,
                      shape_mlp_params)
+from .gqa import check_query_groups, qkv_gather_transfers
 from .comm import Transfer, as_number, tp_traffic, tp_vocab_traffic, wire_factor
 from .mla import mla_replicated_params, mla_tp_input_width
 from .shape import Shape, divides, require_positive_int
@@ -87,7 +88,7 @@ def _check(shape: Shape, tp: int) -> None:
     require_positive_int("tp", tp)
     divides("tp", tp, "num_heads", shape.num_heads)
     divides("tp", tp, "ffn_hidden_size", shape.f)
-    divides("tp", tp, "num_kv_heads", shape.kv_heads)
+    check_query_groups(shape, tp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,7 +119,9 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
     Once per step the gradients of the parameters replicated over tp (LayerNorms, row-parallel
     biases, position embedding) are all-reduced in one buffer, as Megatron does for
     ``sequence_parallel`` parameters. With ``clip_grad``, the global norm's 4-byte
-    all-reduce over tp (``analytic.clip``; Megatron-LM's ``clip_grad_norm_fp32``).
+    all-reduce over tp (``analytic.clip``; Megatron-LM's ``clip_grad_norm_fp32``). With
+    tp > num_kv_heads, per layer per micro-batch the QKV output's all-gather and
+    reduce-scatter (:func:`.gqa.qkv_gather_transfers`; Megatron-Core's GQA split), sp or not.
     """
     _check(shape, tp)
     require_positive_int("micro_batch", b)
@@ -129,7 +132,8 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
         return []
     s, h, L, m = shape.s, shape.h, shape.l, num_microbatches
     full = recompute == "full"
-    norm = norm_transfers({"tp": tp}, clip_grad)
+    norm = norm_transfers({"tp": tp}, clip_grad) + \
+        qkv_gather_transfers(shape, b, s, tp, recompute, e, L * m)
     if not sp:
         layers = mla_layer_traffic(shape, b, tp, L * m, e, full) if shape.mla else \
             tp_traffic(b, s, h, tp, L, m, e, full)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..analytic import comm as acomm
 from ..analytic import context as actx
+from ..analytic import gqa as agqa
 from ..analytic import tensor as atensor
 from .costs import (
     _apply_measured,
@@ -47,8 +48,9 @@ def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False)
 
 def _local_kv_width(shape, tp: int) -> int:
     """One tensor-parallel rank's key (or value) width: its share of the K/V heads, at least
-    one whole head -- a head replicated tp / num_kv_heads times when tp exceeds the heads
-    (the layout's replication rule)."""
+    one whole head -- when tp exceeds the heads each of the tp / num_kv_heads ranks of a
+    query group holds that head's activations (Megatron-Core gathers the QKV output:
+    ``analytic.gqa``)."""
     d = shape.h // shape.a
     return max(_kv(shape) // d // tp, 1) * d
 
@@ -109,6 +111,7 @@ def _layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool) -> _Co
     link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)
     if loc.tp > 1:
         _tp_comm(c, trn, profile, loc, link(1, loc.tp))
+        _gqa_comm(c, shape, trn, profile, loc, link(1, loc.tp))
     if loc.cp > 1:
         _cp_comm(c, shape, trn, profile, loc, link(loc.tp, loc.cp), hop_block)
     if moe_layer and lay.ep > 1:
@@ -224,6 +227,20 @@ def _tp_comm(c: _Costs, trn: Training, profile: Profile, loc: _LocalLayer, link:
         t_f = t_all / 2
     c.comm_f["tp"] = t_f
     c.comm_b["tp"] = t_full - t_f
+
+
+def _gqa_comm(c: _Costs, shape, trn: Training, profile: Profile, loc: _LocalLayer,
+              link: str) -> None:
+    """With tp > num_kv_heads, the QKV output's all-gather (forward; again under full
+    recompute, in backward) and its gradient's reduce-scatter (backward), exposed
+    (Megatron-Core's GQA split: ``analytic.gqa``)."""
+    full = agqa.qkv_gather_transfers(shape, loc.b, loc.s_l, loc.tp, trn.options.recompute,
+                                     loc.e)
+    if not full:
+        return
+    t_f = _comm_time(profile, [_scaled(full[0], 1 / full[0].count)], link)
+    c.comm_f["tp"] = c.comm_f.get("tp", 0.0) + t_f
+    c.comm_b["tp"] = c.comm_b.get("tp", 0.0) + _comm_time(profile, full, link) - t_f
 
 
 def _cp_comm(c: _Costs, shape, trn: Training, profile: Profile, loc: _LocalLayer, link: str,

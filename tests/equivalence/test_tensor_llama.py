@@ -3,7 +3,8 @@ blocks (RoPE, grouped-query attention with the query groups split over tp, SwiGL
 no biases) and on packed sequences, against the golden run; every step's bytes and calls equal
 the closed forms (``analytic.tensor.megatron_params`` counts the LLaMA tensors). A padded
 vocabulary (61 over tp=2) and selective recompute (the attention core recomputed with the
-documents' mask) are covered; tp > num_kv_heads is refused before spawning."""
+documents' mask) are covered; tp > num_kv_heads runs as Megatron-Core runs it (the QKV output
+gathered), a tp that neither divides nor is a multiple of num_kv_heads is refused."""
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,21 @@ def test_megatron_1d_trains_llama_blocks_and_packed_documents(pools, scheme, ext
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
-def test_tp_above_the_kv_heads_is_refused():
-    with pytest.raises(ConfigError, match="num_kv_heads"):
-        case_for("tensor.megatron", tp="4")
+@pytest.mark.parametrize("scheme,extra", [
+    ("tensor.megatron", {"tp": "4"}),
+    ("tensor.megatron-sp", {"tp": "4"}),
+    ("tensor.megatron", {"num_kv_heads": "1", "recompute": "selective"})])
+def test_tp_above_the_kv_heads_runs_as_megatron_core_does(pools, scheme, extra):
+    """tp = 4 over 2 K/V heads and tp = 2 over 1 (issue 21): each rank holds a 1/t of the
+    group-interleaved QKV rows, gathers the output and attends with its group's K/V head
+    (``impls.tensor.gqa``); equal to the golden run, and the gather's bytes and calls are the
+    closed form's (``analytic.gqa.qkv_gather_transfers``)."""
+    case = case_for(scheme, **extra)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+
+
+def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
+    with pytest.raises(ConfigError, match="num_kv_heads=3"):
+        case_for("tensor.megatron", hidden_size="48", num_heads="6", num_kv_heads="3")

@@ -80,12 +80,14 @@ def test_llama2_cli_counts_and_vocab_padding(capsys):
     h, kv, f = 8192, 8 * 128, 28672
     assert out["parameters"]["per_rank_per_layer"] == (2 * h * h + 2 * h * kv + 3 * h * f) // 8 \
         + 2 * h
-    # tp = 16 over 8 query groups: Megatron-Core (attention.py, num_query_groups < tp)
-    # replicates each group on 2 ranks -- a rank's QKV is its group's 8 query heads and one
-    # K and one V head of 128, from h inputs; O and the MLP split by 16
+    # tp = 16 > 8 query groups: Megatron-Core still splits the fused QKV evenly (no replica)
     out = cli_json(capsys, "model=llama2-70b", "tp=16")
-    assert out["parameters"]["per_rank_per_layer"] == h * (8 + 2) * 128 + h * h // 16 \
-        + 3 * h * f // 16 + 2 * h
+    assert out["parameters"]["per_rank_per_layer"] == \
+        (2 * h * h + 2 * h * kv + 3 * h * f) // 16 + 2 * h
+    # 6 query groups over tp = 4: neither divides the other
+    assert "tp=4 and num_kv_heads=6: one must divide the other" in cli_error(
+        capsys, "model=llama2-70b", "num_heads=48", "hidden_size=6144", "num_kv_heads=6",
+        "tp=4")
 
 
 def test_vocab_padding_leaves_local_presets_and_pads_like_the_reference_model():

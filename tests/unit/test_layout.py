@@ -89,13 +89,13 @@ def test_model_rules(fields, model, kw, msg):
 
 
 def test_kv_heads_replication_rule():
-    """K/V heads are split over tp or replicated: tp and num_kv_heads divide one another."""
+    """K/V heads are split over tp or shared: tp and num_kv_heads divide one another."""
     shape = shape_from(model_preset("tiny"), hidden_size=96, num_heads=24, num_kv_heads=6)
     assert not list(model_rules(Layout(tp=2), shape))  # 3 K/V heads per rank
     assert not list(model_rules(Layout(tp=12), shape))  # each K/V head on 2 ranks
     bad = list(model_rules(Layout(tp=4), shape))  # 4 ranks share 6 heads unevenly
     assert bad == ["tp=4 and num_kv_heads=6: one must divide the other (K/V heads are split "
-                   "over tp, or replicated tp/num_kv_heads times)"]
+                   "over tp, or each shared by tp/num_kv_heads ranks)"]
 
 
 def test_the_rules_read_analytic_shapes_and_configs_alike():
