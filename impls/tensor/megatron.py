@@ -88,8 +88,7 @@ class Megatron1D(MegatronFigures):
     supports_packing = True
     #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
     #: (t | num_kv_heads), SwiGLU's [gate; up] sharded half by half, RMSNorm, no biases
-    #: and multi-head latent attention (``megatron_mla``; not under sp, nor selective
-    #: recomputation)
+    #: and multi-head latent attention (``megatron_mla``; not under selective recomputation)
     model_features = MODEL_FEATURES | {"mla"}
 
     def build_model(self):
@@ -154,7 +153,6 @@ class MegatronSP(Megatron1D):
                    "sequence, all-gather / reduce-scatter around the parallel linears")
     options = ("recompute",)
     sp = True
-    model_features = MODEL_FEATURES
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
