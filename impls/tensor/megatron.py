@@ -89,7 +89,7 @@ class Megatron1D(MegatronFigures):
     #: the LLaMA blocks: RoPE on the rank's heads, GQA with the query groups split over tp
     #: (t | num_kv_heads) or, t > num_kv_heads, the QKV output gathered (``gqa``), SwiGLU's
     #: [gate; up] sharded half by half, RMSNorm, no biases and multi-head latent attention
-    #: (``megatron_mla``; not under sp, nor selective recomputation)
+    #: (``megatron_mla``; not under selective recomputation)
     model_features = MODEL_FEATURES | {"mla"}
 
     def build_model(self):
@@ -154,7 +154,6 @@ class MegatronSP(Megatron1D):
                    "sequence, all-gather / reduce-scatter around the parallel linears")
     options = ("recompute",)
     sp = True
-    model_features = MODEL_FEATURES
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

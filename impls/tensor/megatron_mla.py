@@ -14,6 +14,12 @@ each rank's heads add only their share to the gradient of those inputs, so witho
 duplicated weights' gradients (and the layer's input gradient) would be partial. After it
 they are whole and identical on every rank, as Megatron-Core's ColumnParallelLinear makes
 them for its input (``copy_to_tensor_model_parallel_region``).
+
+With sequence parallelism (Korthikanti et al. 2022) the duplicated layers run on the rank's
+sequence shard and that concatenation is all-gathered along the sequence instead (reduce-
+scattered backward); the duplicated weights' gradients are then partial over the sequence
+and join the once-per-step all-reduce of the replicated parameters (Megatron-Core's
+``sequence_parallel`` parameters, ``_allreduce_non_tensor_model_parallel_grads``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from parbench.model.mla import LATENT_EPS, MLADims, latent_heads
 from parbench.model.packing import self_mask
 
-from .collectives import CopyToRegion
+from .collectives import CopyToRegion, GatherFromSequence
 from .shards import blocks
 
 #: column-parallel MLA weights (rows head by head)
@@ -51,8 +57,8 @@ def latents(model, x: torch.Tensor, pre: str, dims: MLADims):
 
 
 def mla_attention(model, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
-    """Layer ``i``'s MLA on its normalised input x [s, b, h] on this rank's heads; the
-    row-parallel projection reduces it (``model.row``)."""
+    """Layer ``i``'s MLA on its normalised input x [s, b, h] (under sp the rank's sequence
+    shard) on this rank's heads; the row-parallel projection reduces it (``model.row``)."""
     pre, dims = f"blocks.{i}.attn", MLADims.of(model.cfg)
     c, latent, k_rope = latents(model, x, pre, dims)
     widths = [c.shape[-1], dims.kv_rank, dims.rope]
@@ -61,7 +67,7 @@ def mla_attention(model, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
     q_name = "q_up" if dims.q_rank else "q_proj"
     q = F.linear(c, model.p(f"{pre}.{q_name}.weight"))
     kv = F.linear(latent, model.p(f"{pre}.kv_up.weight"))
-    s = x.shape[0]
+    s = z.shape[0]  # the whole sequence (under sp gathered)
     pos = torch.arange(s, device=x.device) if docs is None else docs.pos
     q, k, v = latent_heads(q, kv, k_rope, model.heads, dims, pos, model.cfg.rope_theta)
     y = model.latent_core(q, k, v, dims, None if docs is None else self_mask(docs))
@@ -69,6 +75,11 @@ def mla_attention(model, x: torch.Tensor, i: int, docs=None) -> torch.Tensor:
     return model.row(y, model.p(f"{pre}.proj.weight"), None)
 
 
-def copy_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """``f``: identity forward, all-reduce of the gradient backward."""
+def copy_to_heads(x: torch.Tensor, group, sp_size: int = 1) -> torch.Tensor:
+    """``f``: identity forward, all-reduce of the gradient backward; under sequence
+    parallelism (``sp_size`` > 1) the all-gather of the sequence shards, reduce-scatter
+    backward (Megatron-Core gathers the latents in its column-parallel up projections and
+    the rotary key with gather_from_sequence_parallel_region)."""
+    if sp_size > 1:
+        return GatherFromSequence.apply(x, group, sp_size)
     return CopyToRegion.apply(x, group)

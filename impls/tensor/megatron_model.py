@@ -281,8 +281,9 @@ class MegatronGPT(Tapped, nn.Module):
         return gqa.local_qkv(full, self.cfg, self.tp, self.rank)
 
     def copy_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """MLA's ``f`` on the up projections' inputs (``megatron_mla``)."""
-        return copy_to_heads(x, self.group)
+        """MLA's ``f`` on the up projections' inputs (``megatron_mla``); under sp the
+        all-gather of their sequence shards (reduce-scatter backward)."""
+        return copy_to_heads(x, self.group, self.tp if self.sp else 1)
 
     def latent_core(self, q, k, v, dims, mask=None) -> torch.Tensor:
         """MLA's core on the rank's heads: softmax(q k^T / sqrt(d + d_R)) v."""

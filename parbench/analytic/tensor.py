@@ -139,7 +139,9 @@ def megatron_step_traffic(shape: Shape, b: int, tp: int, num_microbatches: int =
             tp_traffic(b, s, h, tp, L, m, e, full)
         return layers + tp_vocab_traffic(b, s, h, tp, m, e, loss_bytes=4) + norm
     S = b * s * h * e  # noqa: N806
-    return megatron_layer_traffic(b, s, h, tp, recompute, sp, e, L * m) + [
+    layers = mla_sp_layer_traffic(shape, b, tp, L * m, e, full) if shape.mla else \
+        megatron_layer_traffic(b, s, h, tp, recompute, sp, e, L * m)
+    return layers + [
         Transfer("tp", "reduce_scatter", tp, S, m, "embedding partial lookups (fwd)"),
         Transfer("tp", "all_gather", tp, S, m, "embedding output grad (bwd)"),
         Transfer("tp", "all_gather", tp, S, 2 * m, "LM head input (fwd, bwd re-gather)"),
@@ -164,6 +166,28 @@ def mla_layer_traffic(shape: Shape, b: int, tp: int, count: int, e: int = 4,
                      "g (fwd, recompute) / MLP f (bwd)"),
             Transfer("tp", "all_reduce", tp, b * shape.s * mla_tp_input_width(shape) * e,
                      count, "MLA f (bwd): latents, query input and rotary key")]
+
+
+def mla_sp_layer_traffic(shape: Shape, b: int, tp: int, count: int, e: int = 4,
+                         full: bool = False) -> list[Transfer]:
+    """Megatron sequence parallelism with multi-head latent attention, ``count`` layer
+    micro-batches: the MLP as in :func:`megatron_layer_traffic` (fc1's input all-gathered
+    forward and again backward, its gradient reduce-scattered; fc2's output reduce-scattered,
+    all-gathered backward) and the attention's projection reduce-scattered forward and
+    all-gathered backward, each of S = b s h e; the duplicated down projections run on the
+    sequence shard and their outputs [query input, K/V latent, rotary key] are all-gathered
+    forward, reduce-scattered backward: b s w e, w = ``mla.mla_tp_input_width``. Full
+    recomputation repeats the forward ones."""
+    S = b * shape.s * shape.h * e  # noqa: N806
+    W = b * shape.s * mla_tp_input_width(shape) * e  # noqa: N806
+    again = int(full)
+    return [Transfer("tp", "all_gather", tp, S, (4 + again) * count,
+                     "fc1 input (fwd, recompute, bwd re-gather), proj / fc2 g-bar (bwd)"),
+            Transfer("tp", "reduce_scatter", tp, S, (3 + 2 * again) * count,
+                     "proj / fc2 output (fwd, recompute), fc1 input grad (bwd)"),
+            Transfer("tp", "all_gather", tp, W, (1 + again) * count,
+                     "MLA latents, query input and rotary key (fwd, recompute)"),
+            Transfer("tp", "reduce_scatter", tp, W, count, "their gradient (bwd)")]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Multi-head latent attention (``parbench.model.mla``) under the native Megatron 1D scheme
-(``impls.tensor.megatron_mla``: down projections duplicated, up projections column-parallel
-over heads, output projection row-parallel) against the golden run; every step's bytes and
-calls equal the closed form (``analytic.tensor.mla_layer_traffic``). What it cannot run is
+and its sequence-parallel form (``impls.tensor.megatron_mla``: down projections duplicated,
+up projections column-parallel over heads, output projection row-parallel) against the
+golden run; every step's bytes and calls equal the closed forms
+(``analytic.tensor.mla_layer_traffic``, ``mla_sp_layer_traffic``). What it cannot run is
 refused before spawning."""
 from __future__ import annotations
 
@@ -23,16 +24,19 @@ def case_for(scheme: str, **extra) -> CaseConfig:
     return case
 
 
-@pytest.mark.parametrize("extra", [{}, {"q_lora_rank": "0", "recompute": "full"}])
-def test_megatron_1d_trains_latent_attention(pools, extra):
-    case = case_for("tensor.megatron", **extra)
+@pytest.mark.parametrize("scheme,extra", [
+    ("tensor.megatron", {}),
+    ("tensor.megatron", {"q_lora_rank": "0", "recompute": "full"}),
+    ("tensor.megatron-sp", {}),
+    ("tensor.megatron-sp", {"q_lora_rank": "0", "recompute": "full"})])
+def test_megatron_trains_latent_attention(pools, scheme, extra):
+    case = case_for(scheme, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
-    assert_wire_and_calls_per_step(get_scheme("tensor.megatron").predict(case), per_rank)
+    assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
 @pytest.mark.parametrize("scheme,extra,words", [
-    ("tensor.megatron-sp", {}, "kv_lora_rank=16: scheme tensor.megatron-sp"),
     ("tensor.megatron", {"recompute": "selective"}, "recompute=selective"),
     ("data.ddp", {"tp": "1", "dp": "2"}, "kv_lora_rank=16: scheme data.ddp")])
 def test_what_is_not_run_is_refused(scheme, extra, words):
