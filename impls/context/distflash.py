@@ -68,17 +68,12 @@ class DistFlashAttnScheme(ContextParallelScheme):
     def bind_documents(self, docs):
         self.core.peers.docs = docs
 
-    def module_probes(self):
-        """The shared forward's probes; none under ``recompute=full``, whose layers
-        (``distflash_remat``) run the reference parts inside one autograd function."""
-        return None if self.ctx.options.recompute == "full" else super().module_probes()
-
     def forward(self, tokens, targets, pos, measure: bool = False):
         if self.ctx.options.recompute != "full":
             return super().forward(tokens, targets, pos, measure)
         saved = SavedActivations(exclude=self.params) if measure else None
         loss = remat_shard_forward(self.model, tokens, pos, targets, self.core, saved,
-                                   self.embed, self.loss_fn(), self.docs)
+                                   self.embed, self.loss_fn(), self.docs, self.taps)
         if measure:
             self._activation_bytes = saved.bytes
             led = comm.active()

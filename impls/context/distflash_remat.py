@@ -21,59 +21,76 @@ from __future__ import annotations
 import torch
 
 from .distflash_attn import ReplayAttention, dfa_forward
-from .shard import embed, mean_loss
+from .shard import embed, mean_loss, shard_forward, tapped
 
 
-def qkv(blk, x: torch.Tensor):
-    """The layer's q, k, v (b, a, n, d), heads-major, as ``shard._layer`` computes them."""
-    b, n, h = x.shape
+def qkv(blk, a: torch.Tensor):
+    """q, k, v (b, a, n, d), heads-major, of the layer's normed input ``a``, as
+    ``shard._projected`` computes them."""
+    b, n, h = a.shape
     heads = blk.attn.num_heads
-    q, k, v = blk.attn.qkv(blk.ln1(x)).view(b, n, 3, heads, h // heads).unbind(2)
+    q, k, v = blk.attn.qkv(a).view(b, n, 3, heads, h // heads).unbind(2)
     return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
 
 
-def after_attention(blk, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Output projection, residual and MLP of the layer, given the attention output
-    (b, a, n, d)."""
+def projected(blk, out: torch.Tensor) -> torch.Tensor:
+    """The output projection of the attention output (b, a, n, d)."""
     b, a, n, d = out.shape
-    x = x + blk.attn.proj(out.transpose(1, 2).reshape(b, n, a * d))
-    return x + blk.mlp(blk.ln2(x))
+    return blk.attn.proj(out.transpose(1, 2).reshape(b, n, a * d))
+
+
+def replayed(a: torch.Tensor, blk, out, lse, peers) -> torch.Tensor:
+    """The layer's attention (the reference ``Attention`` of the normed input ``a``) in
+    backward: ``ReplayAttention`` on the recomputed q, k, v and the saved output."""
+    return projected(blk, ReplayAttention.apply(*qkv(blk, a), out, lse, peers))
+
+
+def after_attention(blk, x: torch.Tensor, attn: torch.Tensor, taps=None,
+                    name: str = "blocks.0") -> torch.Tensor:
+    """Residual and MLP of the layer, given its projected attention output ``attn``
+    (``taps``: the probe points of block ``name``, ``shard``)."""
+    x = x + attn
+    h = tapped(taps, f"{name}.ln2", blk.ln2, x)
+    return x + tapped(taps, f"{name}.mlp", blk.mlp, h)
 
 
 class RematLayer(torch.autograd.Function):
-    """One pre-LN layer checkpointed at its input and its attention output."""
+    """One pre-LN layer checkpointed at its input and its attention output; its probe
+    points (``taps``, block ``name``) fire in backward's recomputation, the attention's
+    output being the saved one."""
 
     @staticmethod
-    def forward(ctx, x, blk, core):
+    def forward(ctx, x, blk, core, taps=None, name="blocks.0"):
         with torch.no_grad():
-            q, k, v = qkv(blk, x)
-            out, lse = dfa_forward(q, k, v, core.peers)
-            y = after_attention(blk, x, out)
-        ctx.blk, ctx.core = blk, core
+            out, lse = dfa_forward(*qkv(blk, blk.ln1(x)), core.peers)
+            y = after_attention(blk, x, projected(blk, out))
+        ctx.blk, ctx.core, ctx.taps, ctx.name = blk, core, taps, name
         ctx.save_for_backward(*core.keep(blk, x, out, lse))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, out, lse = ctx.core.kept(ctx.blk, ctx.saved_tensors)
+        blk, taps, name = ctx.blk, ctx.taps, ctx.name
+        x, out, lse = ctx.core.kept(blk, ctx.saved_tensors)
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
-            q, k, v = qkv(ctx.blk, x)
-            o = ReplayAttention.apply(q, k, v, out, lse, ctx.core.peers)
-            y = after_attention(ctx.blk, x, o)
+            a = tapped(taps, f"{name}.ln1", blk.ln1, x)
+            o = tapped(taps, f"{name}.attn", replayed, a, blk, out, lse, ctx.core.peers)
+            y = after_attention(blk, x, o, taps, name)
         torch.autograd.backward(y, dy)
-        return x.grad, None, None
+        return x.grad, None, None, None, None
+
+
+def remat_layer(blk, x, core, recompute="full", docs=None, taps=None, name="blocks.0"):
+    """``shard.layer``'s signature for a ``RematLayer`` (the core masks packed documents
+    itself; its peers are bound to them)."""
+    return RematLayer.apply(x, blk, core, taps, name)
 
 
 def remat_shard_forward(model, tokens, pos, targets, core, first_layer=None,
-                        embed_fn=embed, loss_fn=mean_loss, docs=None) -> torch.Tensor:
+                        embed_fn=embed, loss_fn=mean_loss, docs=None, taps=None
+                        ) -> torch.Tensor:
     """``shard.shard_forward`` with every layer a ``RematLayer`` (``docs``: the tokens'
-    within-document positions when packed)."""
-    x = embed_fn(model, tokens, pos if docs is None else docs.pos)
-    for i, blk in enumerate(model.blocks.values()):
-        if first_layer is not None and i == 0:
-            with first_layer:
-                x = RematLayer.apply(x, blk, core)
-        else:
-            x = RematLayer.apply(x, blk, core)
-    return loss_fn(model, x, targets)
+    within-document positions when packed; ``taps``: probe points)."""
+    return shard_forward(model, tokens, pos, targets, core, "full", first_layer, embed_fn,
+                         loss_fn, docs, taps, layer_fn=remat_layer)

@@ -109,19 +109,20 @@ def mean_loss(model, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def shard_forward(model, tokens, pos, targets, core, recompute: str = "none",
                   first_layer=None, embed_fn=embed, loss_fn=mean_loss,
-                  docs=None, taps=None) -> torch.Tensor:
+                  docs=None, taps=None, layer_fn=layer) -> torch.Tensor:
     """The loss of this rank's tokens (``loss_fn``: their mean, or ``summed_loss``);
     ``first_layer`` (a context manager, e.g. ``SavedActivations``) is entered around
     layer 0; ``docs``: the tokens' positions for RoPE and packed documents (``layer``);
-    ``taps``: probe points (module docstring)."""
+    ``taps``: probe points (module docstring); ``layer_fn``: one layer, with ``layer``'s
+    signature."""
     at = pos if docs is None else docs.pos
     x = tapped(taps, "embed", lambda t: embed_fn(model, t, at), tokens)
     for i, (key, blk) in enumerate(model.blocks.items()):
         if first_layer is not None and i == 0:
             with first_layer:
-                x = layer(blk, x, core, recompute, docs, taps, f"blocks.{key}")
+                x = layer_fn(blk, x, core, recompute, docs, taps, f"blocks.{key}")
         else:
-            x = layer(blk, x, core, recompute, docs, taps, f"blocks.{key}")
+            x = layer_fn(blk, x, core, recompute, docs, taps, f"blocks.{key}")
     return tapped(taps, "head", lambda h: loss_fn(model, h, targets), x)
 
 

@@ -222,3 +222,45 @@ def test_a_correct_context_parallel_subclass_reports_nothing(tmp_path):
                f"out={tmp_path / 'r'}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "first divergence" not in r.stdout and "first failure" not in r.stdout, r.stdout
+
+
+DFA_REMAT = HEADER + textwrap.dedent('''
+    from parbench.selftest.mutants_distflash import DFARematStaleCheckpoint
+
+    class LnEps(get_scheme("context.distflashattn")):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            if self.cp_rank == 1:
+                self.model.blocks["1"].ln2.eps = 1e-3
+
+    class Stale(DFARematStaleCheckpoint):
+        pass
+
+    class Correct(get_scheme("context.distflashattn")):
+        pass
+''')
+
+DFA_CASE = ("cp=2", "model=tiny", "recompute=full", "steps=2", "timed_steps=0",
+            "num_microbatches=2")
+
+
+@pytest.mark.parametrize("cls, says", [
+    ("LnEps", "first divergence: forward output of blocks.1.ln2 (rank 1, step 0)"),
+    ("Stale", "first divergence: forward output of blocks.0.attn (rank 0, step 0)"),
+    ("Correct", None),
+])
+def test_distflashattn_remat_layers_are_probed(tmp_path, cls, says):
+    """DistFlashAttn's rematerialised layers (``recompute=full``) map the reference modules
+    through probe points in their backward's recomputation (issue 20, sec. 5): cp rank 1's
+    norm of layer 1 with another eps is named; a checkpoint that hands micro-batch 1 the
+    first micro-batch's attention output is named as layer 0's attention on rank 0; the
+    correct class passes, not localised."""
+    (tmp_path / "mine.py").write_text(DFA_REMAT)
+    r = verify(tmp_path, f"scheme=mine.py:{cls}", *DFA_CASE, f"out={tmp_path / 'r'}")
+    if says is None:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "first divergence" not in r.stdout and "first failure" not in r.stdout
+        return
+    assert r.returncode == 3, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "first failure" in x)
+    assert says in line, r.stdout
