@@ -24,7 +24,6 @@ as one rank instead (hangs there end at the backend's collective timeout).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -33,6 +32,7 @@ import tempfile
 import time
 import traceback
 
+from . import rank_start
 from .worker import free_port, init_process_group
 
 
@@ -96,7 +96,8 @@ class _Board:
 
 
 def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results, board,
-                 stack_dir):
+                 stack_dir, env=None):
+    rank_start.adopt(env)  # forked from the server: the parent's environment, as spawn gives
     if not os.environ.get("PARBENCH_VERBOSE"):
         # libraries print banners on stdout (DeepSpeed lists its layers); the parent's
         # progress and tables own stdout. stderr (warnings) stays; PARBENCH_VERBOSE=1 keeps all
@@ -163,7 +164,7 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.threads = threads
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_start.context()
         self._procs: list = []
         self._task_qs: list = []
         self._results = None
@@ -193,7 +194,8 @@ class WorkerPool:
             p = self._ctx.Process(target=_worker_main, daemon=True,
                                   args=(r, self.world_size, port, self.device, self.timeout_s,
                                         self.threads, self._task_qs[r], self._results,
-                                        self._board, self._stack_dir))
+                                        self._board, self._stack_dir,
+                                        rank_start.environment()))
             p.start()
             self._procs.append(p)
         self._collect(-1, start_timeout_s, hang_s=None)
