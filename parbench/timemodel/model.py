@@ -318,7 +318,9 @@ def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
                     ) -> tuple[float, int, float]:
     """(parameters, parameter tensors, seconds of one optimizer step) of pipeline ``rank``:
     AdamW per tensor and per element of the rank's shard (ZeRO >= 1 steps 1/(dp cp) of it,
-    in a few flat buffers)."""
+    in a few flat buffers); on a preset, the bytes per element over the memory bandwidth,
+    with a 16-bit run's mixed-precision passes (``mixed_bytes_<dtype>``: the gradient cast
+    to fp32, its norm, the master weight copied back, fp16's unscale; ``devices``)."""
     lay, opt = trn.layout, trn.options
     psi = float(_stage_params(shape, trn)[rank]["total"])
     tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, lay.first_stage_layers,
@@ -333,8 +335,9 @@ def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
     opt_tensors = tensors if (opt.data.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
     per_el = profile.optimizer.get("per_element_s")
     if per_el is None:
-        per_el = profile.optimizer.get("bytes_per_element", 32.0) / (profile.mem_bandwidth
-                                                                      or 1e11)
+        nbytes = profile.optimizer.get("bytes_per_element", 32.0) + \
+            profile.optimizer.get(f"mixed_bytes_{trn.dtype}", 0.0)
+        per_el = nbytes / (profile.mem_bandwidth or 1e11)
     opt_s = opt_tensors * profile.optimizer.get("per_tensor_s", 0.0) + shard * per_el
     if trn.optimizer == "sgd":
         opt_s *= 0.4

@@ -28,7 +28,9 @@ Fields (SI units: seconds, bytes, FLOP/s, bytes/s):
   "f", "kv", "vocab", "dtype", "fwd_s", "bwd_s"}`` (``calibrate model=...``); the time model
   uses them where the shape matches and scales its operator count by their ratio elsewhere;
 - ``optimizer``: AdamW's cost ``{"per_tensor_s", "per_element_s"}`` (single-tensor
-  ``torch.optim.AdamW``, as parbench runs it, on CPU; a fused multi-tensor kernel on GPUs);
+  ``torch.optim.AdamW``, as parbench runs it, on CPU; a fused multi-tensor kernel on GPUs),
+  or on a preset ``{"bytes_per_element", "mixed_bytes_<dtype>"}``: AdamW's bytes and a 16-bit
+  run's extra mixed-precision passes, each element, over ``mem_bandwidth``;
 - ``links``: name -> :class:`Link` (``intra``: inside a node, ``inter``: between nodes) with a
   per-rank one-direction bandwidth and a per-step latency; ``ranks_per_node`` says which
   groups stay inside a node;
