@@ -11,7 +11,8 @@ measured rate interpolated in FLOPs, else by shape on a preset: the achievable m
 times the wave efficiency, or the operands' bytes over the memory bandwidth); the attention
 core forward and backward (:meth:`Profile.attention_time`: one fused kernel under
 ``attention=flash`` or on a calibrated profile, else unfused, its scores through memory); the memory-bound operators (two LayerNorms, two
-residual adds, the activation, bias gradients, gradient accumulation) as bytes over the memory
+residual adds, the activation, bias gradients; under ``grad_accumulation=unfused`` each
+micro-batch's add into the gradient buffer, :mod:`.grad_accumulation`) as bytes over the memory
 bandwidth; and every eager operator and autograd node at the profile's fixed costs (zero on the
 GPU presets: kernel launches run ahead of the device). Embedding (first stage) and the LM head
 with its cross-entropy (last stage) likewise. The optimizer: AdamW per parameter tensor and
@@ -63,10 +64,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..analytic.shape import Shape, shape_from
+from ..config import ConfigError
 from ..schedules import ScheduleSpec, WeightRule, get_spec
 from .costs import _cache, _Costs, _e, _LinkFn
 from .dp_memory import _rank_tensors, _stage_params, dp_costs, memory_per_rank  # noqa: F401
 from .ends import _ends
+from .grad_accumulation import MODES, accumulation_s
 from .training import StepTime, Training
 from .pipeline_time import busy_bound, chain_bound, pipeline_time
 from .profile import Profile
@@ -82,6 +85,10 @@ def _validate(shape, trn: Training) -> None:
     lay, opt = trn.layout, trn.options
     lay.check_model(shape, sp=opt.tensor.sp)
     _e(trn.dtype)
+    if trn.grad_accumulation not in MODES:
+        raise ConfigError(f"grad_accumulation={trn.grad_accumulation!r} must be one of "
+                          f"{', '.join(MODES)} (how a micro-batch's weight gradient reaches "
+                          "the gradient buffer)")
 
 
 def predict_step(shape, training: Training, profile: Profile, bound: bool = False) -> StepTime:
@@ -180,6 +187,8 @@ def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
                 proto.add(emb)
             if vs == nstages - 1:
                 proto.add(head)
+            proto.w += accumulation_s(shape, trn, profile, n - n_moe, n_moe, vs == 0,
+                                      vs == nstages - 1)
         stage_costs.append(proto.copy())
     return StageCosts(dense_c, emb, head, stage_costs)
 
