@@ -263,8 +263,9 @@ class Profile:
         forward the scores written, the fused scale-mask-softmax reading them and writing
         probabilities, dropout reading those and writing its output and a one-byte mask,
         the AV GEMM reading it (6 e + 1 bytes a score); backward the reverse, with the
-        softmax output read again (8 e + 1) -- the elements Korthikanti et al. Table 2 count
-        as 5as^2b bytes of activations."""
+        softmax output read again and the scores' gradient read by both of QK^T's backward
+        GEMMs (dQ = dS K and dK = dS^T Q): 9 e + 1 -- the elements Korthikanti et al. Table 2
+        count as 5as^2b bytes of activations."""
         hit = self._attn.get((b, heads, sq, skv, d, dtype))
         if hit is not None:
             return hit
@@ -280,7 +281,7 @@ class Profile:
             e = 4 if dtype == "fp32" else 2
             scores = float(b * heads * sq * skv)
             fwd += self.mem_time((6 * e + 1) * scores, 4)
-            bwd += self.mem_time((8 * e + 1) * scores, 4)
+            bwd += self.mem_time((9 * e + 1) * scores, 4)
         return fwd, bwd
 
     @staticmethod
