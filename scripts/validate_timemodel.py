@@ -76,6 +76,7 @@ def layout_of(case):
     s = r.scheme
     kw = dict(**p.degrees(), vpp=p.vpp, sp=o.tensor.sp,
               micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches,
+              first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
               dtype=r.dtype, recompute=o.recompute, bucket_mb=o.data.bucket_mb,
               optimizer=r.optimizer)
     note = ""
