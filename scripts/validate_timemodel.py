@@ -36,7 +36,6 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,6 +76,7 @@ def layout_of(case):
     s = r.scheme
     kw = dict(**p.degrees(), vpp=p.vpp, sp=o.tensor.sp,
               micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches,
+              first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
               dtype=r.dtype, recompute=o.recompute, bucket_mb=o.data.bucket_mb,
               optimizer=r.optimizer)
     note = ""
@@ -136,7 +136,7 @@ def predict(case, profile) -> float:
         r = case.run
         timed = range(r.steps + r.warmup_steps, r.steps + r.timed_steps)
         frac = sum(1 for s in timed if (s + 1) % H == 0) / max(len(timed), 1)
-        alone = predict_step(shape, replace(lay, dp=1), profile)
+        alone = predict_step(shape, lay.with_values(dp=1), profile)
         psi = sum(x for _, ts in layer_tensors(shape) for x in ts)
         avg = profile.collective_time("all_reduce", case.layout.dp, 4 * psi, "intra")
         loss = profile.collective_time("all_reduce", case.layout.dp, 8, "intra")

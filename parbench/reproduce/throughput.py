@@ -63,8 +63,8 @@ def table1_rows() -> Table:
         trn = Training.of(tp=t, pp=p, dp=d, vpp=vpp, micro_batch_size=mbs,
                           num_microbatches=B // (d * mbs),
                           schedule="interleaved" if vpp > 1 else "1f1b", recompute="full",
-                          sp=False, zero_stage=0, attention="eager",
-                          overlap_grad_reduce=ddp == "torch")
+                          sp=False, zero_stage=0, attention="eager", dtype="fp16",
+                          overlap_grad_reduce=ddp == "torch", grad_accumulation="unfused")
         tool, note = _predicted(ptdp.gpt_shape(a, h, l), trn)
         cells.append(Cell(f"{printed}B: t = {t}, p = {p}, d = {d}, B = {B}, b = {mbs}"
                           + (f", v = {vpp}" if vpp > 1 else "") + f", {x} TFLOP/s",
@@ -83,7 +83,14 @@ def table1_rows() -> Table:
                  RUN_SCRIPT + " (--DDP-impl)"),
          Setting("recomputation", "full", "Eq. 3 counts it; --activations-checkpoint-method "
                  "uniform in " + RUN_SCRIPT),
-         Setting("attention", "unfused (eager)", "Megatron-LM in 2021 ran no flash kernel")],
+         Setting("attention", "unfused (eager)", "Megatron-LM in 2021 ran no flash kernel"),
+         Setting("precision", "fp16 with fp32 master weights and loss scaling",
+                 "mixed precision (Sec. 5); fp16 as TABLE1_RUNS records"),
+         Setting("gradient accumulation", "unfused: each micro-batch's weight gradient "
+                 "added into the gradient buffer by its own pass",
+                 "Megatron-LM of the SC21 runs (NGC PyTorch 20.12, examples/sc21/SRUN.sh): "
+                 "local DDP's hook adds grad into main_grad; no gradient-accumulation "
+                 "fusion yet")],
         "published = megatron_eq3_flops(B, s, l, h, V) / (X n); tool = predict_step(...) "
         "on a100-80gb", cells)
 
@@ -110,7 +117,10 @@ def table5_rows() -> Table:
         [Setting("micro-batch size", str(korthikanti.MICRO_BATCH), "Table 3"),
          Setting("schedule", "1F1B, not interleaved", "not printed: an assumption"),
          Setting("recomputation", "selective, sequence parallel", "Table 5 (present work)"),
-         Setting("attention", "unfused (eager)", "the paper's attention core (Sec. 4)")],
+         Setting("attention", "unfused (eager)", "the paper's attention core (Sec. 4)"),
+         Setting("gradient accumulation", "fused into the weight-gradient GEMM",
+                 "an assumption: Megatron-LM's gradient_accumulation_fusion, which its 2022 "
+                 "code ran")],
         "tool = predict_step(...) on a100-80gb", cells)
 
 

@@ -5,8 +5,10 @@ file.
 
 Each preset's ``source`` names where every figure comes from. Nothing is fitted to a training
 run: the achievable matmul rates are the best a public brute-force GEMM search reached on
-the device (:data:`MAMF_SOURCE`), the rest are datasheet figures, and the latencies are
-stated assumptions (:data:`LATENCY_NOTE`).
+the device (:data:`MAMF_SOURCE`), the memory bandwidth is the one a published kernel
+reached where there is one (:data:`HBM_ACHIEVED`), the optimizer's mixed-precision passes
+are counted from Megatron-LM's optimizer (:data:`MIXED_OPTIMIZER_BYTES`), the rest are
+datasheet figures, and the latencies are stated assumptions (:data:`LATENCY_NOTE`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,23 @@ MAMF_SOURCE = ("achievable BF16 matmul: Bekman, ML Engineering Open Book, 'Maxim
 NVLINK_EFFICIENCY = 0.8
 NVLINK_NOTE = ("NVLink priced at 80% of its peak, the application-level bandwidth NCCL's "
                "maintainer states (NVIDIA/nccl#1054)")
+#: the memory bandwidth a kernel reaches, where a published measurement exists: on an A100
+#: SXM4 80GB a read kernel reached 1.80 TB/s, 88% of the datasheet's 2,039 GB/s, confirmed by
+#: Nsight Compute; the same thread cites a GTC talk in which no kernel passed about 90%
+#: (NVIDIA developer forum, "Trouble to reach peak bandwidth of A100", thread 339083). The
+#: other presets keep the datasheet figure: no measurement of theirs is cited here
+HBM_ACHIEVED = {"a100-80gb": 1.80e12}
+HBM_NOTE = ("HBM priced at the bandwidth a kernel reached where one was published (A100 SXM4 "
+            "80GB: 1.80 TB/s, 88% of the datasheet, NVIDIA developer forum thread 339083, "
+            "Nsight Compute); else at the datasheet figure")
+#: the mixed-precision optimizer step's extra passes over every element of the shard, beyond
+#: AdamW's own (``bytes_per_element``), as Megatron-LM's Float16OptimizerWithFloat16Params
+#: steps (megatron/optimizer/optimizer.py; Narayanan et al. 2021, Sec. 5 trains in fp16
+#: with fp32 master weights): the 16-bit gradient read and its fp32 main gradient written
+#: (2 + 4 bytes), the gradient norm for clipping read (4) and the fp32 master weight read
+#: and written back as the 16-bit model weight (4 + 2): 16 bytes; fp16 adds the loss
+#: scaler's unscale-and-check of the main gradient (read 4, write 4): 24
+MIXED_OPTIMIZER_BYTES = {"bf16": 16.0, "fp16": 24.0}
 #: not in any datasheet: stated assumptions for the latency terms of the presets
 LATENCY_NOTE = ("latencies are assumptions, not datasheet figures: 10 us per ring step "
                 "inside a node (NVLink), 20 us between nodes (InfiniBand), 1 us kernel "
@@ -56,11 +75,14 @@ def _gpu(name: str, desc: str, src: str, peak: tuple[float, float], mamf: float,
     bf16, fp32 = peak
     return Profile(
         name=name, device="cuda", description=desc, calibrated=False,
-        source="; ".join((src, MAMF_SOURCE, NVLINK_NOTE, LATENCY_NOTE)), memory_bytes=mem,
+        source="; ".join((src, MAMF_SOURCE, NVLINK_NOTE, HBM_NOTE, LATENCY_NOTE)),
+        memory_bytes=mem,
         matmul_flops={"bf16": bf16, "fp16": bf16, "fp32": fp32},
         matmul_achievable={"bf16": mamf, "fp16": mamf}, sm_count=sms,
-        mem_bandwidth=hbm, op_overhead_s=0.0, bwd_op_overhead_s=0.0, backward_call_s=0.0,
-        optimizer={"per_tensor_s": 0.0, "bytes_per_element": 32.0},
+        mem_bandwidth=HBM_ACHIEVED.get(name, hbm), op_overhead_s=0.0, bwd_op_overhead_s=0.0,
+        backward_call_s=0.0,
+        optimizer={"per_tensor_s": 0.0, "bytes_per_element": 32.0,
+                   **{f"mixed_bytes_{dt}": b for dt, b in MIXED_OPTIMIZER_BYTES.items()}},
         ranks_per_node=8,
         links={"intra": Link(NVLINK_EFFICIENCY * nvlink_each_way, 10e-6,
                              "NVLink, per GPU each way, 80% of the peak"),

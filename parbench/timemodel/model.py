@@ -11,7 +11,8 @@ measured rate interpolated in FLOPs, else by shape on a preset: the achievable m
 times the wave efficiency, or the operands' bytes over the memory bandwidth); the attention
 core forward and backward (:meth:`Profile.attention_time`: one fused kernel under
 ``attention=flash`` or on a calibrated profile, else unfused, its scores through memory); the memory-bound operators (two LayerNorms, two
-residual adds, the activation, bias gradients, gradient accumulation) as bytes over the memory
+residual adds, the activation, bias gradients; under ``grad_accumulation=unfused`` each
+micro-batch's add into the gradient buffer, :mod:`.grad_accumulation`) as bytes over the memory
 bandwidth; and every eager operator and autograd node at the profile's fixed costs (zero on the
 GPU presets: kernel launches run ahead of the device). Embedding (first stage) and the LM head
 with its cross-entropy (last stage) likewise. The optimizer: AdamW per parameter tensor and
@@ -63,10 +64,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..analytic.shape import Shape, shape_from
+from ..config import ConfigError
 from ..schedules import ScheduleSpec, WeightRule, get_spec
 from .costs import _cache, _Costs, _e, _LinkFn
 from .dp_memory import _rank_tensors, _stage_params, dp_costs, memory_per_rank  # noqa: F401
 from .ends import _ends
+from .grad_accumulation import MODES, accumulation_s
 from .training import StepTime, Training
 from .pipeline_time import busy_bound, chain_bound, pipeline_time
 from .profile import Profile
@@ -82,6 +85,10 @@ def _validate(shape, trn: Training) -> None:
     lay, opt = trn.layout, trn.options
     lay.check_model(shape, sp=opt.tensor.sp)
     _e(trn.dtype)
+    if trn.grad_accumulation not in MODES:
+        raise ConfigError(f"grad_accumulation={trn.grad_accumulation!r} must be one of "
+                          f"{', '.join(MODES)} (how a micro-batch's weight gradient reaches "
+                          "the gradient buffer)")
 
 
 def predict_step(shape, training: Training, profile: Profile, bound: bool = False) -> StepTime:
@@ -180,6 +187,8 @@ def _stage_costs(shape, trn: Training, profile: Profile) -> StageCosts:
                 proto.add(emb)
             if vs == nstages - 1:
                 proto.add(head)
+            proto.w += accumulation_s(shape, trn, profile, n - n_moe, n_moe, vs == 0,
+                                      vs == nstages - 1)
         stage_costs.append(proto.copy())
     return StageCosts(dense_c, emb, head, stage_costs)
 
@@ -318,7 +327,9 @@ def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
                     ) -> tuple[float, int, float]:
     """(parameters, parameter tensors, seconds of one optimizer step) of pipeline ``rank``:
     AdamW per tensor and per element of the rank's shard (ZeRO >= 1 steps 1/(dp cp) of it,
-    in a few flat buffers)."""
+    in a few flat buffers); on a preset, the bytes per element over the memory bandwidth,
+    with a 16-bit run's mixed-precision passes (``mixed_bytes_<dtype>``: the gradient cast
+    to fp32, its norm, the master weight copied back, fp16's unscale; ``devices``)."""
     lay, opt = trn.layout, trn.options
     psi = float(_stage_params(shape, trn)[rank]["total"])
     tkey = ("ntensors", shape, lay.tp, lay.pp, lay.vpp, lay.first_stage_layers,
@@ -333,8 +344,9 @@ def _optimizer_time(shape, trn: Training, profile: Profile, rank: int
     opt_tensors = tensors if (opt.data.zero_stage == 0 or n_dp == 1) else max(1, tensors // 6)
     per_el = profile.optimizer.get("per_element_s")
     if per_el is None:
-        per_el = profile.optimizer.get("bytes_per_element", 32.0) / (profile.mem_bandwidth
-                                                                      or 1e11)
+        nbytes = profile.optimizer.get("bytes_per_element", 32.0) + \
+            profile.optimizer.get(f"mixed_bytes_{trn.dtype}", 0.0)
+        per_el = nbytes / (profile.mem_bandwidth or 1e11)
     opt_s = opt_tensors * profile.optimizer.get("per_tensor_s", 0.0) + shard * per_el
     if trn.optimizer == "sgd":
         opt_s *= 0.4

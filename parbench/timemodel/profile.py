@@ -28,7 +28,9 @@ Fields (SI units: seconds, bytes, FLOP/s, bytes/s):
   "f", "kv", "vocab", "dtype", "fwd_s", "bwd_s"}`` (``calibrate model=...``); the time model
   uses them where the shape matches and scales its operator count by their ratio elsewhere;
 - ``optimizer``: AdamW's cost ``{"per_tensor_s", "per_element_s"}`` (single-tensor
-  ``torch.optim.AdamW``, as parbench runs it, on CPU; a fused multi-tensor kernel on GPUs);
+  ``torch.optim.AdamW``, as parbench runs it, on CPU; a fused multi-tensor kernel on GPUs),
+  or on a preset ``{"bytes_per_element", "mixed_bytes_<dtype>"}``: AdamW's bytes and a 16-bit
+  run's extra mixed-precision passes, each element, over ``mem_bandwidth``;
 - ``links``: name -> :class:`Link` (``intra``: inside a node, ``inter``: between nodes) with a
   per-rank one-direction bandwidth and a per-step latency; ``ranks_per_node`` says which
   groups stay inside a node;
@@ -261,8 +263,9 @@ class Profile:
         forward the scores written, the fused scale-mask-softmax reading them and writing
         probabilities, dropout reading those and writing its output and a one-byte mask,
         the AV GEMM reading it (6 e + 1 bytes a score); backward the reverse, with the
-        softmax output read again (8 e + 1) -- the elements Korthikanti et al. Table 2 count
-        as 5as^2b bytes of activations."""
+        softmax output read again and the scores' gradient read by both of QK^T's backward
+        GEMMs (dQ = dS K and dK = dS^T Q): 9 e + 1 -- the elements Korthikanti et al. Table 2
+        count as 5as^2b bytes of activations."""
         hit = self._attn.get((b, heads, sq, skv, d, dtype))
         if hit is not None:
             return hit
@@ -278,7 +281,7 @@ class Profile:
             e = 4 if dtype == "fp32" else 2
             scores = float(b * heads * sq * skv)
             fwd += self.mem_time((6 * e + 1) * scores, 4)
-            bwd += self.mem_time((8 * e + 1) * scores, 4)
+            bwd += self.mem_time((9 * e + 1) * scores, 4)
         return fwd, bwd
 
     @staticmethod

@@ -24,7 +24,8 @@ class Training:
     ``dtype``: bf16 | fp32; ``optimizer``: adamw | sgd; ``accounting``: an
     ``analytic.memory`` name (None: by dtype); ``attention``: eager | flash, how the
     activations are counted (``analytic.activations``); ``ranks_per_node``: None for the
-    profile's.
+    profile's; ``grad_accumulation``: fused | unfused, how each micro-batch's weight
+    gradient reaches the gradient buffer (``timemodel.grad_accumulation``).
     The options the time model reads: ``sp``, ``zero_stage``, ``recompute``,
     ``cp_algorithm`` and ``cp_ulysses``, ``bucket_mb`` (``inf``: one flat buffer) and
     ``overlap_grad_reduce`` (False: the reduction runs after the backward, as the
@@ -38,6 +39,7 @@ class Training:
     accounting: str | None = None
     attention: str = "eager"
     ranks_per_node: int | None = None
+    grad_accumulation: str = "fused"
 
     @classmethod
     def of(cls, **fields: Any) -> "Training":

@@ -195,10 +195,12 @@ def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(rep
     shape = Shape(vocab_size=V, hidden_size=h, num_layers=l, num_heads=a, seq_length=s,
                   tie_embeddings=True, make_vocab_size_divisible_by=128)
     d = n // (t * p)
-    # the authors' run script: micro-batch 16, PyTorch DDP, no pipeline
+    # the authors' run script: micro-batch 16, PyTorch DDP, no pipeline, fp16; Megatron-LM
+    # of 2021 added each micro-batch's gradient into the buffer by a pass of its own
     trn = Training.of(tp=t, pp=p, dp=d, micro_batch_size=16, num_microbatches=B // (d * 16),
                       schedule="1f1b", recompute="full", sp=False, zero_stage=0,
-                      attention="eager", overlap_grad_reduce=True)
+                      attention="eager", overlap_grad_reduce=True, dtype="fp16",
+                      grad_accumulation="unfused")
     assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb")).step_s
 
 

@@ -56,7 +56,10 @@ def test_unfused_attention_computes_every_score_and_moves_them_through_memory():
     rate = a100.matmul_achievable["bf16"]
     assert ff == pytest.approx(0.5 * 4 * scores * d / rate)
     assert uf == pytest.approx(4 * scores * d / rate + 13 * scores / a100.mem_bandwidth)
-    assert ub == pytest.approx(2 * 4 * scores * d / rate + 17 * scores / a100.mem_bandwidth)
+    # backward: dP written, P read for dV, dropout's gradient (read, mask, write), the
+    # softmax's (gradient and output read, written), dS read by dQ's and by dK's GEMM:
+    # 2 + 2 + 5 + 6 + 2 + 2 = 19 bytes a score in 16-bit
+    assert ub == pytest.approx(2 * 4 * scores * d / rate + 19 * scores / a100.mem_bandwidth)
     assert uf > ff
 
 
@@ -73,3 +76,24 @@ def test_every_generation_has_a_preset_with_its_sources(name):
 def test_b200_alias_and_40gb_memory():
     assert load_profile("b200").name == "b200-180gb"
     assert load_profile("a100-40gb").mem_bandwidth < load_profile("a100-80gb").mem_bandwidth
+
+
+def test_a_16_bit_runs_optimizer_step_adds_the_mixed_precision_passes():
+    """On a preset the optimizer step is bytes over the memory bandwidth, each parameter of
+    the rank: AdamW's 32 bytes (fp32), plus in a 16-bit run Megatron-LM's mixed-precision
+    passes -- the 16-bit gradient read and the fp32 main gradient written (2 + 4), the norm
+    read (4), the master weight read and written back as the 16-bit weight (4 + 2) -- and in
+    fp16 the loss scaler's unscale (4 + 4): 32, 48 and 56 bytes."""
+    from parbench.analytic.shape import Shape
+    from parbench.timemodel import Training, predict_step
+    v, h, l, s = 1024, 256, 2, 128  # noqa: E741
+    shape = Shape(vocab_size=v, hidden_size=h, num_layers=l, num_heads=4, seq_length=s,
+                  tie_embeddings=True)
+    # tied token embedding, positions, per layer 4h^2 + 8h^2 weights and 13h biases and
+    # LayerNorms, the final LayerNorm
+    psi = v * h + s * h + l * (12 * h * h + 13 * h) + 2 * h
+    prof = load_profile("a100-80gb")
+    opt = {dt: predict_step(shape, Training.of(dtype=dt), prof).breakdown["optimizer_s"]
+           for dt in ("fp32", "bf16", "fp16")}
+    for dt, nbytes in (("fp32", 32), ("bf16", 48), ("fp16", 56)):
+        assert opt[dt] == pytest.approx(nbytes * psi / 1.80e12, rel=1e-9)
