@@ -25,6 +25,8 @@ On CPU two things differ from torchtitan's GPU defaults: attention is its
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from parbench.batching import dp_slice, microbatches
@@ -41,7 +43,7 @@ TORCHTITAN_VERSION = "0.3.0"
 def torchtitan_missing() -> str | None:
     """Why torchtitan's Llama 3 cannot be imported here, else None."""
     try:
-        import torchtitan.models.llama3.parallelize  # noqa: F401
+        importlib.import_module("torchtitan.models.llama3.parallelize")
     except ImportError as e:
         return (f"torchtitan=={TORCHTITAN_VERSION} is not importable ({e}); install the "
                 "'torchtitan' extra (it also needs triton)")
@@ -80,7 +82,7 @@ def _parallel_dims(dp: int, tp: int, device_type: str):
     import (``tools.utils.device_type``: the available accelerator, else "cuda"), so on a
     CPU-only host its meshes are "cuda" meshes and the first ``distribute_tensor`` fails
     ("Torch not compiled with CUDA enabled"); the module's copy is pointed at this rank's
-    device before the meshes are built (a finding: scripts/torchtitan_cpu_mesh.py)."""
+    device before the meshes are built (a finding: scripts/torchtitan_cpu_findings.py)."""
     import torchtitan.distributed.parallel_dims as titan_dims  # optional dependency
     from torchtitan.distributed import ParallelDims
     titan_dims.device_type = device_type
@@ -99,6 +101,18 @@ def _parallelize(model, dims, tp: int):
                              training=TrainingConfig(mixed_precision_param="float32"),
                              parallelism=par, compile_config=CompileConfig(),
                              ac_config=None, dump_folder="/tmp")
+
+
+def _sum_over_gloo(model) -> None:
+    """Keep torchtitan's gradient sum over dp on gloo. torchtitan disables FSDP2's division
+    (``disable_fsdp_gradient_division``: ``set_gradient_divide_factor(1.0)``), and FSDP2 then
+    reduce-scatters with ``ReduceOp.PREMUL_SUM(1.0)``, which Gloo refuses ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo": a finding, scripts/torchtitan_cpu_findings.py). FSDP2's
+    ``set_force_sum_reduction_for_comms`` makes the same sum with plain ``SUM``."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 @register
@@ -128,6 +142,8 @@ class TorchTitan(Scheme):
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
         self.model = _parallelize(model, self.dims, lay.tp)
+        if ctx.device.type == "cpu":
+            _sum_over_gloo(self.model)
         self.params = list(self.model.parameters())
         self.local = [_local(p).detach() for p in self.params]
         self.opt = make_optimizer(self.local, ctx.run)
