@@ -3,8 +3,9 @@ local ranks; each prints what it found. ``baseline.torchtitan`` works around bot
 
 1. ``mesh``: the meshes ``ParallelDims.build_mesh`` makes are "cuda" meshes, because
    ``torchtitan.tools.utils.device_type`` is fixed at import to the available accelerator
-   or, with none, "cuda"; ``parallelize_llama``'s first ``distribute_tensor`` then fails
-   with "Torch not compiled with CUDA enabled".
+   or, with none, "cuda"; building the meshes then fails (on a bare gloo world: "Unknown c10d
+   backend type FAKE"; where the groups exist, as in parbench's ranks, ``parallelize_llama``'s
+   first ``distribute_tensor``: "Torch not compiled with CUDA enabled").
 2. ``premul``: torchtitan's ``disable_fsdp_gradient_division`` sets FSDP2's gradient divide
    factor to 1.0, and FSDP2 then reduce-scatters with ``ReduceOp.PREMUL_SUM``, which Gloo
    refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo") at the first backward with dp > 1.
@@ -24,10 +25,16 @@ def _mesh(rank: int) -> None:
     from torchtitan.distributed import ParallelDims  # optional dependency
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2,
                         spmd_backend="partial_dtensor")
-    mesh = dims.build_mesh()
+    import torchtitan.tools.utils as titan_utils  # optional dependency
+    try:
+        dims.build_mesh()
+        outcome = "ok"
+    except (AssertionError, RuntimeError) as e:  # where the "cuda" mesh fails first
+        outcome = f"{type(e).__name__}: {e}"
     if rank == 0:
-        print(f"mesh: torchtitan mesh device_type={mesh.device_type!r} on a CPU-only host "
-              f"({'FINDING: not cpu' if mesh.device_type != 'cpu' else 'ok'})")
+        print(f"mesh: torchtitan device_type={titan_utils.device_type!r} on a CPU-only host "
+              f"({'FINDING: not cpu' if titan_utils.device_type != 'cpu' else 'ok'}); "
+              f"ParallelDims.build_mesh: {outcome}")
 
 
 def _premul(rank: int) -> None:
@@ -35,7 +42,7 @@ def _premul(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division  # optional
     model = torch.nn.Linear(4, 4)
-    fully_shard(model, mesh=DeviceMesh("cpu", [0, 1]))
+    fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     disable_fsdp_gradient_division(model)
     try:
         model(torch.ones(2, 4)).sum().backward()
