@@ -29,6 +29,7 @@ import importlib
 
 import torch
 
+from parbench import comm
 from parbench.batching import dp_slice, microbatches
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
@@ -180,12 +181,15 @@ class TorchTitan(Scheme):
             loc.grad = None
 
     def _full(self, grads: bool) -> dict[str, torch.Tensor]:
+        """Unsharded tensors for the verdict, gathered outside the ledger (not training
+        traffic), as ``baseline.dtensor.tp`` gathers them."""
         out = {}
-        for name, p in self.model.named_parameters():
-            t = p.grad if grads else p
-            t = torch.zeros_like(p) if t is None else t
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            out[name] = t.detach().float().clone()
+        with comm.unrecorded():
+            for name, p in self.model.named_parameters():
+                t = p.grad if grads else p
+                t = torch.zeros_like(p) if t is None else t
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                out[name] = t.detach().float().clone()
         return from_titan(self.ctx.model, out)
 
     def full_params(self):
