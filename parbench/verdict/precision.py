@@ -31,8 +31,10 @@ noise as AdamW carries it. The noise grows with the number of timed steps: AdamW
 normalised update moves an element whose gradient is within the noise by up to lr per step
 (Kingma & Ba 2015, Sec. 2.1), in a direction the rounding sets, so two runs drift apart
 step after step. Measured on the data suite's zero.1 row (dp=2, the scheme against the bf16
-continuation, largest over tensors, on ``blocks.1.attn.qkv.bias``): 1.7e-3 after 3 timed
-steps, 7.2e-3 after 12, close to linear (x4.2 for x4 steps) rather than sqrt(steps) (x2), so a
+continuation, largest over tensors): 1.7e-3 after 3 timed steps, 7.2e-3 after 12, 1.7e-2
+after 24, close to linear (x4.2 for x4 steps, x10 for x8) rather than sqrt(steps) (x2, x2.8;
+with dp=2 every scheme sums the same two terms, so DeepSpeed ZeRO-1 and FSDP2 show the
+same figures), so a
 stated ``param_atol`` right for 3 steps (6e-3) fails a correct scheme after 12. The derived
 tolerance needs no scaling law: its noise is measured over the very steps taken.
 """
