@@ -32,7 +32,7 @@ import torch
 
 from .documents import kernel_args, mask_at
 from .kernels import attn_backward, attn_forward, merge
-from .ring import TAG_DKV, TAG_KV, RingBlocks, RingPeers, _rows
+from .ring import TAG_DKV, TAG_KV, RingBlocks, RingPeers, _rows, restore_ring, save_ring
 
 TAG_KV_OUTER = 17
 TAG_DKV_OUTER = 18
@@ -113,17 +113,12 @@ class DoubleRingAttention(torch.autograd.Function):
                     out, lse = _attend(q, cur, out, lse, ring.calls(ring.source(t, s), n, masks))
             if outer_hop is not None:
                 entry = outer_hop.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
+        return save_ring(ctx, ring, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, ring, masks, dout = restore_ring(ctx, dout)
         n, inner, outer, w = q.shape[2], ring.inner, ring.outer, ring.w
-        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
-        dout = dout.contiguous()
         dq = torch.zeros_like(q)
         entry = torch.stack([k, v])
         own = None

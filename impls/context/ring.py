@@ -185,6 +185,22 @@ class _Exchange:
         return self.buf
 
 
+def save_ring(ctx, ring, q, k, v, out, lse) -> torch.Tensor:
+    """The forward's end (ring and double ring alike): what the backward needs kept on
+    ``ctx``; returns ``out``."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.ring = ring
+    return out
+
+
+def restore_ring(ctx, dout):
+    """The backward's start: (q, k, v, out, lse, ring, the forward's document masks,
+    contiguous ``dout``); the ring is bound to its call's documents."""
+    q, k, v, out, lse = ctx.saved_tensors
+    ring = ctx.ring
+    return q, k, v, out, lse, ring, ring.masks(q.shape[2]), dout.contiguous()
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's (b, h, n, d) queries over the whole ring's keys.
 
@@ -211,17 +227,12 @@ class RingAttention(torch.autograd.Function):
                     ring.merge(_rows(out, qs), _rows(lse, qs), o, lse_b)
         if pending is not None:
             pending.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
+        return save_ring(ctx, ring, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, ring, masks, dout = restore_ring(ctx, dout)
         n, size, rank = q.shape[2], ring.size, ring.rank
-        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
-        dout = dout.contiguous()
         kv = torch.stack([k, v]) if size > 1 else None
         pending = ring.exchange(kv, TAG_KV) if size > 1 else None
         with ring.clock.span("bwd"):
