@@ -28,24 +28,20 @@ single ring does.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from .documents import kernel_args, mask_at, ring_masks
+from .documents import kernel_args, mask_at
 from .kernels import attn_backward, attn_forward, merge
-from .ring import TAG_DKV, TAG_KV, RingPeers, _rows, block_plan
+from .ring import TAG_DKV, TAG_KV, RingBlocks, RingPeers, _rows, restore_ring, save_ring
 
 TAG_KV_OUTER = 17
 TAG_DKV_OUTER = 18
 
 
-class DoubleRingPeers:
+class DoubleRingPeers(RingBlocks):
     """This rank's place on the double ring: the inner ring (window) and outer ring peers
-    (``RingPeers``, or ones of size 1), the global ring rank and the layout."""
-
-    #: the micro-batch's packed documents over the whole sequence (None: unpacked)
-    docs = None
+    (``RingPeers``, or ones of size 1), the global ring rank and the layout; the blocks'
+    plan, documents and landing as a single ring's (``RingBlocks``)."""
 
     def __init__(self, inner: RingPeers, outer: RingPeers, clock, balance: str = "none"):
         self.inner, self.outer, self.clock, self.balance = inner, outer, clock, balance
@@ -61,27 +57,10 @@ class DoubleRingPeers:
         return self.ring_rank((self.outer.rank - t) % self.windows,
                               (self.inner.rank - s) % self.w)
 
-    def plan(self, src: int, n: int):
-        """Kernel calls of this rank's queries against ring rank ``src``'s block."""
-        return block_plan(self.balance, self.rank, src, n)
-
     def forward_entry(self, entry: torch.Tensor, t: int):
         """Start the outer hop of the block that entered this window at step t (the hop
         carries it to the next window for step t + 1); None after the last step."""
         return self.outer.exchange(entry, TAG_KV_OUTER) if t < self.windows - 1 else None
-
-    def land(self, own: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
-        return own.add_(returned)
-
-    def with_documents(self, docs) -> "DoubleRingPeers":
-        """This double ring masking packed ``docs`` (a copy bound to one call)."""
-        out = copy.copy(self)
-        out.docs = docs
-        return out
-
-    def masks(self, n: int):
-        """The document masks of the c ring ranks' blocks of ``n`` tokens (None: unpacked)."""
-        return ring_masks(self.docs, self.rank, self.size, n, self.balance)
 
     def calls(self, src: int, n: int, masks):
         """(query rows, key rows, kernel keywords) of this rank's calls against ring rank
@@ -134,17 +113,12 @@ class DoubleRingAttention(torch.autograd.Function):
                     out, lse = _attend(q, cur, out, lse, ring.calls(ring.source(t, s), n, masks))
             if outer_hop is not None:
                 entry = outer_hop.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
+        return save_ring(ctx, ring, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, ring, masks, dout = restore_ring(ctx, dout)
         n, inner, outer, w = q.shape[2], ring.inner, ring.outer, ring.w
-        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
-        dout = dout.contiguous()
         dq = torch.zeros_like(q)
         entry = torch.stack([k, v])
         own = None

@@ -101,11 +101,36 @@ class AttentionClock:
         self.cpu = self.wall = 0.0
 
 
-class RingPeers:
-    """This rank's neighbours on a ring (a process group, or none for a ring of one)."""
+class RingBlocks:
+    """What a ring and a double ring do alike with the ``size`` blocks of a sequence, this
+    rank holding block ``rank`` under load ``balance``: the kernel calls against a block, the
+    packed documents' masks of the blocks, and a travelled gradient landing at its owner."""
 
     #: the micro-batch's packed documents over the whole sequence (None: unpacked)
     docs = None
+
+    def plan(self, src: int, n: int) -> list[tuple[Slice, Slice, bool]]:
+        """The kernel calls against the block of ring rank ``src`` (``block_plan``)."""
+        return block_plan(self.balance, self.rank, src, n)
+
+    def with_documents(self, docs):
+        """This ring masking packed ``docs`` (a copy: a call binds its own documents)."""
+        out = copy.copy(self)
+        out.docs = docs
+        return out
+
+    def masks(self, n: int):
+        """The document masks of the ring's blocks of ``n`` tokens (None: unpacked)."""
+        return ring_masks(self.docs, self.rank, self.size, n, self.balance)
+
+    def land(self, own: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
+        """The owner's block gradient: its own contribution plus the accumulator that
+        travelled the ring."""
+        return own.add_(returned)
+
+
+class RingPeers(RingBlocks):
+    """This rank's neighbours on a ring (a process group, or none for a ring of one)."""
 
     def __init__(self, group, clock: AttentionClock, balance: str = "none"):
         self.group = group
@@ -119,33 +144,14 @@ class RingPeers:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def plan(self, src: int, n: int) -> list[tuple[Slice, Slice, bool]]:
-        """The kernel calls against the block of ring rank ``src`` (``block_plan``)."""
-        return block_plan(self.balance, self.rank, src, n)
-
     def merge(self, out, lse, blk_out, blk_lse) -> None:
         """Fold a block's result into the rows (``kernels.merge``)."""
         merge(out, lse, blk_out, blk_lse)
-
-    def with_documents(self, docs) -> "RingPeers":
-        """This ring masking packed ``docs`` (a copy: a call binds its own documents)."""
-        out = copy.copy(self)
-        out.docs = docs
-        return out
-
-    def masks(self, n: int):
-        """The document masks of this ring's blocks of ``n`` tokens (None: unpacked)."""
-        return ring_masks(self.docs, self.rank, self.size, n, self.balance)
 
     def attend(self, q, k, v, causal: bool, mask=None):
         """(output, log-sum-exp) of one block: the document ``mask`` or the ``causal``
         flag (``documents.kernel_args``)."""
         return attn_forward(q, k, v, **kernel_args(causal, mask))
-
-    def land(self, own: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
-        """The owner's block gradient: its own contribution plus the accumulator that
-        travelled the ring."""
-        return own.add_(returned)
 
     def sum_over_ring(self, t: torch.Tensor) -> torch.Tensor:
         """Partial sums of every rank, summed in place (an all-reduce over the ring)."""
@@ -179,6 +185,22 @@ class _Exchange:
         return self.buf
 
 
+def save_ring(ctx, ring, q, k, v, out, lse) -> torch.Tensor:
+    """The forward's end (ring and double ring alike): what the backward needs kept on
+    ``ctx``; returns ``out``."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.ring = ring
+    return out
+
+
+def restore_ring(ctx, dout):
+    """The backward's start: (q, k, v, out, lse, ring, the forward's document masks,
+    contiguous ``dout``); the ring is bound to its call's documents."""
+    q, k, v, out, lse = ctx.saved_tensors
+    ring = ctx.ring
+    return q, k, v, out, lse, ring, ring.masks(q.shape[2]), dout.contiguous()
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's (b, h, n, d) queries over the whole ring's keys.
 
@@ -205,17 +227,12 @@ class RingAttention(torch.autograd.Function):
                     ring.merge(_rows(out, qs), _rows(lse, qs), o, lse_b)
         if pending is not None:
             pending.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
+        return save_ring(ctx, ring, q, k, v, out, lse)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, ring, masks, dout = restore_ring(ctx, dout)
         n, size, rank = q.shape[2], ring.size, ring.rank
-        masks = ring.masks(n)  # the forward's documents: the ring is bound to its call's
-        dout = dout.contiguous()
         kv = torch.stack([k, v]) if size > 1 else None
         pending = ring.exchange(kv, TAG_KV) if size > 1 else None
         with ring.clock.span("bwd"):

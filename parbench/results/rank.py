@@ -138,6 +138,9 @@ class StepCheck:
     #: a lower compute dtype's derived tolerances (``verdict.precision``): the largest
     #: tolerance relative to its tensor's scale this step (None: fp32, stated tolerances)
     detectable_grad_error: float | None = None
+    #: the final check of a lower compute dtype (``verdict.final``): the largest derived
+    #: tolerance of any parameter (None: the stated ``param_atol``)
+    param_tol: float | None = None
     #: with gradient clipping (``clip_grad``): the reference's global gradient norm before
     #: clipping, and the factor the step's gradients were clipped by (1: the norm was under
     #: the threshold, the clip did not act and the step says nothing about it)

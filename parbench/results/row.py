@@ -105,6 +105,9 @@ class Verdict:
     #: ``param_atol``; None without timed steps
     final_ok: bool | None = None
     final_max_abs: float | None = None
+    #: a lower compute dtype: the largest tolerance derived for the final parameters
+    #: (``verdict.precision.final_tolerances``), which replaces ``param_atol`` there
+    final_param_tol: float | None = None
     #: a failing case's first diverging module (``Divergence``; None: not localised -- the
     #: case passed, failed after its checked steps, or its scheme maps no modules)
     first_divergence: Divergence | None = None

@@ -8,7 +8,10 @@ bf16 tolerances of before (rtol 5e-2, atol 1e-2) let small tensors through whole
   small next to atol 1e-2);
 - the sequence-parallel LayerNorm gradients left partial over tp (each rank's LayerNorm sees
   only its sequence shard, so its gradients must be summed over tp: Korthikanti et al. 2022,
-  Sec. 4.2.2).
+  Sec. 4.2.2);
+- the optimizer rebuilt without its moments after the checked steps, in a long timed run
+  (12 timed steps): the same traffic, so only the final check sees it, at the tolerance
+  derived from the timed steps' own noise (``verdict.precision.final_tolerances``).
 """
 from __future__ import annotations
 
@@ -58,3 +61,14 @@ class _SPLayerNormPartial(HybridStage):
             "all-reduced over tp (each rank keeps its sequence shard's part)")
 class HybridBf16SPLayerNorm(HybridScheme):
     stage_class = _SPLayerNormPartial
+
+
+@mutant("zero1-bf16-optimizer-reset-after-checked", base="zero.1",
+        overrides={**BF16, "timed_steps": "12"},
+        bug="bf16, 12 timed steps: from the first timed step on the optimizer is rebuilt "
+            "without its moments (same traffic, other parameters)")
+class Zero1Bf16OptimizerReset(Zero1):
+    def train_step(self, inputs, targets, step):
+        if step == self.ctx.run.steps:
+            self.make_optimizer()
+        return super().train_step(inputs, targets, step)

@@ -34,6 +34,13 @@ class BiasFromLocalLoad(ExpertAllToAll):
         return local
 
 
+def selecting(select_experts) -> type:
+    """An ``ExpertDispatch`` whose expert choice and gates are ``select_experts`` (a buggy
+    copy of ``select``): the one change each routing mutant below makes."""
+    return type(f"Selecting{select_experts.__name__}", (ExpertDispatch,),
+                {"select_experts": staticmethod(select_experts)})
+
+
 def _gates_with_bias(scores, k, rule, bias):
     top_e, _ = select(scores, k, rule, bias)
     biased = scores if bias is None else scores + bias
@@ -42,15 +49,11 @@ def _gates_with_bias(scores, k, rule, bias):
     return top_e, top / top.sum(-1, keepdim=True)
 
 
-class _BiasInGates(ExpertDispatch):
-    select_experts = staticmethod(_gates_with_bias)
-
-
 @mutant("ds-bias-in-gates", base="expert.alltoall", overrides=DEEPSEEK,
         bug="balancing bias added to the gate weights, not only to the choice of experts: "
             "the gates are the chosen s + b normalised instead of the chosen s")
 class BiasInGates(ExpertAllToAll):
-    dispatch_class = _BiasInGates
+    dispatch_class = selecting(_gates_with_bias)
 
 
 # ---- the shared expert's gradients -------------------------------------------------------------
@@ -94,15 +97,11 @@ def _groups_by_max(scores, k, rule, bias):
     return top_e, top_s / top_s.sum(-1, keepdim=True)
 
 
-class _GroupsByMax(ExpertDispatch):
-    select_experts = staticmethod(_groups_by_max)
-
-
 @mutant("ds-groups-by-max", base="expert.alltoall", overrides=DEEPSEEK,
         bug="group-limited routing keeps the groups of highest single affinity (max) "
             "instead of the highest sum of their top-2 affinities")
 class GroupsByMax(ExpertAllToAll):
-    dispatch_class = _GroupsByMax
+    dispatch_class = selecting(_groups_by_max)
 
 
 # ---- the routed scaling factor ----------------------------------------------------------------
@@ -116,13 +115,9 @@ def _scaled_before_normalising(scores, k, rule, bias):
     return top_e, top_s / top_s.sum(-1, keepdim=True)
 
 
-class _ScaledBeforeNormalising(ExpertDispatch):
-    select_experts = staticmethod(_scaled_before_normalising)
-
-
 @mutant("ds-scaling-before-normalisation", base="expert.alltoall",
         overrides={**DEEPSEEK, "moe_router_scaling": "2.5"},
         bug="routed scaling factor applied to the chosen affinities before the top-k "
             "normalisation, so it cancels: the gates sum to 1 instead of the factor 2.5")
 class ScalingBeforeNormalising(ExpertAllToAll):
-    dispatch_class = _ScaledBeforeNormalising
+    dispatch_class = selecting(_scaled_before_normalising)

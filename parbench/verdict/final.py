@@ -26,6 +26,11 @@ over every timed step:
   (``Scheme.reference``) simulated over ``steps + timed_steps`` steps; the final parameters
   held to ``param_atol``, as their checked steps are.
 
+In a lower compute dtype the continuation runs twice from the same state, in that dtype and
+in fp32, and each parameter is held to the tolerance derived from their difference
+(``precision.final_tolerances``) instead of ``param_atol``: bf16 noise carried by AdamW grows
+with the number of timed steps, so no stated bound fits every run length.
+
 Cost: ``timed_steps`` forward-backward passes of the single-device golden model (or one
 reference run) per rank, plus gathering the shadow when a rank holds part of the model.
 """
@@ -37,6 +42,7 @@ from .. import comm
 from ..results import FirstFailure, StepCheck
 from .checks import compare, completed
 from .once import on_rank0
+from .precision import final_tolerances
 
 #: why a final check fails, in the row's first failure
 DETAIL_CONTINUED = ("after the last timed step, against the golden rule continued over the "
@@ -67,8 +73,18 @@ def continue_shadow(update, stepwise, case, first: int, last: int, batch, low: b
     if set(stepwise.params) - set(state):
         return None
     # the golden work once, on rank 0 (``once``): the whole shadow is alike on every rank
-    return on_rank0(lambda: _continued(state, stepwise, case, first, last, batch, low,
-                                       model_state), case.run.shared_reference)
+    return on_rank0(lambda: _both(state, stepwise, case, first, last, batch, low, model_state),
+                    case.run.shared_reference)
+
+
+def _both(state: dict, stepwise, case, first: int, last: int, batch, low: bool,
+          model_state: dict | None) -> dict[str, torch.Tensor] | tuple[dict, dict]:
+    """The continuation; with ``low``, (in the compute dtype, in fp32) from the same state:
+    their difference is one draw of the timed steps' rounding noise (``precision``)."""
+    cont = _continued(state, stepwise, case, first, last, batch, low, model_state)
+    if not low:
+        return cont
+    return cont, _continued(state, stepwise, case, first, last, batch, False, model_state)
 
 
 def _continued(state: dict, stepwise, case, first: int, last: int, batch, low: bool,
@@ -116,13 +132,19 @@ def final_check(checker, case, total: int, batch) -> StepCheck | None:
             expected = {**expected, **(ref.states[total - 1] if ref.states else {})}
     if expected is None:
         return None
-    p = compare(params, expected, run.rtol, run.param_atol)
+    tols = None
+    if isinstance(expected, tuple):
+        expected, high = expected
+        tols = final_tolerances(expected, high, checker.stepwise.dtype, total - run.steps)
+    p = compare(params, expected, run.rtol, run.param_atol, tols)
     out = StepCheck(step=total - 1, grad_max_abs=0.0, grad_ok=True, param_max_abs=p["max_abs"],
-                    param_ok=p["ok"], names=p["names"], missing=p["missing"])
+                    param_ok=p["ok"], names=p["names"], missing=p["missing"],
+                    param_tol=max(tols.values()) if tols else None)
     if p["worst"]:
         out.failure = FirstFailure("final parameters", detail=detail, **p["worst"])
     elif p["missing"]:
         out.failure = FirstFailure("final parameters", p["missing"][0],
                                    detail="reported by the scheme, absent from the golden run")
     return out
+
 

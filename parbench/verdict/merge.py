@@ -42,6 +42,9 @@ class Merged:
     #: steps): within param_atol of the golden rule on every rank, and the largest difference
     final_ok: bool | None = None
     final_max_abs: float | None = None
+    #: a lower compute dtype: the final check's largest derived tolerance over the ranks
+    #: (``verdict.precision.final_tolerances``); None: the stated param_atol
+    final_param_tol: float | None = None
     #: a lower compute dtype's derived tolerances: the largest relative one over every rank
     #: and checked step (``verdict.precision``); None: fp32
     detectable_grad_error: float | None = None
@@ -120,6 +123,8 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
             "uncovered", uncovered[0],
             detail=f"{len(uncovered)} golden parameter(s) reported by no rank")
     final_ok, final_abs = _final(per_rank, t)
+    tols = [r.final.param_tol for r in per_rank
+            if r.final is not None and r.final.param_tol is not None]
     times = [statistics.median(r.step_times) for r in per_rank if r.step_times]
     return Merged(
         equivalent=t.ok and t.update_ok, golden_ok=t.ok, update_ok=t.update_ok,
@@ -137,7 +142,8 @@ def merge_ranks(per_rank: list[RankResult], golden_names: list[str] | None = Non
                     for s in range(steps, len(per_rank[0].wire_by_axis_per_step))],
         calls_timed=[[r.calls_by_axis_per_step[s] for r in per_rank]
                      for s in range(steps, len(per_rank[0].calls_by_axis_per_step))],
-        final_ok=final_ok, final_max_abs=final_abs, detectable_grad_error=t.detectable,
+        final_ok=final_ok, final_max_abs=final_abs, final_param_tol=max(tols, default=None),
+        detectable_grad_error=t.detectable,
         clip_coef_min=min(t.clip_coefs.values()) if t.clip_coefs else None,
         clipped_steps=sum(c < 1.0 for c in t.clip_coefs.values()) if t.clip_coefs else None)
 

@@ -67,7 +67,8 @@ def verdict_of(case: CaseConfig, scheme_cls, merged: Merged, golden, timed=None)
         losses=merged.losses, golden_losses=list(golden.losses),
         golden_source=getattr(golden, "source", "live"),
         timed_ok=timed_ok, timed_reference=timed.reference if timed else "",
-        final_ok=merged.final_ok, final_max_abs=merged.final_max_abs)
+        final_ok=merged.final_ok, final_max_abs=merged.final_max_abs,
+        final_param_tol=merged.final_param_tol)
 
 
 def _earliest(checked, timed, steps: int):

@@ -117,9 +117,10 @@ def test_zero3_moves_one_and_a_half_times_zero12(pools, m):
 
 # bf16 compute against the fp32 golden run: losses and gradients are held, tensor by tensor and
 # step by step, to the tolerance derived from the step's own bf16 rounding noise
-# (parbench.verdict.precision). The final parameters after the timed steps keep a stated
-# bound, 2 * lr per timed step: AdamW moves an element whose gradient is within the bf16 noise
-# by up to lr in either run (Kingma & Ba 2015, Sec. 2.1).
+# (parbench.verdict.precision), and so are the final parameters after the timed steps (the
+# continuation in bf16 against the same in fp32). param_atol stays stated for the drift shown
+# beside them: 2 * lr per step, as AdamW moves an element whose gradient is within the bf16
+# noise by up to lr in either run (Kingma & Ba 2015, Sec. 2.1).
 BF16_FINAL_PARAM_ATOL = 2 * 1e-3 * 3
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_bf16_mixed_precision(pools, stage):
@@ -135,6 +136,25 @@ def test_zero_bf16_mixed_precision(pools, stage):
     # bf16 parameters and gradients, fp32 master + moments: the paper's 2 + 2 + 12
     s = pred.figures["shard_params"]
     assert pred.model_state_bytes[0]["optimizer"] == 12 * s + 4 * pred.figures["units"]
+
+
+def test_zero_bf16_final_tolerance_after_many_timed_steps(pools):
+    """Issue 20 sec. 4: after 12 timed steps a correct bf16 scheme passes the final check at
+    the tolerance derived from the timed steps' own noise (the stated 6e-3 failed it: 7.2e-3
+    on qkv.bias), and a scheme whose optimizer loses its moments after the checked steps
+    (same traffic: only the final check sees it) still fails it."""
+    from parbench.mutation import base_case
+    from parbench.selftest import load
+    shape = {"num_heads": 4, "head_dim": 8, "num_layers": 2, "vocab_size": 128}
+    case = make_case("zero.1", shape, 2, 0.01, 1, dtype="bf16", timed_steps=12,
+                     warmup_steps=0)
+    merged, _ = run_on_pool(pools, case)
+    assert merged.equivalent, summary(merged)
+    assert 0 < merged.final_max_abs <= merged.final_param_tol
+    m = load()["zero1-bf16-optimizer-reset-after-checked"]
+    merged, per_rank = run_on_pool(pools, base_case(m, m.scheme, 0))
+    assert merged.golden_ok is False and merged.update_ok, summary(merged)
+    assert all(r.final and not r.final.param_ok for r in per_rank)
 
 
 def test_zero3_rejects_tied_embeddings():
