@@ -95,12 +95,22 @@ def no_cuda_rng_fork() -> None:
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
-def process_groups(tp_group):
-    """Megatron-Core's groups for a tp-only model: tp from the mesh, one-rank cp / pp."""
+def process_groups(tp_group, gathers_qkv: bool):
+    """Megatron-Core's groups for a tp-only model: tp from the mesh, one-rank cp / pp.
+
+    ``gathers_qkv`` (tp > num_kv_heads): Megatron-Core 0.16.1's attention.py gathers the QKV
+    output with ``all_gather_last_dim_from_tensor_parallel_region(mixed_qkv)`` -- no group,
+    not the model's ``pg_collection.tp`` -- and ``get_tensor_model_parallel_group_if_none``
+    passes None through unless ``parallel_state.is_initialized()`` (a data-parallel group is
+    set); the one-rank data-parallel group (dp = 1) makes it fall back to the global tp group,
+    the mesh's (set by ``_set_parallel_state``)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     me = dist.get_rank()
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     one = singles[me]
+    if gathers_qkv:
+        ps._DATA_PARALLEL_GROUP = one
     return ProcessGroupCollection(tp=tp_group, cp=one, pp=one, embd=one, pos_embd=one)
 
 
@@ -119,7 +129,7 @@ class MegatronCoreGPTModel(nn.Module):
             conf, spec, vocab_size=self.layout.vp, max_sequence_length=cfg.seq_length,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type="rope" if cfg.rope_theta else "learned_absolute",
-            rotary_base=cfg.rope_theta or 10000, pg_collection=process_groups(group))
+            rotary_base=cfg.rope_theta or 10000, pg_collection=process_groups(group, conf.num_query_groups < tp))
         self.vocab_start = rank * (self.layout.vp // tp)
         self._placements, self._params = {}, {}
         mine = dict(self.gpt.named_parameters())
