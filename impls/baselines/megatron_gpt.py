@@ -2,24 +2,24 @@
 ``get_gpt_layer_local_spec``: no TransformerEngine / Apex) as a framework under test,
 against ``tensor.megatron`` (issue 21). Sequence parallelism is not run: the local spec's
 norm (``WrappedTorchNorm``) asserts "sequence parallel not supported by torch LayerNorm"
-(SP needs TransformerEngine's or Apex's norms, absent on this CPU machine), so ``check``
-refuses ``sp`` with that reason.
+(SP needs TransformerEngine's or Apex's norms, absent on this CPU machine), so the scheme
+has no ``-sp`` variant.
 
 The model is built from the case's model config as a ``TransformerConfig`` (Megatron-Core
 docs, "transformer_config"): num_query_groups for GQA, ``gated_linear_unit`` with SiLU for
 SwiGLU, ``normalization`` RMSNorm / LayerNorm, ``add_bias_linear``, ``position_embedding_type``
 rope (``rotary_base`` = rope_theta; Megatron's rotary is the non-interleaved rotate-half one,
-as the reference's ``blocks.rotate``) or learned_absolute, the tied head, tp and sp from the
+as the reference's ``blocks.rotate``) or learned_absolute, the tied head, tp from the
 layout, CPU initialisation in fp32, no dropout and no fused kernels.
 
-Weights: the reference model's, mapped by name (:func:`mcore_names`); Megatron-Core's
+Weights: the reference model's, mapped by name (:func:`mcore_name`); Megatron-Core's
 ``linear_qkv`` rows are group-interleaved [q of group 0, k0, v0, q of group 1, ...] and split
 in t equal row blocks (``impls.tensor.gqa.qkv_rows``, written from Megatron-Core's
 attention.py), ``linear_fc1`` holds [gate; up] per tp shard (``MegatronLayout.fc1_rows``).
 The loss: Megatron-Core's vocab-parallel logits (``parallel_output``), padded vocabulary rows
 masked to -inf (Megatron leaves them in the softmax), ``vocab_parallel_cross_entropy``.
-Gradients of ``sequence_parallel`` parameters are all-reduced over tp once per step (what
-Megatron-Core's ``finalize_model_grads`` does for them).
+Without sequence parallelism the replicated parameters' gradients agree on every tp rank
+with no reduction (``finalize_model_grads`` has nothing to all-reduce at dp = pp = 1).
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from parbench.scheme import register
 
 from impls.baselines.megatron_tp import MegatronCoreBaseline, _set_parallel_state
 from impls.tensor import gqa
-from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.megatron import MegatronFigures
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import take
@@ -144,10 +143,6 @@ class MegatronCoreGPTModel(nn.Module):
     def shards(self):
         return {n: (self._params[n], pl) for n, pl in self._placements.items()}
 
-    def sequence_parallel_params(self):
-        """Megatron-Core's ``sequence_parallel``-flagged parameters (norms, row biases)."""
-        return [p for p in self.gpt.parameters() if getattr(p, "sequence_parallel", False)]
-
     def forward(self, tokens, targets):
         from megatron.core import tensor_parallel
         b, s = tokens.shape
@@ -181,9 +176,6 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
         if g % t and t % g:
             raise ConfigError(f"tp={t}: Megatron-Core needs num_kv_heads={g} to be a "
                               "multiple or a divisor of tp")
-        if cls.sp:
-            raise ConfigError(f"scheme={cls.name}: sequence_parallel needs TransformerEngine "
-                              "or Apex norms (Megatron-Core's local WrappedTorchNorm refuses it)")
 
     def build_model(self):
         ctx = self.ctx
@@ -191,9 +183,4 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
         no_cuda_rng_fork()
         return MegatronCoreGPTModel(ctx.model, ctx.run.seed, self.group, self.tp,
                                     self.tp_rank, self.sp).to(ctx.device)
-
-    def after_backward(self) -> None:
-        if self.sp and self.tp > 1:
-            all_reduce_flat([p.grad for p in self.model.sequence_parallel_params()],
-                            self.group)
 
