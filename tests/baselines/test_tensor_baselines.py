@@ -57,3 +57,19 @@ def test_megatron_core_equals_golden_and_native(pools):
     theirs, _ = run_on_pool(pools, case_for("baseline.megatron.tp"))  # fresh ranks
     agree(ours, theirs)
     assert theirs.wire_by_axis == ours.wire_by_axis  # the same collectives as ours
+
+
+@pytest.mark.parametrize("scheme,model", [("baseline.megatron.gpt", "llama-tiny")])
+def test_megatron_core_gptmodel_equals_golden(pools, scheme, model):
+    """Megatron-Core's whole GPTModel (local spec) on the LLaMA blocks (RoPE, GQA with 2 K/V
+    heads over tp = 2, SwiGLU, RMSNorm, no biases) with the reference weights: loss, grads
+    and updated parameters equal the golden run (issue 21)."""
+    missing = get_scheme(scheme).unavailable()
+    if missing:
+        pytest.skip(missing)
+    assert get_scheme(scheme).isolated
+    case = apply_overrides(CaseConfig(), {**BASE, "scheme": scheme, "model": model,
+                                          "vocab_size": "128"})
+    get_scheme(scheme).check(case)
+    theirs, _ = run_on_pool(pools, case)  # fresh ranks
+    assert theirs.equivalent, theirs
