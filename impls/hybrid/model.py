@@ -19,6 +19,12 @@ parallelism) on the rank's context-parallel tokens, with two hooks filled in:
   gradient is partial over tp (each rank routes its own tokens) and is summed over tp once
   per step (``tp_partial_params``).
 
+The LLaMA blocks (RoPE, grouped-query attention, SwiGLU, RMSNorm, no biases) are the
+Megatron stage's (query groups split over tp, gathered when tp > num_kv_heads); with cp > 1
+the core gets K/V at their own g/t heads and q, k rotated at the tokens' global positions in
+the sample, or within-document ones when packed (``HybridStage.cp_heads``; the local
+positions 0..s/cp-1 of a chunk are the classic bug).
+
 This is the structure of the UB-Mesh traffic table (``parbench.analytic.traffic``): TP
 all-reduces per layer, context parallelism by all-gather, EP all-to-alls of the tokens a tp
 rank routes.

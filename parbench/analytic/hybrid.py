@@ -14,8 +14,10 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   LM head's input gradient and 3 per-token values of the vocab-parallel loss. Once per step
   the gradients that are partial over tp (routers; under SP every tp-replicated parameter)
   are all-reduced in one buffer.
-- **cp** (:func:`.context.attention_traffic` at the rank's h/t width): all-gather, ring
-  attention or Ulysses; recomputation repeats the core's forward traffic.
+- **cp** (:func:`.context.attention_traffic` at the rank's h/t width, K/V at its
+  g/t heads' width under GQA): all-gather, ring attention or Ulysses; recomputation repeats
+  the core's forward traffic. With tp > num_kv_heads the QKV output's gather and
+  reduce-scatter per layer (:func:`.gqa.qkv_gather_transfers`, Megatron-Core's GQA split).
 - **ep** (GShard Sec. 2.2 / Switch Sec. 2): per MoE layer per micro-batch 2 all-to-alls
   forward and 2 backward (2 more forward with full recomputation) of the padded dispatch
   buffer E x C x h, C = ceil(capacity_factor k T / E) for the T = b s/(cp t) tokens a rank
