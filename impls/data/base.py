@@ -27,7 +27,7 @@ class DataParallelScheme(Scheme):
     #: a replica runs whole samples through the reference model, which finds each sample's
     #: documents in its tokens (``parbench.model.packing``)
     supports_packing = True
-    model_features = MODEL_FEATURES  # the reference model runs them all
+    model_features = MODEL_FEATURES | {"mla"}  # the reference model runs them all
 
     def local_microbatches(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's micro-batches of the global batch; notes the global batch's counted

@@ -19,6 +19,12 @@ parallelism) on the rank's context-parallel tokens, with two hooks filled in:
   gradient is partial over tp (each rank routes its own tokens) and is summed over tp once
   per step (``tp_partial_params``).
 
+The LLaMA blocks (RoPE, grouped-query attention, SwiGLU, RMSNorm, no biases) are the
+Megatron stage's (query groups split over tp, gathered when tp > num_kv_heads); with cp > 1
+the core gets K/V at their own g/t heads and q, k rotated at the tokens' global positions in
+the sample, or within-document ones when packed (``HybridStage.cp_heads``; the local
+positions 0..s/cp-1 of a chunk are the classic bug).
+
 This is the structure of the UB-Mesh traffic table (``parbench.analytic.traffic``): TP
 all-reduces per layer, context parallelism by all-gather, EP all-to-alls of the tokens a tp
 rank routes.
@@ -54,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX
+from parbench.model.blocks import rotate
 from parbench.model.moe import is_moe_layer
 from parbench.model.packing import documents_of
 
@@ -224,11 +231,32 @@ class HybridStage(MegatronGPT):
         or the cp core's (handed the documents if it masks them, ``core_packs``)."""
         if self.core is None:
             return super().attention_core(qkv, docs)
-        n, b, _ = qkv.shape
-        hd = self.cfg.hidden_size // self.cfg.num_heads
-        q, k, v = qkv.view(n, b, 3, self.heads, hd).permute(2, 1, 0, 3, 4).unbind(0)
+        q, k, v = self.cp_heads(qkv, docs)
         extra = {} if docs is None else {"docs": docs}
         return self.core(q, k, v, **extra).transpose(0, 1)
+
+    def rope_positions(self, docs=None) -> torch.Tensor:
+        """The positions RoPE rotates the rank's tokens at: their global positions in the
+        sample (``impls.context.layout``), or with packed ``docs`` their within-document
+        positions (the rank's columns of ``docs.pos``, as the golden run restarts them)."""
+        cols = self.positions(0)
+        return cols if docs is None else docs.pos[:, cols.to(docs.pos.device)]
+
+    def cp_heads(self, qkv: torch.Tensor, docs=None):
+        """q (b, n, a/t, d) and k, v (b, n, g/t, d) of the rank's cp tokens from its local
+        [q; k; v] columns [n, b, (a + 2g) d / t]: K/V at their own heads (grouped-query
+        attention: the cp cores move and serve the g/t K/V heads, ``impls.context.shard``),
+        q and k rotated at the tokens' ``rope_positions`` (Su et al. 2021), never at the
+        chunk's local 0..n-1."""
+        n, b, _ = qkv.shape
+        d = self.cfg.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = (t.reshape(n, b, -1, d).transpose(0, 1) for t in (q, k, v))
+        theta = self.cfg.rope_theta
+        if theta:
+            pos = self.rope_positions(docs).to(qkv.device)
+            q, k = (rotate(t.transpose(1, 2), pos, theta).transpose(1, 2) for t in (q, k))
+        return q, k, v
 
     def token_mean(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The counted tokens' mean loss (``MegatronGPT.token_mean``), or with

@@ -56,7 +56,7 @@ from parbench import comm
 from parbench.analytic import hybrid as closed
 from parbench.analytic.shape import shape_from
 from parbench.batching import dp_slice, microbatches
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import compute_dtype, counted_tokens, make_optimizer, stage_layers
 from parbench.model.moe import RoutingGroups
 from parbench.reproduce import ubmesh_measured as table
@@ -113,6 +113,10 @@ class HybridScheme(Scheme):
     #: of DeepSeek-V3's MoE, the routed gates' scaling factor: the MoE layers route with the
     #: reference router's rule (``impls.expert.dispatch``, ``parbench.model.router.rule_of``)
     moe_features = frozenset({"router-scaling"})
+    #: the LLaMA blocks of the Megatron stage (``impls.tensor.megatron_model``), RoPE at the
+    #: rank's global (or within-document) positions and K/V at their own heads in the cp
+    #: cores (``model.HybridStage.cp_heads``)
+    model_features = MODEL_FEATURES
 
     # ---- checks ---------------------------------------------------------------------------------
     @classmethod
@@ -142,6 +146,10 @@ class HybridScheme(Scheme):
         if kind == "ulysses" and (m.num_heads // p.tp) % p.cp:
             raise ConfigError(f"cp={p.cp} must divide num_heads/tp={m.num_heads // p.tp} "
                               "(Ulysses shards the rank's heads)")
+        kv = m.num_kv_heads or m.num_heads
+        if kind == "ulysses" and p.cp > 1 and (kv // p.tp) % p.cp:
+            raise ConfigError(f"cp={p.cp} must divide num_kv_heads/tp={kv // p.tp} "
+                              "(Ulysses shards the rank's K/V heads)")
         if get_spec(p.schedule).asynchronous:
             raise ConfigError(f"schedule={p.schedule!r} updates weights asynchronously "
                               "(weight stashing, checked against its own update rule); "

@@ -101,7 +101,7 @@ class PipelineScheme(Scheme):
     supports_loss_mask = True
     #: uneven end ranks, where the schedule allows them (``_check_uneven``)
     supports_uneven_stages = True
-    model_features = MODEL_FEATURES  # each stage is a slice of the reference model
+    model_features = MODEL_FEATURES | {"mla"}  # each stage is a slice of the reference model
 
     def __init__(self, ctx):
         super().__init__(ctx)

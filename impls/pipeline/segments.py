@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.schedules import ScheduleError, make_schedule, simulate, validate
 from parbench.schedules.segments import segment_p2p, seq1f1b_inflight, seq1f1b_memory_ratio
 from parbench.schedules.slicing import SliceCost, slices_for, slicing_figures, unit_cost
@@ -138,6 +138,8 @@ class SegmentScheme(PipelineScheme):
     #: a slice attends to the cached keys of earlier slices with a causal offset only
     supports_loss_mask = False  # not yet: per-micro-batch token scaling only in sync
     supports_packing = False
+    #: a slice's attention over the cached keys reads the MHA heads (no MLA latent cache)
+    model_features = MODEL_FEATURES
     executor_class = SegmentExecutor
 
     @classmethod

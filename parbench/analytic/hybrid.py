@@ -14,8 +14,10 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   LM head's input gradient and 3 per-token values of the vocab-parallel loss. Once per step
   the gradients that are partial over tp (routers; under SP every tp-replicated parameter)
   are all-reduced in one buffer.
-- **cp** (:func:`.context.attention_traffic` at the rank's h/t width): all-gather, ring
-  attention or Ulysses; recomputation repeats the core's forward traffic.
+- **cp** (:func:`.context.attention_traffic` at the rank's h/t width, K/V at its
+  g/t heads' width under GQA): all-gather, ring attention or Ulysses; recomputation repeats
+  the core's forward traffic. With tp > num_kv_heads the QKV output's gather and
+  reduce-scatter per layer (:func:`.gqa.qkv_gather_transfers`, Megatron-Core's GQA split).
 - **ep** (GShard Sec. 2.2 / Switch Sec. 2): per MoE layer per micro-batch 2 all-to-alls
   forward and 2 backward (2 more forward with full recomputation) of the padded dispatch
   buffer E x C x h, C = ceil(capacity_factor k T / E) for the T = b s/(cp t) tokens a rank
@@ -57,6 +59,8 @@ from .comm import Transfer
 from .context import attention_traffic
 from .pipeline import num_stages, stages_on_rank, tied_embedding_holder
 from .shape import Shape, expert_capacity
+from .gqa import local_kv_heads, qkv_gather_transfers
+from .params import attention_params, norm_tensor_sizes, shape_mlp_params
 from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
 
 
@@ -94,28 +98,30 @@ class StageParams:
 def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
                  last: bool) -> StageParams:
     """Elements a rank holds of stage [lo, hi): tp shards of the dense part (Megatron's
-    placements, vocabulary padded to a multiple of t), E/ep whole experts per MoE layer."""
+    placements, vocabulary padded to a multiple of t; QKV with its query groups' K/V heads
+    and fc1 with SwiGLU's gate and up rows: ``params.attention_params`` /
+    ``shape_mlp_params``; the norms LayerNorm or RMSNorm, biases only with ``bias``), E/ep
+    whole experts per MoE layer."""
     h, f, t = shape.h, shape.f, c.layout.tp
-    dense = tensors = partial = 0
-    replicated = 0
+    dense = tensors = partial = replicated = 0
 
-    def add(n, *, repl=False, count=1):
+    def add(n, k=1, *, repl=False):  # n elements in k tensors
         nonlocal dense, tensors, replicated
-        dense += n * count
-        tensors += count
-        if repl:
-            replicated += n * count
+        dense, tensors = dense + n, tensors + k
+        replicated += n if repl else 0
+    norm, bias = shape.norm_params, int(shape.bias)
+    norm_tensors = len(norm_tensor_sizes(shape))
     if first:
         add(padded_vocab(shape.V, t) // t * h)
         if shape.position_embeddings:
             add(shape.s * h, repl=True)
     expert = expert_tensors = 0
+    attn = attention_params(shape, t)  # column-parallel QKV, row-parallel projection
     for i in range(lo, hi):
-        add(h, repl=True, count=4)  # ln1, ln2 weight and bias
-        add(3 * h // t * h)
-        add(3 * h // t)
-        add(h * h // t)
-        add(h, repl=True)  # proj bias
+        add(2 * norm, 2 * norm_tensors, repl=True)  # ln1, ln2
+        add(attn["qkv"], 1 + bias)
+        add(attn["proj"] - bias * h, 1)
+        add(bias * h, bias, repl=True)  # projection bias, whole
         if shape.is_moe_layer(i):
             add(shape.num_experts * h)
             partial += shape.num_experts * h
@@ -123,12 +129,10 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
             expert += per * (2 * h * f + f + h)
             expert_tensors += 4 * per
         else:
-            add(f // t * h)
-            add(f // t)
-            add(h * f // t)
-            add(h, repl=True)  # fc2 bias
+            add(shape_mlp_params(shape, t) - bias * h, 2 + bias)  # fc1 (+ bias), fc2
+            add(bias * h, bias, repl=True)  # fc2 bias, whole
     if last:
-        add(h, repl=True, count=2)
+        add(norm, norm_tensors, repl=True)
         if not shape.tie_embeddings or not first:  # tied: the last stage's own copy
             add(padded_vocab(shape.V, t) // t * h)
     if t == 1:
@@ -165,6 +169,7 @@ def stage_transfers(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     dense = hi - lo - moe
     out: list[Transfer] = []
     if t > 1:
+        out += qkv_gather_transfers(shape, b, s_l, t, rc, e, (hi - lo) * m)  # t > g (GQA)
         out += megatron_layer_traffic(b, s_l, shape.h, t, rc, c.sp, e, dense * m)
         if c.sp:
             k = 2 if rc == "full" else 1
@@ -185,7 +190,8 @@ def stage_transfers(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
                                 "vocab-parallel cross-entropy"))
     if lay.cp > 1:
         out += attention_traffic(c.options.context.cp_algorithm, b, shape.s, shape.h // t,
-                                 lay.cp, 1, hi - lo, m, e, rc != "none")
+                                 lay.cp, 1, hi - lo, m, e, rc != "none",
+                                 h_kv=local_kv_heads(shape, t) * shape.head_dim)
     if lay.ep > 1 and moe:
         tokens = b * s_l // t
         cap = expert_capacity(tokens, shape.num_experts, shape.moe_top_k,

@@ -190,3 +190,18 @@ def test_local_sgd_matches_simulated_workers(pools, world, period, m, steps):
         # every step, the timed ones included (the prediction covers them: issue 20)
         got = [w.get("dp", 0.0) for w in r.wire_by_axis_per_step]
         assert got == [w[r.rank]["dp"] for w in pred.wire_bytes_by_step]
+
+
+@pytest.mark.parametrize("scheme", ["zero.2", "data.ddp"])
+def test_data_parallel_runs_multi_head_latent_attention(pools, scheme):
+    """``mla-tiny`` (feature mla, issue 21): the ranks run the reference model, so the data
+    family trains MLA as the golden run does; the gradient bytes are the closed form's MLA
+    parameter count (``analytic.params.mla_linears``)."""
+    ov = {"scheme": scheme, "model": "mla-tiny", "dp": "2", "num_microbatches": "2",
+          "steps": "3", "param_atol": str(FP32_PARAM_ATOL)}
+    case = apply_overrides(CaseConfig(), ov)
+    validate_case(case, 2)
+    get_scheme(scheme).check(case)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, summary(merged)
+    assert_bytes_exact(case, merged, per_rank)

@@ -176,3 +176,22 @@ def test_asynchronous_schedules_refuse_clip_grad():
             get_scheme(f"pipeline.{name}").check(apply_overrides(CaseConfig(), {
                 "model": "tiny-4l", "pp": 2, "num_microbatches": 2, "timed_steps": 1,
                 "clip_grad": 0.5}))
+
+
+def test_pipeline_runs_multi_head_latent_attention(pools):
+    """``mla-tiny`` (feature mla, issue 21) under 1F1B on pp 2: each stage is a slice of the
+    reference model, so it trains MLA as the golden run does; the p2p bytes are b s h per
+    boundary whatever the attention (``check_case``'s closed-form comparison)."""
+    case = apply_overrides(CaseConfig(), {
+        "scheme": "pipeline.1f1b", "model": "mla-tiny", "pp": 2, "num_microbatches": 2,
+        "steps": 2, "timed_steps": 0, "param_atol": 1e-4})
+    check_case(pools, case)
+
+
+@pytest.mark.parametrize("name", ["seq1f1b", "terapipe"])
+def test_token_slice_pipelines_refuse_mla_before_spawning(name):
+    """A token slice attends to the cached MHA keys of the earlier slices: no MLA there."""
+    case = apply_overrides(CaseConfig(), {"scheme": f"pipeline.{name}", "model": "mla-tiny",
+                                          "pp": 2, "num_microbatches": 2})
+    with pytest.raises(ConfigError, match="kv_lora_rank=16"):
+        get_scheme(f"pipeline.{name}").check(case)
