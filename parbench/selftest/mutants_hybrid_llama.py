@@ -12,9 +12,8 @@ import torch
 
 from impls.hybrid.model import HybridStage
 from impls.hybrid.scheme import HybridScheme
-from impls.tensor import gqa
-
 from .catalogue import mutant
+from .mutants_tensor_gqa import wrong_kv_query_group
 
 DENSE = {"model": "llama-tiny", "dp": "1", "ep": "1", "pp": "1", "num_experts": "0",
          "num_microbatches": "2"}
@@ -37,13 +36,7 @@ class HybridRopeLocalPositions(HybridScheme):
 
 
 class _WrongKVGroup(HybridStage):
-    def query_group(self, qkv):
-        full = gqa.gather_qkv(qkv, self.group, self.tp)
-        j, i = gqa.group_of(self.cfg, self.tp, self.rank)
-        q, _, _ = gqa.split_group(full, self.cfg, j, i, self.tp)
-        g = self.cfg.num_kv_heads or self.cfg.num_heads
-        _, k, v = gqa.split_group(full, self.cfg, self.rank % g, i, self.tp)  # the bug
-        return torch.cat([q, k, v], dim=-1)
+    query_group = wrong_kv_query_group
 
 
 @mutant("hybrid-gqa-kv-head-rank-mod-g", base="hybrid", overrides=GQA,

@@ -26,14 +26,19 @@ def _with_model(scheme_cls, model_cls):
     return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
+def wrong_kv_query_group(self, qkv):
+    """``query_group`` with the bug: the rank's K/V head is r mod g, not r // (t/g) (shared
+    by the tensor and hybrid mutants: both stages gather QKV the same way)."""
+    full = gqa.gather_qkv(qkv, self.group, self.tp)
+    j, i = gqa.group_of(self.cfg, self.tp, self.rank)
+    q, _, _ = gqa.split_group(full, self.cfg, j, i, self.tp)
+    g = self.cfg.num_kv_heads or self.cfg.num_heads
+    _, k, v = gqa.split_group(full, self.cfg, self.rank % g, i, self.tp)  # the bug
+    return torch.cat([q, k, v], dim=-1)
+
+
 class _WrongKVHead(MegatronGPT):
-    def query_group(self, qkv):
-        full = gqa.gather_qkv(qkv, self.group, self.tp)
-        j, i = gqa.group_of(self.cfg, self.tp, self.rank)
-        q, _, _ = gqa.split_group(full, self.cfg, j, i, self.tp)
-        g = self.cfg.num_kv_heads or self.cfg.num_heads
-        _, k, v = gqa.split_group(full, self.cfg, self.rank % g, i, self.tp)  # the bug
-        return torch.cat([q, k, v], dim=-1)
+    query_group = wrong_kv_query_group
 
 
 @mutant("tp-gqa-kv-head-rank-mod-g", base="tensor.megatron", overrides=GQA,
