@@ -283,6 +283,34 @@ def run_cases(cases, repeats: int):
     return times, failures
 
 
+def reused_measurements(reuse: str, modelled: list) -> tuple[dict, dict, dict]:
+    """The measurements of an earlier run (its out= file), to predict again against them;
+    matched by suite and label: ids carry a digest of every field, which changes when a
+    field is added to the configuration."""
+    meta_old = json.loads(Path(reuse).read_text())
+    rows_old = {(r["suite"], r["case"]): r for r in meta_old["rows"]}
+    old = {c.id: rows_old[(s, label(c))] for s, c in modelled if (s, label(c)) in rows_old}
+    measured = {cid: r["repeats_s"] for cid, r in old.items()}
+    failures = {cid: r["note"] for cid, r in old.items() if not r["repeats_s"]}
+    return measured, failures, meta_old
+
+
+def prediction_rows(modelled: list, measured: dict, failures: dict, prof, tol: float) -> list:
+    """One row per case: the median measured step beside the time model's prediction."""
+    rows = []
+    for suite, c in modelled:
+        ts = measured.get(c.id) or []
+        pred = predict(c, prof)
+        meas = statistics.median(ts) if ts else None
+        err = pred / meas - 1 if meas else None
+        rows.append({"suite": suite, "case": label(c), "scheme": c.run.scheme, "id": c.id,
+                     "baseline": c.run.scheme.startswith("baseline."),
+                     "measured_s": meas, "repeats_s": ts, "predicted_s": pred, "error": err,
+                     "ok": err is not None and abs(err) <= tol,
+                     "note": failures.get(c.id) or layout_of(c)[1]})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     import os
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -327,30 +355,13 @@ def main(argv: list[str]) -> int:
         print(f"running {len(modelled)} two-rank cases x {repeats} repeats (timed_steps={timed}; "
               f"load average {load[0]:.2f} on {os.cpu_count()} cores) ...", flush=True)
     if reuse:
-        # predict again against the measurements of an earlier run (its out= file)
-        # matched by suite and label: ids carry a digest of every field, which changes when
-        # a field is added to the configuration
-        rows_old = {(r["suite"], r["case"]): r for r in json.loads(Path(reuse).read_text())["rows"]}
-        old = {c.id: rows_old[(s, label(c))] for s, c in modelled if (s, label(c)) in rows_old}
-        measured = {cid: r["repeats_s"] for cid, r in old.items()}
-        failures = {cid: r["note"] for cid, r in old.items() if not r["repeats_s"]}
-        meta_old = json.loads(Path(reuse).read_text())
+        measured, failures, meta_old = reused_measurements(reuse, modelled)
         load = meta_old.get("load_average_start", load)
         repeats = meta_old.get("repeats", repeats)
         started -= meta_old.get("seconds", 0.0)
     else:
         measured, failures = run_cases(modelled, repeats)
-    rows = []
-    for suite, c in modelled:
-        ts = measured.get(c.id) or []
-        pred = predict(c, prof)
-        meas = statistics.median(ts) if ts else None
-        err = pred / meas - 1 if meas else None
-        rows.append({"suite": suite, "case": label(c), "scheme": c.run.scheme, "id": c.id,
-                     "baseline": c.run.scheme.startswith("baseline."),
-                     "measured_s": meas, "repeats_s": ts, "predicted_s": pred, "error": err,
-                     "ok": err is not None and abs(err) <= tol,
-                     "note": failures.get(c.id) or layout_of(c)[1]})
+    rows = prediction_rows(modelled, measured, failures, prof, tol)
     load_end = os.getloadavg() if not reuse else meta_old.get("load_average_end", load)
     return report(rows, prof, tol, rho_min, out,
                   {"load_average_start": load, "load_average_end": load_end,
