@@ -38,7 +38,10 @@ def test_megatron_trains_latent_attention(pools, scheme, extra):
 
 @pytest.mark.parametrize("scheme,extra,words", [
     ("tensor.megatron", {"recompute": "selective"}, "recompute=selective"),
-    ("data.ddp", {"tp": "1", "dp": "2"}, "kv_lora_rank=16: scheme data.ddp")])
+    # the token-slice pipelines' cached-key attention reads multi-head heads (data and the
+    # other pipelines run MLA: tests/equivalence/test_data.py, test_pipeline.py)
+    ("pipeline.seq1f1b", {"tp": "1", "pp": "2", "num_microbatches": "2"},
+     "kv_lora_rank=16: scheme pipeline.seq1f1b")])
 def test_what_is_not_run_is_refused(scheme, extra, words):
     with pytest.raises(ConfigError, match=words):
         case_for(scheme, **extra)

@@ -47,7 +47,10 @@ CASES = _fp32_cases()
 
 
 def test_every_scheme_has_a_case_it_accepts_in_fp32():
-    assert sorted(set(all_schemes()) - set(CASES)) == []
+    # a framework not installed here (torchtitan is an optional extra) refuses every case
+    # with its reason; it is checked where it is installed
+    absent = {n for n, cls in all_schemes().items() if cls.unavailable()}
+    assert sorted(set(all_schemes()) - set(CASES) - absent) == []
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
