@@ -48,3 +48,9 @@ def load() -> dict[str, Mutant]:
         if mod.name.startswith("mutants_"):
             importlib.import_module(f"{__package__}.{mod.name}")
     return CATALOGUE
+
+
+def with_model(scheme_cls, model_cls):
+    """``scheme_cls`` building ``model_cls`` (a subclass of its model) instead: how a mutant
+    swaps a scheme's model for a broken one."""
+    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})

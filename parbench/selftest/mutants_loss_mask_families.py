@@ -22,16 +22,12 @@ from impls.tensor.megatron import Megatron1D
 from impls.tensor.megatron_model import MegatronGPT
 from impls.tensor.summa import Optimus, SummaGPT
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 
 #: prompts of up to 60% of a sample masked, over 2 micro-batches: counts differ per
 #: micro-batch, sample and shard on every step of the small cases
 MASK = {"loss_mask": "0.6", "num_microbatches": "2"}
 
-
-def _with_model(scheme_cls, model_cls):
-    """``scheme_cls`` building ``model_cls`` (a subclass of its model) instead."""
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 # ---- tensor ------------------------------------------------------------------------------------
@@ -46,7 +42,7 @@ class _EveryTokenMean(MegatronGPT):
 @mutant("tp-ce-masked-tokens-counted", base="tensor.megatron", overrides=MASK,
         bug="the vocab-parallel cross-entropy averaged over every token: a masked target's "
             "loss (its log-sum of exponentials) kept and counted in the denominator")
-class TPMaskedTokensCounted(_with_model(Megatron1D, _EveryTokenMean)):
+class TPMaskedTokensCounted(with_model(Megatron1D, _EveryTokenMean)):
     pass
 
 
@@ -61,7 +57,7 @@ class _BlockTokenCount(SummaGPT):
 @mutant("2d-loss-block-token-count", base="tensor.2d", overrides={"tp": "4", **MASK},
         bug="each batch block's summed loss divided by its own counted tokens (times the "
             "blocks), not by the micro-batch's: the blocks' means averaged")
-class SummaLossBlockTokenCount(_with_model(Optimus, _BlockTokenCount)):
+class SummaLossBlockTokenCount(with_model(Optimus, _BlockTokenCount)):
     pass
 
 

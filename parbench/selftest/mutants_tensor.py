@@ -18,13 +18,9 @@ from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import blocks
 from impls.tensor.summa import Optimus, SummaGPT, SummaLinear, Tesseract
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 from .optimizers import make_buggy_optimizer
 
-
-def _with_model(scheme_cls, model_cls):
-    """``scheme_cls`` building ``model_cls`` (a subclass of its model) instead."""
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 # ---- Megatron 1D ------------------------------------------------------------------------------
@@ -41,7 +37,7 @@ class _SwappedFG(MegatronGPT):
 
 @mutant("tp-fg-swapped", base="tensor.megatron",
         bug="the conjugate operators f and g are swapped around the parallel linears")
-class TPSwappedFG(_with_model(Megatron1D, _SwappedFG)):
+class TPSwappedFG(with_model(Megatron1D, _SwappedFG)):
     pass
 
 
@@ -52,7 +48,7 @@ class _NoEmbeddingReduce(MegatronGPT):
 
 @mutant("tp-embedding-no-allreduce", base="tensor.megatron",
         bug="the vocab-parallel embedding's partial lookups are not all-reduced")
-class TPNoEmbeddingReduce(_with_model(Megatron1D, _NoEmbeddingReduce)):
+class TPNoEmbeddingReduce(with_model(Megatron1D, _NoEmbeddingReduce)):
     pass
 
 
@@ -63,7 +59,7 @@ class _UnmaskedPadding(MegatronGPT):
 
 @mutant("tp-vocab-padding-unmasked", base="tensor.megatron",
         bug="the logits of the padded vocabulary rows are not masked")
-class TPUnmaskedPadding(_with_model(Megatron1D, _UnmaskedPadding)):
+class TPUnmaskedPadding(with_model(Megatron1D, _UnmaskedPadding)):
     pass
 
 
@@ -75,7 +71,7 @@ class _RowBiasEveryRank(MegatronGPT):
 
 @mutant("tp-row-bias-every-rank", base="tensor.megatron",
         bug="the row-parallel linears' bias is added on every rank before the all-reduce")
-class TPRowBiasEveryRank(_with_model(Megatron1D, _RowBiasEveryRank)):
+class TPRowBiasEveryRank(with_model(Megatron1D, _RowBiasEveryRank)):
     pass
 
 
@@ -91,7 +87,7 @@ class _ContiguousQKVSplit(MegatronGPT):
 
 @mutant("tp-wrong-head-split", base="tensor.megatron",
         bug="QKV split into contiguous row blocks instead of by heads")
-class TPWrongHeadSplit(_with_model(Megatron1D, _ContiguousQKVSplit)):
+class TPWrongHeadSplit(with_model(Megatron1D, _ContiguousQKVSplit)):
     pass
 
 
@@ -124,7 +120,7 @@ class _LocalMaxGPT(MegatronGPT):
 
 @mutant("tp-ce-local-max", base="tensor.megatron",
         bug="vocab-parallel cross-entropy subtracts each rank's own max logit")
-class TPLocalMaxCE(_with_model(Megatron1D, _LocalMaxGPT)):
+class TPLocalMaxCE(with_model(Megatron1D, _LocalMaxGPT)):
     pass
 
 
@@ -140,7 +136,7 @@ class _UntiedHeadCopy(MegatronGPT):
 @mutant("tp-tied-head-grad-lost", base="tensor.megatron",
         overrides={"tie_embeddings": "true"},
         bug="a tied LM head's gradient is not accumulated into the embedding")
-class TPTiedHeadGradLost(_with_model(Megatron1D, _UntiedHeadCopy)):
+class TPTiedHeadGradLost(with_model(Megatron1D, _UntiedHeadCopy)):
     pass
 
 
@@ -162,7 +158,7 @@ class _AllReduceForReduceScatter(MegatronGPT):
 
 @mutant("sp-allreduce-for-reducescatter", base="tensor.megatron-sp",
         bug="the row-parallel output is all-reduced and sliced instead of reduce-scattered")
-class SPAllReduceForReduceScatter(_with_model(MegatronSP, _AllReduceForReduceScatter)):
+class SPAllReduceForReduceScatter(with_model(MegatronSP, _AllReduceForReduceScatter)):
     pass
 
 
@@ -201,7 +197,7 @@ class _SummaWrongRoot(SummaGPT):
 
 @mutant("2d-summa-root-off-by-one", base="tensor.2d", overrides={"tp": "4"},
         bug="SUMMA broadcasts the weight block of the wrong grid row in each round")
-class SummaRootOffByOne(_with_model(Optimus, _SummaWrongRoot)):
+class SummaRootOffByOne(with_model(Optimus, _SummaWrongRoot)):
     pass
 
 
@@ -214,7 +210,7 @@ class _LocalLayerNormStats(SummaGPT):
 
 @mutant("2d-layernorm-local-stats", base="tensor.2d", overrides={"tp": "4"},
         bug="the 2D LayerNorm normalises each hidden block by its own statistics")
-class SummaLocalLayerNorm(_with_model(Optimus, _LocalLayerNormStats)):
+class SummaLocalLayerNorm(with_model(Optimus, _LocalLayerNormStats)):
     pass
 
 
@@ -255,6 +251,6 @@ class _CubeNoWeightReduce(CubeGPT):
         overrides={"tp": "8", "micro_batch_size": "4", "num_heads": "8", "hidden_size": "64",
                    "ffn_hidden_size": "256"},
         bug="3D keeps its own slice of the weight gradient instead of reduce-scattering it")
-class CubeWeightGradNotReduced(_with_model(Cube3D, _CubeNoWeightReduce)):
+class CubeWeightGradNotReduced(with_model(Cube3D, _CubeNoWeightReduce)):
     pass
 

@@ -17,13 +17,10 @@ from impls.tensor import gqa
 from impls.tensor.megatron import Megatron1D, MegatronSP
 from impls.tensor.megatron_model import MegatronGPT
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 
 GQA = {"model": "llama-tiny", "tp": "4", "num_microbatches": "2"}
 
-
-def _with_model(scheme_cls, model_cls):
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 def wrong_kv_query_group(self, qkv):
@@ -43,7 +40,7 @@ class _WrongKVHead(MegatronGPT):
 
 @mutant("tp-gqa-kv-head-rank-mod-g", base="tensor.megatron", overrides=GQA,
         bug="tp > num_kv_heads: rank r attends with K/V head r mod g, not r // (tp/g)")
-class TPGQAWrongKVHead(_with_model(Megatron1D, _WrongKVHead)):
+class TPGQAWrongKVHead(with_model(Megatron1D, _WrongKVHead)):
     pass
 
 
@@ -70,5 +67,5 @@ class _SplitGather(MegatronGPT):
 @mutant("tp-gqa-qkv-gather-split-backward", base="tensor.megatron-sp", overrides=GQA,
         bug="tp > num_kv_heads: the QKV output's gather splits its gradient backward "
             "instead of reduce-scattering it")
-class TPGQASplitBackward(_with_model(MegatronSP, _SplitGather)):
+class TPGQASplitBackward(with_model(MegatronSP, _SplitGather)):
     pass

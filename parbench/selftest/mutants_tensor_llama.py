@@ -22,13 +22,10 @@ from impls.tensor.megatron import Megatron1D, MegatronSP
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import blocks
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 
 LLAMA = {"model": "llama-tiny", "num_microbatches": "2"}
 
-
-def _with_model(scheme_cls, model_cls):
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 class _ContiguousFc1Layout(MegatronLayout):
@@ -43,7 +40,7 @@ class _ContiguousFc1(MegatronGPT):
 
 @mutant("tp-swiglu-fc1-contiguous", base="tensor.megatron", overrides=LLAMA,
         bug="SwiGLU's fc1 [gate; up] split into contiguous row blocks (rank 0 all gate)")
-class TPSwiGLUContiguous(_with_model(Megatron1D, _ContiguousFc1)):
+class TPSwiGLUContiguous(with_model(Megatron1D, _ContiguousFc1)):
     pass
 
 
@@ -55,7 +52,7 @@ class _GlobalPositions(MegatronGPT):
 @mutant("sp-packed-global-positions", base="tensor.megatron-sp",
         overrides={"num_microbatches": "2", "pack_docs": "3"},
         bug="learned positions global, not within-document, with packed sequences under sp")
-class SPPackedGlobalPositions(_with_model(MegatronSP, _GlobalPositions)):
+class SPPackedGlobalPositions(with_model(MegatronSP, _GlobalPositions)):
     pass
 
 
@@ -73,7 +70,7 @@ class _NextGroup(MegatronGPT):
 
 @mutant("tp-gqa-kv-heads-next-rank", base="tensor.megatron", overrides=LLAMA,
         bug="GQA K/V heads of query group r+1 on tp rank r")
-class TPGQANextGroup(_with_model(Megatron1D, _NextGroup)):
+class TPGQANextGroup(with_model(Megatron1D, _NextGroup)):
     pass
 
 
@@ -90,5 +87,5 @@ class _MasklessRecompute(MegatronGPT):
 @mutant("tp-packed-recompute-without-mask", base="tensor.megatron",
         overrides={**LLAMA, "pack_docs": "3", "recompute": "selective"},
         bug="selective recompute re-runs the attention core causal only, not within documents")
-class TPPackedRecomputeMaskless(_with_model(Megatron1D, _MasklessRecompute)):
+class TPPackedRecomputeMaskless(with_model(Megatron1D, _MasklessRecompute)):
     pass

@@ -18,13 +18,10 @@ import torch.nn.functional as F
 from impls.tensor.megatron import Megatron1D
 from impls.tensor.megatron_model import MegatronGPT
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 
 MLA = {"model": "mla-tiny", "num_microbatches": "2"}
 
-
-def _with_model(scheme_cls, model_cls):
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 class _RopeKeyUnreduced(MegatronGPT):
@@ -36,7 +33,7 @@ class _RopeKeyUnreduced(MegatronGPT):
 
 @mutant("mla-rope-key-grad-not-reduced", base="tensor.megatron", overrides=MLA,
         bug="MLA's shared rotary key outside the all-reduce of f: partial kv_down grads")
-class MLARopeKeyUnreduced(_with_model(Megatron1D, _RopeKeyUnreduced)):
+class MLARopeKeyUnreduced(with_model(Megatron1D, _RopeKeyUnreduced)):
     pass
 
 
@@ -48,5 +45,5 @@ class _ScaleWithoutRope(MegatronGPT):
 
 @mutant("mla-softmax-scale-without-rope-dim", base="tensor.megatron", overrides=MLA,
         bug="MLA's softmax scale 1/sqrt(qk_head_dim), the rotary width left out")
-class MLAScaleWithoutRope(_with_model(Megatron1D, _ScaleWithoutRope)):
+class MLAScaleWithoutRope(with_model(Megatron1D, _ScaleWithoutRope)):
     pass

@@ -19,7 +19,7 @@ from __future__ import annotations
 from impls.tensor.cube import Cube3D, CubeGPT
 from impls.tensor.summa import Optimus, SummaGPT, Tesseract
 
-from .catalogue import mutant
+from .catalogue import mutant, with_model
 
 #: 1..3 documents per sample over 2 micro-batches
 PACKED = {"pack_docs": "3", "num_microbatches": "2"}
@@ -27,10 +27,6 @@ PACKED = {"pack_docs": "3", "num_microbatches": "2"}
 CUBE = {**PACKED, "tp": "8", "micro_batch_size": "4", "num_heads": "8", "hidden_size": "64",
         "ffn_hidden_size": "256"}
 
-
-def _with_model(scheme_cls, model_cls):
-    """``scheme_cls`` building ``model_cls`` (a subclass of its model) instead."""
-    return type(scheme_cls.__name__, (scheme_cls,), {"model_cls": model_cls})
 
 
 class _SummaCausalOnly(SummaGPT):
@@ -40,14 +36,14 @@ class _SummaCausalOnly(SummaGPT):
 
 @mutant("2d-packed-attention-causal-only", base="tensor.2d", overrides={**PACKED, "tp": "4"},
         bug="positions restart at each EOD but the grid's attention is plain causal")
-class SummaPackedCausalOnly(_with_model(Optimus, _SummaCausalOnly)):
+class SummaPackedCausalOnly(with_model(Optimus, _SummaCausalOnly)):
     pass
 
 
 @mutant("2.5d-packed-attention-causal-only", base="tensor.2.5d",
         overrides={**PACKED, "tp": "4", "tp_depth": "4", "micro_batch_size": "4"},
         bug="Tesseract's depth layers attend plain causally across the packed documents")
-class TesseractPackedCausalOnly(_with_model(Tesseract, _SummaCausalOnly)):
+class TesseractPackedCausalOnly(with_model(Tesseract, _SummaCausalOnly)):
     pass
 
 
@@ -58,7 +54,7 @@ class _CubeSamplePositions(CubeGPT):
 
 @mutant("3d-packed-positions-not-reset", base="tensor.3d", overrides=CUBE,
         bug="3D attends within documents but embeds positions counted from the sample's start")
-class CubePackedPositionsNotReset(_with_model(Cube3D, _CubeSamplePositions)):
+class CubePackedPositionsNotReset(with_model(Cube3D, _CubeSamplePositions)):
     pass
 
 
@@ -70,5 +66,5 @@ class _CubeResidualRowsDocs(CubeGPT):
 @mutant("3d-packed-docs-of-residual-rows", base="tensor.3d", overrides=CUBE,
         bug="3D masks its attention with the documents of its residual rows (layout L1), "
             "not of the rows its QKV output holds (layout L2)")
-class CubePackedDocsOfResidualRows(_with_model(Cube3D, _CubeResidualRowsDocs)):
+class CubePackedDocsOfResidualRows(with_model(Cube3D, _CubeResidualRowsDocs)):
     pass

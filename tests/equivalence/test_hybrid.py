@@ -116,7 +116,7 @@ def test_split_backward_and_two_replica_schedules(pools, ov):
 # bf16: losses and gradients held to the tolerances derived from each step's rounding noise
 # (parbench.verdict.precision), and so are the final parameters after the timed steps (the
 # continuation in bf16 against fp32); param_atol, 2 * lr per timed step, bounds the drift shown
-# (a larger one cannot fail and is refused: parbench.config.adamw_max_divergence)
+# (a larger one cannot fail and is refused: parbench.tolerance_rules.adamw_max_divergence)
 BF16 = {"dtype": "bf16", "param_atol": 4e-3}
 
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parbench.config import (CaseConfig, ConfigError, RunConfig, adamw_max_divergence,
+from parbench.tolerance_rules import adamw_max_divergence
+from parbench.config import (CaseConfig, ConfigError, RunConfig,
                              validate_case)
 from parbench.overrides import apply_overrides
 
