@@ -125,6 +125,9 @@ class ModelConfig:
     qk_head_dim: int = _rule(0, "nonneg", "MLA's query/key head dim; 0 = head_dim")
     qk_rope_head_dim: int = _rule(0, "nonneg", "MLA's rotary query/key part")
     v_head_dim: int = _rule(0, "nonneg", "MLA's value head dim; 0 = head_dim")
+    #: multi-token prediction depths (DeepSeek-V3 Sec. 2.2; Megatron's --mtp-num-layers),
+    #: analytic only (parbench.analytic.mtp)
+    mtp_layers: int = _rule(0, "nonneg", "MTP modules (analytic only)")
 
     @property
     def ffn(self) -> int:
@@ -311,6 +314,7 @@ def validate_model(m: ModelConfig) -> None:
 #: runnable case must leave them at their default; and what the reference model does instead
 ANALYTIC_ONLY_FIELDS = {
     "make_vocab_size_divisible_by": (1, "does not pad its vocabulary"),
+    "mtp_layers": (0, "has no multi-token prediction modules"),
 }
 
 

@@ -28,6 +28,8 @@ from .megatron_args import (
     MEGATRON_IGNORED_FLAGS,
     MEGATRON_IGNORED_VALUED,
     MEGATRON_MOE_DEFAULTS,
+    MEGATRON_NUMERICS_ONLY,
+    MEGATRON_NUMERICS_ONLY_FLAGS,
     MEGATRON_REFUSED,
 )
 from .overrides import apply_overrides, coerce
@@ -85,10 +87,10 @@ def read_megatron(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         typ = _megatron_type(key)
         if key in MEGATRON_FLAGS or key in MEGATRON_CHECKED_FLAGS:
             out[key], i = True, i + 1
-        elif key in MEGATRON_IGNORED_FLAGS:
+        elif key in MEGATRON_IGNORED_FLAGS or key in MEGATRON_NUMERICS_ONLY_FLAGS:
             ignored.append(key)
             i += 1
-        elif key in MEGATRON_IGNORED_VALUED:
+        elif key in MEGATRON_IGNORED_VALUED or key in MEGATRON_NUMERICS_ONLY:
             ignored.append(key)
             i = _skip_values(argv, i, inline)
         elif typ is not None:

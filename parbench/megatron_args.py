@@ -35,6 +35,8 @@ MEGATRON_ARGS = {
     # the routed gates times the factor after their normalisation (moe_utils.py,
     # topk_routing_with_score_function; DeepSeek-V3's 2.5): parbench.model.router
     "--moe-router-topk-scaling-factor": ("moe_router_scaling", float),
+    # multi-token prediction modules (DeepSeek-V3 Sec. 2.2; counted by parbench.analytic)
+    "--mtp-num-layers": ("mtp_layers", int),
 }
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
@@ -56,7 +58,11 @@ MEGATRON_CHOICES = {
         "none": {"position_embeddings": False, "rope_theta": 0.0}},
     "--recompute-granularity": {"full": {"recompute": "full"},
                                 "selective": {"recompute": "selective"}},
-    "--moe-router-load-balancing-type": {"aux_loss": {}, "none": {"moe_aux_loss_coef": 0.0}},
+    # seq_aux_loss: the balancing loss per sequence (DeepSeek-V3 Eq. 17-20) instead of per
+    # micro-batch; the same counts, FLOPs and bytes (Megatron-Core's router.py all-reduces
+    # the E token counts over tp x cp for either), so estimate reads both alike
+    "--moe-router-load-balancing-type": {"aux_loss": {}, "seq_aux_loss": {},
+                                         "none": {"moe_aux_loss_coef": 0.0}},
     "--transformer-impl": {"local": {}, "transformer_engine": {}},
     # megatron/core/transformer/moe/moe_utils.py, topk_routing_with_score_function: softmax
     # over the experts or DeepSeek-V3's sigmoid affinities (sqrtsoftplus is not modelled)
@@ -119,6 +125,18 @@ manual-gc-interval ckpt-format moe-token-dispatcher-type exit-duration-in-mins
 exit-interval log-interval timing-log-level bucket-size ddp-bucket-size
 moe-router-dtype optimizer dist-ckpt-strictness logging-level moe-flex-dispatcher-backend
 norm-epsilon""".split())
+#: Megatron arguments that change the numbers a model computes but none of the figures
+#: ``estimate`` prints (no parameter, FLOP, byte or time), accepted and listed as ignored:
+#: name -> what it changes (with one value each, or none for a flag)
+MEGATRON_NUMERICS_ONLY = {
+    "--rotary-scaling-factor": "YaRN's RoPE frequency interpolation (Peng et al. 2023)",
+    "--mscale": "YaRN's attention-temperature factor",
+    "--mscale-all-dim": "YaRN's attention-temperature factor",
+    "--mtp-loss-scaling-factor": "the weight of the MTP loss (DeepSeek-V3 Eq. 25, lambda)",
+}
+#: flags of the same kind: uniform routing forced (a benchmark mode) -- estimate prices
+#: balanced routing either way
+MEGATRON_NUMERICS_ONLY_FLAGS = {"--moe-router-force-load-balancing": "routing forced uniform"}
 #: Megatron arguments that change the computation in ways parbench does not model
 MEGATRON_REFUSED = {
     "--account-for-embedding-in-pipeline-split": "the embedding counted as a pipeline layer "
@@ -131,13 +149,6 @@ MEGATRON_REFUSED = {
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
     "--recompute-method": "only whole-model recomputation (granularity) is modelled",
     "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
-    "--moe-router-force-load-balancing": "forced uniform routing (a benchmark mode) is not "
-    "modelled",
-    "--rotary-scaling-factor": "YaRN rotary scaling is not modelled",
-    "--mscale": "YaRN rotary scaling is not modelled",
-    "--mscale-all-dim": "YaRN rotary scaling is not modelled",
-    "--mtp-num-layers": "multi-token prediction is not modelled",
-    "--mtp-loss-scaling-factor": "multi-token prediction is not modelled",
     "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
 }
 #: Megatron arguments that must keep one value (the one parbench computes with): name -> value

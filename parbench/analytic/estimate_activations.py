@@ -14,6 +14,7 @@ from . import activations
 from .counting import Counting
 from .estimate_blocks import Block, optional
 from .estimate_traffic import routed_rows
+from .params import mtp_layer_is_moe
 from .shape import Shape, moe_layer_count
 from .stages import layout_stage_indices
 
@@ -45,6 +46,7 @@ class Activations(Block):
     first_stage_dense_layers: int | None = optional()
     moe_layer_terms_korthikanti: dict[str, float] | None = optional()
     note: str | None = optional()
+    last_stage_mtp: float | None = optional()
 
     def as_dict(self) -> dict:
         d = super().as_dict()  # the order the figures were always printed in
@@ -53,7 +55,7 @@ class Activations(Block):
                  "per_moe_layer_reference_model", "first_stage_reference_model",
                  "first_stage_moe_layers", "first_stage_dense_layers",
                  "moe_layer_terms_korthikanti", "per_layer_by_recompute", "attention",
-                 "last_stage_logits", "logits_note", "note")
+                 "last_stage_logits", "logits_note", "last_stage_mtp", "note")
         return {k: d[k] for k in order if k in d}
 
 
@@ -118,6 +120,17 @@ def _first_stage(shape: Shape, lay: Layout, dense_layer: float,
     return activations.first_stage_activation_bytes(held, lay.pp, lay.pp, m, lay.vpp, sched)
 
 
+def _mtp(shape: Shape, lay: Layout, sp: bool, layer: float, logits: float,
+         counting: Counting, s_local: int) -> float:
+    """The multi-token prediction modules' activations of one micro-batch on the last stage
+    (DeepSeek-V3 Sec. 2.2): per module its layer (``layer``: Korthikanti's count of the last
+    layer's kind, :func:`.params.mtp_layer_is_moe`), the projection's [h; emb] input (2h per
+    token; split over tp under SP, as a layer's input) and its logits (as the main head's);
+    like ``last_stage_logits`` not added to the first stage's peak."""
+    proj_in = 2 * shape.h * s_local * lay.micro_batch_size * counting.bytes_per_element
+    return shape.mtp_layers * (layer + proj_in / (lay.tp if sp else 1) + logits)
+
+
 def activation_block(shape: Shape, lay: Layout, options: Options, counting: Counting,
                      s_local: int) -> Activations:
     """The activation block of ``shape`` (vocabulary padded) on one rank."""
@@ -134,11 +147,15 @@ def activation_block(shape: Shape, lay: Layout, options: Options, counting: Coun
         logits_note=(f"the last pipeline stage's logits of one micro-batch, {logits} bytes "
                      "x b s/cp V'/tp (not in first_stage_*; with pp = 1 the one stage holds "
                      "both)"))
+    terms = activations.moe_layer_activation_bytes(kor, recompute=mode, **moe) if moe else None
+    if shape.mtp_layers:
+        layer = terms["total"] if mtp_layer_is_moe(shape) else kor
+        common["last_stage_mtp"] = _mtp(shape, lay, sp, layer, common["last_stage_logits"],
+                                        counting, s_local)
     if moe is None:
         return Activations(first_stage_korthikanti=_first_stage(shape, lay, kor),
                            first_stage_reference_model=_first_stage(shape, lay, ref),
                            **common)
-    terms = activations.moe_layer_activation_bytes(kor, recompute=mode, **moe)
     moe_ref = activations.moe_layer_activation_bytes(ref, recompute=mode, **moe)["total"]
     first = layout_stage_indices(shape.num_layers, lay)[0]
     n_moe = moe_layer_count(shape, first)

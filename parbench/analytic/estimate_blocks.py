@@ -159,7 +159,8 @@ class StageParams(Block):
 @dataclass(frozen=True)
 class Parameters(Block):
     """The parameter counts of :func:`.params.param_counts` (the vocabulary padded;
-    ``total_unpadded_vocab`` when the padding changed it). ``by_layer_kind``: an MoE model's
+    ``total_unpadded_vocab`` when the padding changed it; ``mtp``: the multi-token prediction
+    modules' share of ``total``). ``by_layer_kind``: an MoE model's
     two kinds of layer, whole and per rank, as :func:`.params.layer_split` gives them."""
 
     total: int
@@ -174,6 +175,7 @@ class Parameters(Block):
     moe_every: int | None = optional()
     by_layer_kind: dict[str, dict] | None = optional()
     total_unpadded_vocab: int | None = optional()
+    mtp: int | None = optional()
 
     @property
     def most_loaded_stage(self) -> int:
@@ -220,7 +222,8 @@ class Flops(Block):
 def flop_counts(shape: Shape, lay: Layout, options: Options, counting: Counting) -> Flops:
     """The FLOPs block of ``shape`` (vocabulary padded) at the layout's global batch."""
     B, c = lay.global_batch_size, counting.causal_flops  # noqa: N806
-    dense4 = not shape.moe and shape.f == 4 * shape.h and shape.gpt_style
+    dense4 = not shape.moe and shape.f == 4 * shape.h and shape.gpt_style \
+        and not shape.mtp_layers
     training = flop_model.shape_training_flops
     return Flops(
         forward_per_iteration=flop_model.shape_forward_flops(shape, B, causal=c),

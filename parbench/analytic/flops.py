@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .params import mla_linears
+from .params import mla_linears, mtp_layer_is_moe
 from .shape import Shape, require_positive
 
 
@@ -95,32 +95,46 @@ def shape_forward_flops(shape: Shape, b: int, s: int | None = None,
     2hE. Per sequence and layer: attention 4s^2h (2s^2h with ``causal="half"``, see the
     module doc; 2s^2 (w_q + w_o) with MLA's query/key and value widths); logit layer 2shV.
     For a dense GPT shape with f = 4h and ``causal="full"`` this is :func:`forward_flops`.
+    Each multi-token prediction module (``mtp_layers``; DeepSeek-V3 Sec. 2.2) adds its layer
+    (:func:`.params.mtp_layer_is_moe`), its projection 2 (2h) h and its logits 2hV per token,
+    as Megatron-LM's ``num_floating_point_operations`` (which also counts the norms; they
+    are not matrix multiplications and not counted here, as above).
     """
     s = shape.s if s is None else s
-    h, f = shape.h, shape.f
-    n_moe = shape.num_moe_layers
-    if shape.mla:  # every projection's weights, twice (the latents' norms are not matmuls)
-        attn = 2 * sum(n for name, n in mla_linears(shape) if not name.endswith("norm"))
-    else:
-        attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
-    per_f = (6 if shape.gated else 4) * h  # an MLP's FLOPs per token and unit of width
-    dense_token = attn + per_f * f
-    moe_token = attn + per_f * (shape.expert_f * shape.moe_top_k
-                                + shape.moe_shared_expert_size) + 2 * h * shape.num_experts
-    per_token = (shape.num_layers - n_moe) * dense_token + n_moe * moe_token
+    h, n_moe, mtp = shape.h, shape.num_moe_layers, shape.mtp_layers
+    per_token = (shape.num_layers - n_moe) * layer_token_flops(shape, False) \
+        + n_moe * layer_token_flops(shape, True)
+    if mtp:  # each module's layer, its 2h -> h projection and its logits
+        per_token += mtp * (layer_token_flops(shape, mtp_layer_is_moe(shape)) + 4 * h * h
+                            + 2 * h * shape.V)
     q_w, _, _, o_w = shape.attention_widths()
     # QK^T over every query head's width, AV over every head's value width (K/V heads shared
     # under GQA still meet each query head): 2 b s^2 (w_q + w_o), attention_score_flops at h
     # when both are h
     scores = attention_score_flops(b, s, q_w + o_w, causal) // 2
-    return b * s * per_token + shape.num_layers * scores + 2 * b * s * h * shape.V
+    return b * s * per_token + (shape.num_layers + mtp) * scores + 2 * b * s * h * shape.V
+
+
+def layer_token_flops(shape: Shape, moe: bool) -> int:
+    """One layer's forward FLOPs per token outside the attention scores (see
+    :func:`shape_forward_flops`): a dense layer's, or an MoE layer's when ``moe``."""
+    h = shape.h
+    if shape.mla:  # every projection's weights, twice (the latents' norms are not matmuls)
+        attn = 2 * sum(n for name, n in mla_linears(shape) if not name.endswith("norm"))
+    else:
+        attn = 2 * h * (h + 2 * shape.kv_hidden) + 2 * h * h
+    per_f = (6 if shape.gated else 4) * h  # an MLP's FLOPs per token and unit of width
+    if not moe:
+        return attn + per_f * shape.f
+    return attn + per_f * (shape.expert_f * shape.moe_top_k + shape.moe_shared_expert_size) \
+        + 2 * h * shape.num_experts
 
 
 def shape_training_flops(shape: Shape, b: int, s: int | None = None,
                          recompute: bool = False, causal: str = "full") -> int:
     """:func:`training_flops` for any :class:`Shape` (logit layer 3x, layers 3x or 4x)."""
     s = shape.s if s is None else s
-    logit = 2 * b * s * shape.h * shape.V
+    logit = 2 * b * s * shape.h * shape.V * (1 + shape.mtp_layers)
     layers = shape_forward_flops(shape, b, s, causal) - logit
     return (4 if recompute else 3) * layers + 3 * logit
 

@@ -251,20 +251,48 @@ def _layers_total(shape: Shape, moe_layers: int, dense_layers: int, tp: int = 1,
     return out
 
 
+def mtp_layer_is_moe(shape: Shape) -> bool:
+    """A multi-token prediction module's layer is an MoE layer when the model's last layer
+    is (Megatron-LM ``training.py``, ``num_floating_point_operations``: last_layer_is_moe)."""
+    return shape.is_moe_layer(shape.num_layers - 1)
+
+
+def mtp_split(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None
+              ) -> dict[str, int]:
+    """One multi-token prediction module on one rank, as ``{"dense", "expert"}`` (DeepSeek-V3,
+    arXiv 2412.19437, Sec. 2.2, Eq. 21-22; Megatron-Core's ``MultiTokenPredictionLayer``):
+    the norms of the embedding and of the previous depth's hidden state and a final norm
+    (three norms), the projection M_k of the concatenated [h; emb] (2h -> h, no bias, a
+    column-parallel linear: 2h^2 / t), one transformer layer of the last layer's kind
+    (:func:`mtp_layer_is_moe`). The embedding and the output head are the main model's
+    (shared, not counted again)."""
+    split = layer_split(shape, tp, ep, etp=etp, moe_layer=mtp_layer_is_moe(shape))
+    split["dense"] += 3 * shape.norm_params + 2 * shape.h * shape.h // tp
+    return split
+
+
+def mtp_params(shape: Shape, tp: int = 1, ep: int = 1, *, etp: int | None = None) -> int:
+    """Every multi-token prediction module (``mtp_layers`` of :func:`mtp_split`)."""
+    return shape.mtp_layers * sum(mtp_split(shape, tp, ep, etp=etp).values())
+
+
 def total_params(shape: Shape) -> int:
-    """Every unique parameter of the reference model (a tied head counted once)."""
+    """Every unique parameter of the reference model (a tied head counted once), the
+    multi-token prediction modules included (:func:`mtp_params`)."""
     n_moe = shape.num_moe_layers
     layers = _layers_total(shape, n_moe, shape.num_layers - n_moe)
-    return embedding_params(shape) + layers["dense"] + layers["expert"] + head_params(shape)
+    return embedding_params(shape) + layers["dense"] + layers["expert"] + head_params(shape) \
+        + mtp_params(shape)
 
 
 def active_params(shape: Shape) -> int:
     """Parameters a token passes through: on each MoE layer the router and ``moe_top_k`` of
     the E experts (Fedus et al. 2021, Switch Transformer, Sec. 2: top-1 routing keeps the
-    FLOPs per token of the dense model). Equal to :func:`total_params` for a dense model."""
+    FLOPs per token of the dense model), an MoE layer of a multi-token prediction module
+    likewise. Equal to :func:`total_params` for a dense model."""
     mlp = expert_mlp_params(shape)
-    return total_params(shape) - shape.num_moe_layers * (shape.num_experts - shape.moe_top_k) \
-        * mlp
+    moe_layers = shape.num_moe_layers + (shape.mtp_layers if mtp_layer_is_moe(shape) else 0)
+    return total_params(shape) - moe_layers * (shape.num_experts - shape.moe_top_k) * mlp
 
 
 def largest_module_params(shape: Shape, tp: int = 1, ep: int = 1, *,
@@ -309,7 +337,8 @@ def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
     Stage 0 holds the embeddings, the last stage the final LN and the LM head (with
     interleaving, ``vpp`` > 1, rank 0 holds the first chunk and rank ``pp - 1`` the last, so
     the same ranks hold them). One dict per stage: ``stage``, ``layers``, ``embedding``,
-    ``transformer`` (all its layers), ``head`` and ``total``; for an MoE model also
+    ``transformer`` (all its layers; on the last rank the multi-token prediction modules
+    too, as Megatron-Core places them), ``head`` and ``total``; for an MoE model also
     ``moe_layers`` (how many of its layers are MoE layers), ``expert`` (its expert
     parameters, replicated over edp) and ``dense`` (the rest, replicated over dp x cp).
     ``first`` / ``last``: an uneven first / last rank (``layout.pipeline_chunks``).
@@ -322,6 +351,9 @@ def stage_params(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
         layers = _layers_total(shape, n_moe, n - n_moe, tp, ep, etp)
         emb = embedding_params(shape, tp) if i == 0 else 0
         head = head_params(shape, tp, separate_stage=pp > 1) if i == pp - 1 else 0
+        if i == pp - 1 and shape.mtp_layers:  # Megatron-Core: MTP on the last stage
+            for k, v in mtp_split(shape, tp, ep, etp=etp).items():
+                layers[k] += shape.mtp_layers * v
         trans = layers["dense"] + layers["expert"]
         row = {"stage": i, "layers": n, "embedding": emb, "transformer": trans, "head": head,
                "total": emb + trans + head}
@@ -352,6 +384,8 @@ def param_counts(shape: Shape, pp: int = 1, tp: int = 1, ep: int = 1, vpp: int =
         "stages": stage_params(shape, pp, tp, ep, vpp, layers_per_stage, etp=etp,
                                first=first, last=last),
     }
+    if shape.mtp_layers:  # the multi-token prediction modules' share of ``total``
+        out["mtp"] = mtp_params(shape)
     if shape.moe:
         out["moe_layers"] = shape.num_moe_layers
         out["moe_every"] = shape.moe_every

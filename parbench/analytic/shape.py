@@ -111,6 +111,7 @@ class Shape:
     qk_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -140,7 +141,7 @@ class Shape:
         require_positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_first_dense",
                      "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_rope_head_dim",
-                     "v_head_dim"):
+                     "v_head_dim", "mtp_layers"):
             require_nonneg_int(name, getattr(self, name))
         if self.kv_lora_rank and self.bias:
             raise ValueError("kv_lora_rank (multi-head latent attention) is modelled without "
@@ -300,7 +301,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_le
                  "moe_shared_expert_size", "moe_first_dense", "moe_bias_update_rate",
                  "moe_router", "moe_router_groups", "moe_router_topk_groups",
                  "moe_router_scaling", "kv_lora_rank", "q_lora_rank", "qk_head_dim",
-                 "qk_rope_head_dim", "v_head_dim")
+                 "qk_rope_head_dim", "v_head_dim", "mtp_layers")
 
 
 def shape_from(model_cfg: Any, **overrides: Any) -> Shape:

@@ -120,11 +120,14 @@ def _import_megatron(ov: dict[str, str], text: str) -> tuple[str, str | None]:
     import shlex
     import sys
     from ..imports import megatron_attention, megatron_ignored, megatron_overrides
+    from ..megatron_args import MEGATRON_NUMERICS_ONLY, MEGATRON_NUMERICS_ONLY_FLAGS
     argv = shlex.split(text)
     ignored = megatron_ignored(argv)
+    why = {**MEGATRON_NUMERICS_ONLY, **MEGATRON_NUMERICS_ONLY_FLAGS}
     if ignored:
         print("ignored Megatron arguments (they do not change what parbench computes): "
-              + " ".join(ignored), file=sys.stderr)
+              + " ".join(f"{k} ({why[k]})" if k in why else k for k in ignored),
+              file=sys.stderr)
     given = _given_fields({k: v for k, v in ov.items() if k != "model"})
     imported = megatron_overrides(text)
     for key, value in imported.items():

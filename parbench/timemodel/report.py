@@ -43,12 +43,14 @@ def summary(model: str, shape, trn: Training, st: StepTime | None, profile: Prof
 def _headline(model: str, shape, trn: Training) -> str:
     """Model, parameters, degrees, options, devices, batch and precision."""
     lay, opt = trn.layout, trn.options
-    from ..analytic.params import active_params, total_params
+    from ..analytic.params import active_params, mtp_params, total_params
     try:
-        n, active = total_params(shape), active_params(shape)
+        n, active, mtp = total_params(shape), active_params(shape), mtp_params(shape)
     except Exception:  # noqa: BLE001 - a shape the param count refuses: leave it out
-        n = active = float("nan")
+        n = active = mtp = float("nan")
     count = f"{n / 1e9:,.1f} B parameters"
+    if getattr(shape, "mtp_layers", 0):  # the main model's count is the one papers publish
+        count += f" with {mtp / 1e9:,.1f} B in {shape.mtp_layers} MTP module(s)"
     if getattr(shape, "moe", False):  # an MoE model: what a token passes through too
         count += f", {active / 1e9:,.1f} B active"
     deg = " ".join(f"{k}={v}" for k, v in lay.degrees().items() if v > 1) or "one device"

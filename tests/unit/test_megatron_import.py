@@ -228,10 +228,6 @@ def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
 #: (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), written out; each feature parbench
 #: does not model must be refused by name, the rest must import
 DEEPSEEK_V3_REFUSED = {
-    "--moe-router-load-balancing-type seq_aux_loss": "seq_aux_loss is not supported",
-    "--moe-router-force-load-balancing": "forced uniform routing",
-    "--rotary-scaling-factor 40": "YaRN rotary scaling is not modelled",
-    "--mtp-num-layers 1": "multi-token prediction is not modelled",
     "--recompute-modules mlp moe mla_up_proj layernorm": "only whole-model recomputation",
 }
 #: the same script's routing arguments parbench applies (and --moe-shared-expert-overlap of
