@@ -35,6 +35,30 @@ TABLE1 = [
     ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 
+#: Table 2 as printed (Sec. 5.2, PTD-P against ZeRO-3 without model parallelism): scheme,
+#: parameters (billions), tensor and pipeline parallel sizes (1, 1: ZeRO-3 alone), batch
+#: size, GPUs, micro-batch size, achieved teraFLOP/s per GPU. Checked against two
+#: independent transcriptions (llm-analysis's examples/megatron-lm run scripts, which give
+#: (t, p) = (8, 12) and (8, 35), and a Markdown transcription of the table); the 530B
+#: ZeRO-3 row on 640 GPUs ran batch 2560 (the table's footnote: it did not fit on 560).
+TABLE2 = [
+    ("ZeRO-3", "174.6", 1, 1, 1536, 384, 4, 144),
+    ("ZeRO-3", "174.6", 1, 1, 1536, 768, 2, 88),
+    ("ZeRO-3", "174.6", 1, 1, 1536, 1536, 1, 44),
+    ("ZeRO-3", "529.6", 1, 1, 2560, 640, 4, 138),
+    ("ZeRO-3", "529.6", 1, 1, 2240, 1120, 2, 98),
+    ("ZeRO-3", "529.6", 1, 1, 2240, 2240, 1, 48),
+    ("PTD-P", "174.6", 8, 12, 1536, 384, 1, 153),
+    ("PTD-P", "174.6", 8, 12, 1536, 768, 1, 149),
+    ("PTD-P", "174.6", 8, 12, 1536, 1536, 1, 141),
+    ("PTD-P", "529.6", 8, 35, 2240, 560, 1, 171),
+    ("PTD-P", "529.6", 8, 35, 2240, 1120, 1, 167),
+    ("PTD-P", "529.6", 8, 35, 2240, 2240, 1, 159),
+]
+#: the two models of Table 2 (heads, hidden, layers): GPT-3's shape (Sec. 5.1) and Table 1's
+#: 529.6B row
+TABLE2_SHAPES = {"174.6": (96, 12288, 96), "529.6": (128, 20480, 105)}
+
 #: Sec. 5.1 as printed: GPT-3 (h = 12288, l = 96) on T = 300B tokens, n = 1024 GPUs at
 #: X = 140 teraFLOP/s; the 1T model (Table 1's last row) on 450B tokens, 3072 GPUs at 163.
 ESTIMATES = [

@@ -204,6 +204,28 @@ def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(rep
     assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb")).step_s
 
 
+def test_table2_zero3_row_is_priced_with_its_communication_exposed(reproductions):
+    """PTD-P Table 2's first row, ZeRO-3 on 384 GPUs (B = 1536, b = 4, 144 TFLOP/s printed):
+    published from Eq. 3 as Table 1; tool = the time model's ZeRO-3 step over dp = 384 with
+    its gathers and reduce-scatters exposed; the overlapped price is in the note."""
+    from parbench.reproduce.ptdp import gpt_shape
+    from parbench.timemodel import Training, load_profile, predict_step
+    table = reproductions["throughput"].tables[1]
+    assert table.key == "ptdp-table2" and len(table.cells) == 12
+    cell = table.cells[0]
+    s, V, B, n, h, l = 2048, 51200, 1536, 384, 12288, 96  # noqa: E741
+    eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert cell.published == pytest.approx(eq3 / (144e12 * n), rel=1e-9)
+    trn = Training.of(dp=n, micro_batch_size=4, num_microbatches=1, schedule="1f1b",
+                      recompute="full", sp=False, zero_stage=3, attention="eager",
+                      dtype="fp16", overlap_grad_reduce=False, grad_accumulation="unfused")
+    profile = load_profile("a100-80gb")
+    assert cell.tool == predict_step(gpt_shape(96, h, l), trn, profile).step_s
+    hidden = predict_step(gpt_shape(96, h, l), trn.with_values(overlap_grad_reduce=True),
+                          profile).step_s
+    assert hidden < cell.tool and f"overlapped instead: {hidden:.2f} s" in cell.note
+
+
 def test_a_goal_tables_misses_are_reported_not_excused(reproductions):
     r = reproductions["throughput"]
     assert all(t.goal for t in r.tables)
