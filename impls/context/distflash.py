@@ -49,6 +49,9 @@ class DistFlashAttnScheme(ContextParallelScheme):
     core_class = DistFlashCore
     #: every block, helped ones included, masked by the documents' ids (``distflash_attn``)
     supports_packing = True
+    #: the LLaMA blocks (RoPE at the chunks' global positions, in the remat path too:
+    #: ``distflash_remat.qkv``); multi-head attention only (its kernels move every head)
+    model_features = ContextParallelScheme.MHA_FEATURES
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:

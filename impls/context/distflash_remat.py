@@ -24,13 +24,11 @@ from .distflash_attn import ReplayAttention, dfa_forward
 from .shard import embed, mean_loss, shard_forward, tapped
 
 
-def qkv(blk, a: torch.Tensor):
+def qkv(blk, a: torch.Tensor, docs=None):
     """q, k, v (b, a, n, d), heads-major, of the layer's normed input ``a``, as
-    ``shard._projected`` computes them."""
-    b, n, h = a.shape
-    heads = blk.attn.num_heads
-    q, k, v = blk.attn.qkv(a).view(b, n, 3, heads, h // heads).unbind(2)
-    return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+    ``shard._projected`` computes them: the reference ``Attention.heads``, RoPE at the
+    tokens' global (or within-document) positions ``docs`` when the model rotates."""
+    return tuple(t.contiguous() for t in blk.attn.heads(blk.attn.qkv(a), docs, expand=False))
 
 
 def projected(blk, out: torch.Tensor) -> torch.Tensor:
@@ -39,10 +37,10 @@ def projected(blk, out: torch.Tensor) -> torch.Tensor:
     return blk.attn.proj(out.transpose(1, 2).reshape(b, n, a * d))
 
 
-def replayed(a: torch.Tensor, blk, out, lse, peers) -> torch.Tensor:
+def replayed(a: torch.Tensor, blk, out, lse, peers, docs=None) -> torch.Tensor:
     """The layer's attention (the reference ``Attention`` of the normed input ``a``) in
     backward: ``ReplayAttention`` on the recomputed q, k, v and the saved output."""
-    return projected(blk, ReplayAttention.apply(*qkv(blk, a), out, lse, peers))
+    return projected(blk, ReplayAttention.apply(*qkv(blk, a, docs), out, lse, peers))
 
 
 def after_attention(blk, x: torch.Tensor, attn: torch.Tensor, taps=None,
@@ -60,11 +58,11 @@ class RematLayer(torch.autograd.Function):
     output being the saved one."""
 
     @staticmethod
-    def forward(ctx, x, blk, core, taps=None, name="blocks.0"):
+    def forward(ctx, x, blk, core, taps=None, name="blocks.0", docs=None):
         with torch.no_grad():
-            out, lse = dfa_forward(*qkv(blk, blk.ln1(x)), core.peers)
+            out, lse = dfa_forward(*qkv(blk, blk.ln1(x), docs), core.peers)
             y = after_attention(blk, x, projected(blk, out))
-        ctx.blk, ctx.core, ctx.taps, ctx.name = blk, core, taps, name
+        ctx.blk, ctx.core, ctx.taps, ctx.name, ctx.docs = blk, core, taps, name, docs
         ctx.save_for_backward(*core.keep(blk, x, out, lse))
         return y
 
@@ -75,16 +73,17 @@ class RematLayer(torch.autograd.Function):
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
             a = tapped(taps, f"{name}.ln1", blk.ln1, x)
-            o = tapped(taps, f"{name}.attn", replayed, a, blk, out, lse, ctx.core.peers)
+            o = tapped(taps, f"{name}.attn", replayed, a, blk, out, lse, ctx.core.peers,
+                       ctx.docs)
             y = after_attention(blk, x, o, taps, name)
         torch.autograd.backward(y, dy)
-        return x.grad, None, None, None, None
+        return x.grad, None, None, None, None, None
 
 
 def remat_layer(blk, x, core, recompute="full", docs=None, taps=None, name="blocks.0"):
     """``shard.layer``'s signature for a ``RematLayer`` (the core masks packed documents
-    itself; its peers are bound to them)."""
-    return RematLayer.apply(x, blk, core, taps, name)
+    itself, its peers bound to them; ``docs`` give RoPE its positions)."""
+    return RematLayer.apply(x, blk, core, taps, name, docs)
 
 
 def remat_shard_forward(model, tokens, pos, targets, core, first_layer=None,

@@ -1,7 +1,9 @@
 """Realistic bugs in DistFlashAttn (``context.distflashattn``; see mutants_context): the
 helper's partial result merged without its log-sum-exp, a helped block computed twice, a
-causal mask on a helped block, and a rematerialised layer whose checkpoint hands backward a
-stale attention output. Each needs cp = 4 (at cp = 2 nobody helps)."""
+causal mask on a helped block, a rematerialised layer whose checkpoint hands backward a
+stale attention output, and one whose backward recomputation rotates q and k at the chunk's
+local positions (the position ids not handed to the recomputation, on the LLaMA blocks).
+Each needs cp = 4 (at cp = 2 nobody helps)."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +11,11 @@ import torch
 from impls.context.distflash import DistFlashAttnScheme
 from impls.context.distflash_attn import DistFlashCore, DistFlashPeers
 from impls.context.distflash_plan import BalancedSchedule
+from impls.context.distflash_remat import RematLayer
+from impls.context.shard import shard_forward
 
 from .catalogue import mutant
+from .mutants_context_llama import ROPE, _with_positions
 
 
 class _UnscaledHelperPeers(DistFlashPeers):
@@ -69,3 +74,32 @@ class _StaleCheckpointCore(DistFlashCore):
             "buffer filled by the first micro-batch only (stale in backward)")
 class DFARematStaleCheckpoint(DistFlashAttnScheme):
     core_class = _StaleCheckpointCore
+
+
+class _LocalPositionsRemat(RematLayer):
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.docs is not None:  # the bug: the recomputation rotates at 0..n-1
+            n = ctx.docs.pos.shape[1]
+            ctx.docs = _with_positions(ctx.docs, torch.arange(n))
+        return RematLayer.backward(ctx, dy)
+
+
+def _local_positions_layer(blk, x, core, recompute="full", docs=None, taps=None,
+                           name="blocks.0"):
+    return _LocalPositionsRemat.apply(x, blk, core, taps, name, docs)
+
+
+@mutant("dfa-remat-rope-local-positions", base="context.distflashattn",
+        overrides={**ROPE, "cp": "4", "recompute": "full"},
+        bug="the rematerialised layer's backward recomputes q and k with RoPE at the chunk's "
+            "local positions (its position ids not passed to the recomputation)")
+class DFARematRopeLocalPositions(DistFlashAttnScheme):
+    model_features = DistFlashAttnScheme.model_features
+
+    def forward(self, tokens, targets, pos, measure=False):
+        if self.ctx.options.recompute != "full":
+            return super().forward(tokens, targets, pos, measure)
+        return shard_forward(self.model, tokens, pos, targets, self.core, "full", None,
+                             self.embed, self.loss_fn(), self.docs, self.taps,
+                             layer_fn=_local_positions_layer)

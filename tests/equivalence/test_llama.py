@@ -97,7 +97,10 @@ CP = {"model": "llama-tiny", "dp": "1", "cp": "2", "num_microbatches": "2",
 @pytest.mark.parametrize("scheme,extra", [
     ("context.ring-attention", {"cp_balance": "zigzag"}), ("context.ulysses", {}),
     ("context.allgather", {"cp_balance": "striped", "pack_docs": "3"}),
-    ("context.usp", {"cp": "4", "cp_ulysses": "2", "cp_balance": "zigzag"})])
+    ("context.usp", {"cp": "4", "cp_ulysses": "2", "cp_balance": "zigzag"}),
+    # multi-head (its kernels move every head): RoPE in the rematerialised layer's backward
+    # recomputation too
+    ("context.distflashattn", {"cp": "4", "num_kv_heads": "4", "recompute": "full"})])
 def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     """RoPE on a sequence chunk at its tokens' global positions (within-document ones when
     packed), in each layout, with grouped-query attention (2 K/V heads for 4 query heads);
