@@ -326,10 +326,6 @@ def validate_runnable_model(m: ModelConfig) -> None:
         if v != default:
             raise ConfigError(f"{name}={v} is analytic only: the reference model {instead} "
                               f"(use {name}={default}, or parbench estimate)")
-    if m.num_experts and (m.mlp != "gelu" or not m.bias):
-        raise ConfigError(f"num_experts={m.num_experts} with mlp={m.mlp}, bias={m.bias}: the "
-                          "reference MoE's experts are GELU MLPs with biases (set mlp=gelu, "
-                          "bias=true)")
     validate_mla(m)
     if m.rope_theta and m.head_dim % 2 and not m.kv_lora_rank:
         raise ConfigError(f"rope_theta={m.rope_theta:g} needs an even head_dim (hidden_size / "

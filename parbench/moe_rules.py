@@ -33,7 +33,7 @@ ROUTERS = ("softmax", "sigmoid")
 
 #: the DeepSeek-style MoE features (``moe_features``) a scheme may declare it runs
 MOE_FEATURES = frozenset({"fine-grained", "shared-expert", "first-dense", "sigmoid-router",
-                          "expert-bias", "group-limited", "router-scaling"})
+                          "expert-bias", "group-limited", "router-scaling", "llama-experts"})
 
 
 def moe_features(m) -> dict[str, str]:
@@ -46,7 +46,10 @@ def moe_features(m) -> dict[str, str]:
           "sigmoid-router": (m.moe_router != "softmax", "moe_router"),
           "expert-bias": (m.moe_bias_update_rate, "moe_bias_update_rate"),
           "group-limited": (m.moe_router_groups, "moe_router_groups"),
-          "router-scaling": (m.moe_router_scaling != 1.0, "moe_router_scaling")}
+          "router-scaling": (m.moe_router_scaling != 1.0, "moe_router_scaling"),
+          # Mixtral's experts (Jiang et al. 2024): SwiGLU MLPs, no biases, as the dense MLP
+          "llama-experts": (m.num_experts and (m.mlp != "gelu" or not m.bias),
+                            "mlp" if m.mlp != "gelu" else "bias")}
     return {name: f"{field}={getattr(m, field)}" for name, (used, field) in on.items()
             if used}
 

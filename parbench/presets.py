@@ -67,6 +67,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                           moe_router_groups=2, moe_router_topk_groups=1,
                           moe_aux_loss_coef=0.0001, moe_capacity_factor=0.0,
                           position_embeddings=False, rope_theta=10000.0, norm="rmsnorm"),
+    # Mixtral's MoE blocks (Jiang et al. 2024, Table 1) at the size of ``llama-tiny``: every
+    # layer MoE, 8 SwiGLU experts of the dense MLP's width, top-2 softmax routing, GQA (4
+    # query heads over 2 K/V heads), RoPE (theta 1e6), RMSNorm, no biases, untied head; no
+    # token dropped (capacity factor 0) and the balancing loss at Switch Transformer's alpha
+    # 0.01 (Fedus et al. 2021, Sec. 2.2; the paper does not print its own). Runnable.
+    "mixtral-tiny": dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, ffn_hidden_size=64, seq_length=16, num_experts=8,
+                         moe_top_k=2, moe_capacity_factor=0.0, moe_aux_loss_coef=0.01,
+                         position_embeddings=False, rope_theta=1e6, mlp="swiglu",
+                         norm="rmsnorm", bias=False),
     # Multi-head latent attention (DeepSeek-V2 Sec. 2.1) at the size of ``llama-tiny``: a
     # 16-wide K/V latent, a 12-wide query latent, heads of 8 + 4 rotary (query / key) and 8
     # (value); RoPE on the decoupled parts, RMSNorm, SwiGLU, no biases. Runnable.

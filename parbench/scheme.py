@@ -232,14 +232,17 @@ class Scheme(ABC):
 
     @classmethod
     def check_moe_features(cls, case: CaseConfig) -> None:
-        """Refuse a DeepSeek-style MoE feature of the model this scheme does not declare."""
-        missing = [f for name, f in case.model.moe_features().items()
+        """Refuse a DeepSeek- or Mixtral-style MoE feature of the model this scheme does not
+        declare."""
+        missing = [(name, f) for name, f in case.model.moe_features().items()
                    if name not in cls.moe_features]
         if missing:
             runs = ", ".join(sorted(cls.moe_features)) or "none"
-            raise ConfigError(f"{missing[0]}: scheme {cls.name} does not run this "
-                              f"DeepSeek-style MoE feature (it runs: {runs}; the native "
-                              "expert family runs them all)")
+            name, field = missing[0]
+            kind = "Mixtral-style" if name == "llama-experts" else "DeepSeek-style"
+            raise ConfigError(f"{field}: scheme {cls.name} does not run this {kind} MoE "
+                              f"feature (it runs: {runs}; the native expert family runs "
+                              "them all)")
 
     @classmethod
     def routing_groups(cls, case: CaseConfig) -> RoutingGroups:

@@ -124,6 +124,7 @@ def install_mesh_groups(groups, mesh, ep: int) -> None:
 class DeepSpeedMoE(ExpertAllToAll):
     name = "baseline.deepspeed.moe"
     baseline_of = "expert.alltoall"
+    model_features = ExpertAllToAll.BASELINE_FEATURES
     isolated = True
     description = "DeepSpeed deepspeed.moe.layer.MoE (ep groups of the mesh) + engine, ZeRO-0"
 

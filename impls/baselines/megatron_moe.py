@@ -180,6 +180,7 @@ class MegatronMoEBlock(nn.Module):
 class MegatronMoE(ExpertAllToAll):
     name = "baseline.megatron.moe"
     baseline_of = "expert.alltoall"
+    model_features = ExpertAllToAll.BASELINE_FEATURES
     isolated = True
     description = "Megatron-Core 0.16 MoELayer (alltoall dispatcher, capacity mode)"
 

@@ -85,10 +85,14 @@ class ExpertAllToAll(Scheme):
     #: a masked loss normalised by the global count (``loss_scale``)
     supports_loss_mask = True
     #: the dense parts are the reference model's, which finds each sample's packed documents
-    #: in its tokens and runs RoPE, GQA and RMSNorm; the experts stay GELU MLPs with biases
-    #: (``config.validate_runnable_model``)
+    #: in its tokens and runs RoPE, GQA, RMSNorm, SwiGLU and no biases; the experts are the
+    #: dense MLP's kind (``moe.expert_mlp``: Mixtral's SwiGLU experts without biases, MoE
+    #: feature llama-experts)
     supports_packing = True
-    model_features: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm"})
+    model_features: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm", "swiglu",
+                                                     "no-bias"})
+    #: what a framework's MoE baseline runs of them (its own GELU experts with biases)
+    BASELINE_FEATURES: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm"})
     #: DeepSeek-V3's MoE (``parbench.moe_rules``): the shared expert is dense (over dp), the
     #: balancing bias updated from the step's load all-reduced over dp (``update_bias``)
     moe_features: ClassVar[frozenset] = MOE_FEATURES

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from parbench.analytic.expert_shadow import shadow_prediction
 from parbench.config import CaseConfig, ConfigError
-from parbench.model.moe import AttachAux, expert_mlp
+from parbench.model.moe import AttachAux, expert_from, expert_mlp, expert_tensors
 from parbench.scheme import Prediction, register
 
 from .dispatch import routing_groups, stats_of
@@ -46,9 +46,8 @@ from .dropless import DroplessDispatch, ExpertDropless, routed_prediction
 from .scheme import MOE_OPTIONS
 
 
-def expert_params(expert) -> list[torch.Tensor]:
-    """One expert's tensors in the flat buffer's order: fc1 weight, bias, fc2 weight, bias."""
-    return [expert.fc1.weight, expert.fc1.bias, expert.fc2.weight, expert.fc2.bias]
+#: one expert's tensors in the flat buffer's order (fc1 weight, bias, fc2 weight, bias)
+expert_params = expert_tensors
 
 
 class ShadowDispatch(DroplessDispatch):
@@ -97,8 +96,7 @@ class ShadowDispatch(DroplessDispatch):
         for p in expert_params(like):
             parts.append(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
-        return SimpleNamespace(fc1=SimpleNamespace(weight=parts[0], bias=parts[1]),
-                               fc2=SimpleNamespace(weight=parts[2], bias=parts[3]))
+        return expert_from(parts, like)
 
     # ---- 6. the gradients back to the owners -------------------------------------------------
     def reduce_shadow_grads(self) -> None:

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from parbench.model.moe import AttachAux, Routing, combine_reference
+from parbench.model.moe import AttachAux, Routing, combine_reference, expert_from, expert_tensors
 
 from .dispatch import ExpertDispatch, stats_of
 from .hier_a2a import TwoDimAllToAll, TwoDimPlan
@@ -63,9 +63,8 @@ class GatherExperts(torch.autograd.Function):
         return out, None, None
 
 
-def flat_expert(ex) -> list[torch.Tensor]:
-    """One expert's tensors in the flat order: fc1 weight, fc1 bias, fc2 weight, fc2 bias."""
-    return [ex.fc1.weight, ex.fc1.bias, ex.fc2.weight, ex.fc2.bias]
+#: one expert's tensors in the flat order: fc1 weight, fc1 bias, fc2 weight, fc2 bias
+flat_expert = expert_tensors
 
 
 def unflatten(full: torch.Tensor, like, num_experts: int) -> list[SimpleNamespace]:
@@ -74,10 +73,8 @@ def unflatten(full: torch.Tensor, like, num_experts: int) -> list[SimpleNamespac
     shapes = [t.shape for t in flat_expert(like)]
     out = []
     for row in full.view(num_experts, -1):
-        parts = list(row.split([s.numel() for s in shapes]))
-        w1, b1, w2, b2 = (p.view(s) for p, s in zip(parts, shapes))
-        out.append(SimpleNamespace(fc1=SimpleNamespace(weight=w1, bias=b1),
-                                   fc2=SimpleNamespace(weight=w2, bias=b2)))
+        parts = [p.view(s) for p, s in zip(row.split([s.numel() for s in shapes]), shapes)]
+        out.append(expert_from(parts, like))
     return out
 
 

@@ -71,14 +71,16 @@ def _moe_shape(model) -> Shape:
 
 def expert_numel(shape: Shape) -> int:
     """P_e: one routed expert MLP's parameters, h -> f_e -> h with biases (hf_e + f_e + f_e h
-    + h; f_e = ``expert_f``, the fine-grained experts' hidden size)."""
-    f = shape.expert_f
-    return 2 * shape.h * f + f + shape.h
+    + h; f_e = ``expert_f``, the fine-grained experts' hidden size); SwiGLU experts (Mixtral)
+    hold 2 f_e fc1 rows, bias-free ones no bias (:func:`mlp_tensor_sizes`)."""
+    return sum(mlp_tensor_sizes(shape.h, shape.expert_f, shape.gated, shape.bias))
 
 
-def mlp_tensor_sizes(h: int, f: int) -> list[int]:
-    """One GELU MLP's tensors with biases: fc1 (f h, f), fc2 (h f, h)."""
-    return [f * h, f, h * f, h]
+def mlp_tensor_sizes(h: int, f: int, gated: bool = False, bias: bool = True) -> list[int]:
+    """One MLP's tensors: fc1 (f h, f), fc2 (h f, h) for GELU with biases; fc1 [gate; up]
+    (2f h) for SwiGLU; no biases under ``bias=false`` (``blocks.MLP``)."""
+    rows = 2 * f if gated else f
+    return [rows * h] + ([rows] if bias else []) + [h * f] + ([h] if bias else [])
 
 
 def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
@@ -87,7 +89,7 @@ def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
     projection h^2 + h, LN 2 x h) and either the MLP (hf + f, fh + h) or the router (E h);
     the head's norm and V h unless tied; on MoE layers the shared expert's MLP (hidden
     ``moe_shared_expert_size``) after the router. Expert: E/ep experts of each MoE layer,
-    each h f_e + f_e, f_e h + h."""
+    each h f_e + f_e, f_e h + h (:func:`mlp_tensor_sizes`: SwiGLU, bias-free)."""
     require_positive_int("ep", ep)
     if shape.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide num_experts={shape.num_experts}")
@@ -102,8 +104,10 @@ def rank_tensors(shape: Shape, ep: int) -> tuple[list[int], list[int]]:
         if shape.is_moe_layer(i):
             dense.append(shape.num_experts * h)
             if shape.moe_shared_expert_size:
-                dense += mlp_tensor_sizes(h, shape.moe_shared_expert_size)
-            expert += mlp_tensor_sizes(h, shape.expert_f) * (shape.num_experts // ep)
+                dense += mlp_tensor_sizes(h, shape.moe_shared_expert_size, shape.gated,
+                                          shape.bias)
+            expert += mlp_tensor_sizes(h, shape.expert_f, shape.gated, shape.bias) \
+                * (shape.num_experts // ep)
         else:
             dense += mlp
     dense += norm_tensor_sizes(shape) + ([] if shape.tie_embeddings else [shape.V * h])

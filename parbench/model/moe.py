@@ -42,6 +42,7 @@ Semantics (stated once, here):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -194,8 +195,29 @@ class AttachAux(torch.autograd.Function):
 
 
 def expert_mlp(x: torch.Tensor, fc1, fc2) -> torch.Tensor:
-    """One expert: the dense MLP's arithmetic (h -> f -> h, GELU)."""
-    return F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
+    """One expert: the dense MLP's arithmetic (``blocks.MLP``): h -> f -> h with GELU, or
+    SwiGLU when ``fc1`` holds [gate; up] (2f rows for fc2's f inputs: Mixtral's experts,
+    Jiang et al. 2024, Sec. 2.1); biases where the model has them."""
+    u = F.linear(x, fc1.weight, fc1.bias)
+    if fc1.weight.shape[0] == 2 * fc2.weight.shape[1]:
+        gate, up = u.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, fc2.weight, fc2.bias)
+    return F.linear(F.gelu(u), fc2.weight, fc2.bias)
+
+
+def expert_tensors(ex) -> list[torch.Tensor]:
+    """One expert's tensors in the flat order of the schemes that move whole experts: fc1's
+    weight and bias, fc2's weight and bias (no biases under ``bias=false``)."""
+    return [t for t in (ex.fc1.weight, ex.fc1.bias, ex.fc2.weight, ex.fc2.bias)
+            if t is not None]
+
+
+def expert_from(parts: list[torch.Tensor], like) -> SimpleNamespace:
+    """``expert_tensors``' list back as an expert (``.fc1.weight`` ...) shaped like
+    ``like``."""
+    w1, b1, w2, b2 = parts if like.fc1.bias is not None else (parts[0], None, parts[1], None)
+    return SimpleNamespace(fc1=SimpleNamespace(weight=w1, bias=b1),
+                           fc2=SimpleNamespace(weight=w2, bias=b2))
 
 
 def combine_reference(x: torch.Tensor, r: Routing, experts) -> torch.Tensor:
