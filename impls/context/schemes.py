@@ -172,13 +172,20 @@ class USPScheme(UlyssesRingGrid, ContextParallelScheme):
         u = self.ctx.options.context.cp_ulysses
         return u, self.cp // u, self.cp_rank % u, self.cp_rank // u
 
-    def build_core(self):
+    def grid_groups(self):
+        """This rank's Ulysses group (u consecutive ranks of its cp group) and ring group
+        (stride u), as mesh subgroups on the axes ``cp_ulysses`` and ``cp_ring``."""
         mesh = self.ctx.mesh
         u, r, _, _ = self._grid()
         cp_groups = mesh.layout.groups("cp")
         uly = mesh.subgroup(closed.ULYSSES_AXIS,
                             [g[i * u:(i + 1) * u] for g in cp_groups for i in range(r)])
         ring = mesh.subgroup(closed.RING_AXIS, [g[j::u] for g in cp_groups for j in range(u)])
+        return uly, ring
+
+    def build_core(self):
+        u, r, _, _ = self._grid()
+        uly, ring = self.grid_groups()
         peers = self.peers_class(ring if r > 1 else None, self.clock,
                                  self.balance(self.ctx.case))
         return self.core_class(uly if u > 1 else None, u, peers)
