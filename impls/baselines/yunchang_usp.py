@@ -19,7 +19,7 @@ ring groups of stride u; it stores them in ``yunchang.globals.PROCESS_GROUP``, w
 g[i u:(i+1) u] and g[j::u]), set in ``PROCESS_GROUP`` just before the attention is built, so
 that the ledger attributes yunchang's traffic to those axes and no extra groups are made
 (``tests/baselines/test_context_baselines.py`` checks that ``set_seq_parallel_pg`` would
-build the same membership for cp = world).
+build the same membership, ``USPScheme.grid_partition``, on dp x cp worlds).
 
 CPU shim (``yunchang_kernels``), the only one: flash-attn's block kernel replaced by torch's
 CPU flash-attention with flash-attn's contract; yunchang's own arithmetic is unchanged. yunchang
@@ -29,7 +29,10 @@ Findings (``scripts/yunchang_cpu_check.py``, ``scripts/yunchang_fp32_repro.py``)
 yunchang trains on no CPU kernel; with the shim its forward equals the golden run's but its
 fp32 gradients do not -- the ring backward's ``buffer.to(torch.float32)`` aliases the block
 buffer that the next block's kernel overwrites (flash-attn only takes fp16 / bf16, where it is
-a copy), and the basic ring casts dq to bf16 -- so the rows are not equivalent. A ring of one
+a copy), and the basic ring casts dq to bf16 -- so the rows are not equivalent. With the
+two lines patched in a copy of yunchang (``.to(torch.float32, copy=True)``, ``dq.to(q.dtype)``)
+the three suite rows pass against the golden run; the bf16 cast alone stays under the
+fp32 verdict's atol on the tiny models' gradients (the aliasing does not). A ring of one
 (``cp_ulysses = cp``) sends dK, dV to itself, which gloo refuses: refused on cpu. Traffic:
 the Ulysses all-to-alls are ``context.usp``'s closed form exactly; the ring sends K and V as
 two messages each, and each dK, dV accumulator starts at its owner and makes r hops back to
