@@ -172,13 +172,25 @@ class USPScheme(UlyssesRingGrid, ContextParallelScheme):
         u = self.ctx.options.context.cp_ulysses
         return u, self.cp // u, self.cp_rank % u, self.cp_rank // u
 
-    def build_core(self):
+    @staticmethod
+    def grid_partition(cp_groups: list[list[int]], u: int):
+        """(Ulysses groups, ring groups) of the cp groups: u consecutive members of a cp
+        group, and its members of stride u (Fang & Zhao 2024, Sec. 3: Ulysses inside, ring
+        across)."""
+        r = len(cp_groups[0]) // u
+        return ([g[i * u:(i + 1) * u] for g in cp_groups for i in range(r)],
+                [g[j::u] for g in cp_groups for j in range(u)])
+
+    def grid_groups(self):
+        """This rank's Ulysses group and ring group (``grid_partition``), as mesh subgroups
+        on the axes ``cp_ulysses`` and ``cp_ring``."""
         mesh = self.ctx.mesh
+        uly, ring = self.grid_partition(mesh.layout.groups("cp"), self._grid()[0])
+        return mesh.subgroup(closed.ULYSSES_AXIS, uly), mesh.subgroup(closed.RING_AXIS, ring)
+
+    def build_core(self):
         u, r, _, _ = self._grid()
-        cp_groups = mesh.layout.groups("cp")
-        uly = mesh.subgroup(closed.ULYSSES_AXIS,
-                            [g[i * u:(i + 1) * u] for g in cp_groups for i in range(r)])
-        ring = mesh.subgroup(closed.RING_AXIS, [g[j::u] for g in cp_groups for j in range(u)])
+        uly, ring = self.grid_groups()
         peers = self.peers_class(ring if r > 1 else None, self.clock,
                                  self.balance(self.ctx.case))
         return self.core_class(uly if u > 1 else None, u, peers)
