@@ -30,9 +30,14 @@ def _weights(scheme, names) -> dict[str, torch.Tensor]:
         return completed(mine, names, lambda m: m)
 
 
-def probe_case(wctx, task: dict) -> Divergence | None:
+#: ``probe_case``'s answer for a rank whose scheme maps no module (nothing was compared)
+UNMAPPED = "unmapped"
+
+
+def probe_case(wctx, task: dict) -> Divergence | str | None:
     """This rank's first divergence over steps ``0 .. task["last"]`` of ``task["case"]``
-    (None: every mapped module agrees, or this rank maps none)."""
+    (None: every mapped module agrees; :data:`UNMAPPED`: this rank maps none, e.g. a
+    framework baseline whose modules are its library's)."""
     case = CaseConfig.from_dict(task["case"])
     run = case.run
     torch.manual_seed(run.seed)
@@ -41,6 +46,8 @@ def probe_case(wctx, task: dict) -> Divergence | None:
                                device=torch.device(wctx.device),
                                timeline=Timeline(wctx.rank, enabled=False)))
     probes = scheme.module_probes() or []
+    if not probes:
+        return UNMAPPED
     golden = StepwiseGolden(case, cls.routing_groups(case))
     golden_modules = dict(golden.model.named_modules())
     found = None

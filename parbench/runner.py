@@ -68,7 +68,11 @@ def localise(case: CaseConfig, row: Row, pool: WorkerPool | None = None) -> None
         found = _on_ranks(case, pool, _probe_task, task)
     except RankError:
         return
-    div = earliest(found, reference_order(case.model.num_layers)) or Divergence("none")
+    from .localise import UNMAPPED
+    mapped = [d for d in found if d != UNMAPPED]
+    if not mapped:  # no rank maps a module: nothing was compared, so nothing is claimed
+        return
+    div = earliest(mapped, reference_order(case.model.num_layers)) or Divergence("none")
     row.verdict.first_divergence = div
     first.divergence = str(div)
 

@@ -250,6 +250,12 @@ class Scheme(ABC):
         default one group per rank and micro-batch (``parbench.model.moe``)."""
         return RoutingGroups(rows=case.layout.micro_batch_size)
 
+    #: a framework baseline's disagreement with the golden run already reported (what it is
+    #: and the reproducer that shows it): its rows still run and are compared; when they are
+    #: not equivalent they are labelled FINDING and leave ``run``'s exit status alone (a
+    #: row that passes says the framework no longer reproduces it). None for native schemes.
+    known_finding: ClassVar[str | None] = None
+
     @classmethod
     def unavailable(cls) -> str | None:
         """Why this scheme cannot run here (an optional dependency is missing), else None;

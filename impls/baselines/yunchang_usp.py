@@ -99,6 +99,9 @@ def long_context_attention(ulysses, ring, ring_impl: str):
 class YunchangUSP(USPScheme):
     name = "baseline.yunchang.usp"
     baseline_of = "context.usp"
+    known_finding = ("yunchang 0.6.4's ring backward aliases its fp32 dq / dk / dv "
+                     "accumulators with the block buffers the next kernel overwrites (fp32 "
+                     "gradients off; bf16 / fp16 copy): scripts/yunchang_fp32_repro.py")
     options = ("cp_balance", "cp_ulysses")
     description = "yunchang 0.6.4 LongContextAttention (USP: Ulysses x ring), CPU block kernel"
     #: the shared forward: RoPE, GQA (K/V all-to-all at their own heads), SwiGLU, RMSNorm

@@ -163,7 +163,10 @@ def cmd_run(args: list[str], as_json: bool = False, wide: bool = False) -> int:
     out.print(f"wrote {out_dir / 'results.jsonl'}, " + ", ".join(str(p) for p in paths)
               + f" in {time.time() - t_start:.1f} s")
     broken = [r for r in rows if r.verdict.status != "ok"]
-    failed = [r for r in rows if r.verdict.status == "ok" and not r.passed]
+    failed = [r for r in rows if r.verdict.status == "ok" and not r.passed
+              and not r.verdict.known_finding]
+    for finding in sorted({r.verdict.known_finding for r in rows if r.verdict.known_finding}):
+        out.print(f"[yellow]known framework finding reproduced[/]: {escape(finding)}")
     if failed:
         out.print(f"[red]{len(failed)} case(s) not equivalent to the golden run[/]")
     if broken:

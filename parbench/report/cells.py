@@ -47,6 +47,8 @@ def verdict(row: Row, markup: bool = True) -> str:
         return f"[red]{kind.upper()}[/]" if markup else kind.upper()
     if v.equivalent:
         return "[green]pass[/]" if markup else "pass"
+    if v.known_finding:  # a framework's disagreement already reported (Scheme.known_finding)
+        return "[yellow]FINDING[/]" if markup else "FINDING"
     return "[red]FAIL[/]" if markup else "FAIL"
 
 

@@ -111,6 +111,10 @@ class Verdict:
     #: a failing case's first diverging module (``Divergence``; None: not localised -- the
     #: case passed, failed after its checked steps, or its scheme maps no modules)
     first_divergence: Divergence | None = None
+    #: a framework baseline's disagreement already reported (``Scheme.known_finding``: what,
+    #: and its reproducer), set when the row is not equivalent: the row is labelled FINDING
+    #: and leaves ``run``'s exit status alone
+    known_finding: str | None = None
 
 
 @dataclass

@@ -68,7 +68,9 @@ def verdict_of(case: CaseConfig, scheme_cls, merged: Merged, golden, timed=None)
         golden_source=getattr(golden, "source", "live"),
         timed_ok=timed_ok, timed_reference=timed.reference if timed else "",
         final_ok=merged.final_ok, final_max_abs=merged.final_max_abs,
-        final_param_tol=merged.final_param_tol)
+        final_param_tol=merged.final_param_tol,
+        known_finding=None if merged.equivalent and timed_ok is not False
+        else getattr(scheme_cls, "known_finding", None))
 
 
 def _earliest(checked, timed, steps: int):
