@@ -59,6 +59,7 @@ from parbench.batching import dp_slice, microbatches
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import compute_dtype, counted_tokens, make_optimizer, stage_layers
 from parbench.model.moe import RoutingGroups
+from parbench.moe_rules import DEEPSEEK_MOE_FIELDS, MOE_FEATURES
 from parbench.reproduce import ubmesh_measured as table
 from parbench.scheme import Prediction, Scheme, register
 from parbench.schedules import get_spec
@@ -72,6 +73,7 @@ from impls.pipeline.weights import StageSlot, SyncWeights
 from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
+from .balance import global_load, update_biases
 from .clip import clip_hybrid_, counted_params, hybrid_norm, norm_axes
 from .executor import HybridExecutor
 from .model import CP_KINDS, HybridStage, build_core, core_packs
@@ -109,10 +111,13 @@ class HybridScheme(Scheme):
     gradient_axes = ("dp_cp", "edp")
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_algorithm", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_scaling")
-    #: of DeepSeek-V3's MoE, the routed gates' scaling factor: the MoE layers route with the
-    #: reference router's rule (``impls.expert.dispatch``, ``parbench.model.router.rule_of``)
-    moe_features = frozenset({"router-scaling"})
+               "moe_aux_loss_coef", "moe_z_loss_coef", *DEEPSEEK_MOE_FIELDS)
+    #: DeepSeek-V3's MoE (``parbench.moe_rules``): the MoE layers route with the reference
+    #: router's rule (``impls.expert.dispatch``), the shared expert whole and dense
+    #: (``model``), the balancing bias from the stage's loads over tp x dp x cp (``balance``)
+    moe_features = MOE_FEATURES
+    #: the step's loads summed over the routing ranks (a mutant keeps the local ones)
+    global_load = staticmethod(global_load)
     #: the LLaMA blocks of the Megatron stage (``impls.tensor.megatron_model``), RoPE at the
     #: rank's global (or within-document) positions and K/V at their own heads in the cp
     #: cores (``model.HybridStage.cp_heads``)
@@ -154,6 +159,11 @@ class HybridScheme(Scheme):
             raise ConfigError(f"schedule={p.schedule!r} updates weights asynchronously "
                               "(weight stashing, checked against its own update rule); "
                               "hybrid steps once per step: use a synchronous schedule")
+        if m.moe_bias_update_rate and get_spec(p.schedule).placement == "bidirectional":
+            raise ConfigError(f"moe_bias_update_rate={m.moe_bias_update_rate:g} with "
+                              f"schedule={p.schedule!r}: the two stage copies would each "
+                              "hold a balancing bias of the same layers; use a "
+                              "unidirectional schedule (or moe_bias_update_rate=0)")
         schedule_for(case, p.schedule)
 
     @classmethod
@@ -273,6 +283,9 @@ class HybridScheme(Scheme):
             self.opt.step()
             for g in self.groups:
                 g.finish()
+        with tl.span("bias_update"):
+            update_biases([s.module.balance for s in self.slots.values()], mesh,
+                          self.global_load)
         last = any(s.module.last for s in self.slots.values())
         total = self.reduce_loss(out.loss if last else 0.0)
         return total / (self.tp * self.dp * self.cp)
@@ -332,6 +345,10 @@ class HybridScheme(Scheme):
 
     def full_params(self):
         return self._full(grads=False)
+
+    def full_state(self):
+        """The balancing biases of the rank's MoE layers (``balance``; none without)."""
+        return {n: b for s in self.slots.values() for n, b in s.module.balance.state().items()}
 
     def full_grads(self):
         return self._full(grads=True)

@@ -123,10 +123,12 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
         add(attn["proj"] - bias * h, 1)
         add(bias * h, bias, repl=True)  # projection bias, whole
         if shape.is_moe_layer(i):
-            add(shape.num_experts * h)
-            partial += shape.num_experts * h
+            shared = _shared_expert(shape)
+            add(shape.num_experts * h + shared[0], 1 + shared[1])
+            partial += shape.num_experts * h + shared[0]  # router, shared expert: whole
             per = shape.num_experts // c.layout.ep
-            expert += per * (2 * h * f + f + h)
+            fe = shape.expert_f
+            expert += per * (2 * h * fe + fe + h)
             expert_tensors += 4 * per
         else:
             add(shape_mlp_params(shape, t) - bias * h, 2 + bias)  # fc1 (+ bias), fc2
@@ -140,6 +142,14 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     elif c.sp:
         partial += replicated
     return StageParams(dense, tensors, expert, expert_tensors, partial)
+
+
+def _shared_expert(shape: Shape) -> tuple[int, int]:
+    """(elements, tensors) of an MoE layer's shared expert, a GELU MLP with biases of hidden
+    size ``moe_shared_expert_size`` (DeepSeek-V3 Eq. 12), whole on every tp rank; (0, 0)
+    without one."""
+    fs, h = shape.moe_shared_expert_size, shape.h
+    return (2 * h * fs + fs + h, 4) if fs else (0, 0)
 
 
 def _stages(shape: Shape, c: HybridStep, pp_rank: int):
@@ -218,7 +228,7 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
     t, cp, dp = lay.tp, lay.cp, lay.dp
     pp_rank = rank // (t * cp * dp)
     out: list[Transfer] = []
-    dense = dense_tensors = expert = expert_tensors = partial = 0
+    dense = dense_tensors = expert = expert_tensors = partial = moe = 0
     mine = {(pipe, st) for pipe, st, *_ in _stages(shape, c, pp_rank)}
     m = microbatches_per_pipe(c)
     for pipe, st, lo, hi, first, last, S in _stages(shape, c, pp_rank):  # noqa: N806
@@ -229,6 +239,7 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
         expert += p.expert
         expert_tensors += p.expert_tensors
         partial += p.tp_partial
+        moe += sum(shape.is_moe_layer(i) for i in range(lo, hi))
         act = lay.micro_batch_size * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
         # a boundary between two stages of this rank (the V placement's turn) stays local
         if st < S - 1 and (pipe, st + 1) not in mine:
@@ -245,9 +256,29 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
     out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
     out += _grad_sync("edp", t * cp * dp // lay.ep, expert, c, "expert gradients")
     out += norm_transfers(clip_spread(shape, c), c.clip_grad)
+    out += bias_transfers(shape, c, moe)
     states = _states(c, dense, dense_tensors, dp * cp)
     ex = _states(c, expert, expert_tensors, t * cp * dp // lay.ep)
-    return out, {k: states[k] + ex[k] for k in states}
+    states = {k: states[k] + ex[k] for k in states}
+    states["other"] += bias_state(shape, moe)
+    return out, states
+
+
+def bias_transfers(shape: Shape, c: HybridStep, moe: int) -> list[Transfer]:
+    """The balancing bias's update (DeepSeek-V3 Sec. 2.1.2; Megatron-Core's
+    ``get_updated_expert_bias``): once per step one all-reduce of the rank's ``[moe, E]``
+    float32 loads (``moe``: its MoE layers) over the t cp d ranks of its pipeline stage,
+    which together route the stage's tokens (axis ``tp_dp_cp``); none without the bias."""
+    n = c.layout.tp * c.layout.cp * c.layout.dp
+    if not shape.moe_bias_update_rate or not moe or n < 2:
+        return []
+    return [Transfer("tp_dp_cp", "all_reduce", n, moe * shape.num_experts * 4, 1,
+                     "expert loads for the balancing bias (sum)")]
+
+
+def bias_state(shape: Shape, moe: int) -> int:
+    """The ``moe`` routers' balancing biases: E float32 each (model state "other")."""
+    return 4 * shape.num_experts * moe if shape.moe_bias_update_rate else 0
 
 
 def tied_transfers(shape: Shape, c: HybridStep, pp_rank: int) -> list[Transfer]:
