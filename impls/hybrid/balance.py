@@ -20,10 +20,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parbench.config import ConfigError
 from parbench.model.router import BIAS_NAME, updated_bias
 
 #: the mesh axis the loads are summed over (one pipeline stage's ranks)
 LOAD_AXIS = "tp_dp_cp"
+
+
+def check_bias(case, placement: str) -> None:
+    """Refuse what the bias cannot follow the golden model under: a bidirectional schedule
+    (two stage copies of the same layers, each with its own loads) and bf16 (a route on
+    bf16 activations may choose another expert than the fp32 golden run; one load on the
+    other side of the mean moves a bias by a whole gamma, and the state check is exact)."""
+    rate = case.model.moe_bias_update_rate
+    if not rate:
+        return
+    if placement == "bidirectional":
+        raise ConfigError(f"moe_bias_update_rate={rate:g} with schedule="
+                          f"{case.layout.schedule!r}: the two stage copies would each hold "
+                          "a balancing bias of the same layers; use a unidirectional "
+                          "schedule (or moe_bias_update_rate=0)")
+    if case.run.dtype != "fp32":
+        raise ConfigError(f"moe_bias_update_rate={rate:g} with dtype={case.run.dtype!r}: "
+                          "the bias moves by sign(mean load - load), a discrete function of "
+                          "routes that bf16 activations may change against the fp32 golden "
+                          "run; use dtype=fp32 (or moe_bias_update_rate=0)")
 
 
 def bias_name(i: int) -> str:

@@ -32,7 +32,8 @@ which a once-per-step optimizer does not follow. After the schedule, once per st
 MoE routing groups: a rank routes one group per micro-batch (its b samples x its tp block of
 its cp positions), so the auxiliary terms are scaled by 1/(m t) (summed over tp, averaged
 over dp cp: the mean over all groups), and ``routing_groups`` tells the golden run the same
-cut.
+cut. DeepSeek-V3's MoE blocks (``deepseek-tiny``): the shared expert is dense (``model``),
+the balancing biases are updated after step 5 from the stage's loads (``balance``).
 
 The training features of the other families, on every axis at once:
 
@@ -60,7 +61,6 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import compute_dtype, counted_tokens, make_optimizer, stage_layers
 from parbench.model.moe import RoutingGroups
 from parbench.moe_rules import DEEPSEEK_MOE_FIELDS, MOE_FEATURES
-from parbench.reproduce import ubmesh_measured as table
 from parbench.scheme import Prediction, Scheme, register
 from parbench.schedules import get_spec
 
@@ -73,9 +73,10 @@ from impls.pipeline.weights import StageSlot, SyncWeights
 from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
-from .balance import global_load, update_biases
+from .balance import check_bias, global_load, update_biases
 from .clip import clip_hybrid_, counted_params, hybrid_norm, norm_axes
 from .executor import HybridExecutor
+from .figures import ubmesh_table
 from .model import CP_KINDS, HybridStage, build_core, core_packs
 from .optimizer import GradientGroup
 
@@ -159,11 +160,7 @@ class HybridScheme(Scheme):
             raise ConfigError(f"schedule={p.schedule!r} updates weights asynchronously "
                               "(weight stashing, checked against its own update rule); "
                               "hybrid steps once per step: use a synchronous schedule")
-        if m.moe_bias_update_rate and get_spec(p.schedule).placement == "bidirectional":
-            raise ConfigError(f"moe_bias_update_rate={m.moe_bias_update_rate:g} with "
-                              f"schedule={p.schedule!r}: the two stage copies would each "
-                              "hold a balancing bias of the same layers; use a "
-                              "unidirectional schedule (or moe_bias_update_rate=0)")
+        check_bias(case, get_spec(p.schedule).placement)
         schedule_for(case, p.schedule)
 
     @classmethod
@@ -368,22 +365,10 @@ class HybridScheme(Scheme):
 
     @classmethod
     def figures(cls, case: CaseConfig, per_rank: list, out_dir):
-        """UB-Mesh Table 1 for this case: rank 0's measured ledger beside the closed form at
-        this configuration and the traffic model at the paper's
-        (``reproduce.ubmesh_measured``); written as ``ubmesh-table1.md`` in the results
-        directory."""
-        r0 = next((r for r in per_rank if r.rank == 0), None)
-        if r0 is None or not r0.ledger:
-            return []
-        tr, _ = closed.rank_step(shape_from(case.model), cls.hybrid_config(case), 0)
-        p, o = case.layout, case.options
-        config = (f"hybrid tp={p.tp} (recompute={o.recompute}, sp={o.tensor.sp}) cp={p.cp} "
-                  f"({o.context.cp_algorithm}) ep={p.ep} (top-{case.model.moe_top_k} of "
-                  f"{case.model.num_experts}) pp={p.pp} (m={p.num_microbatches}) dp={p.dp}, "
-                  f"{case.run.dtype}, model {case.model.name}")
-        path = out_dir / "ubmesh-table1.md"
-        path.write_text(table.render(table.measured(r0.ledger), table.modelled(tr), 0, config))
-        return [path]
+        """UB-Mesh Table 1 for this case (``figures.ubmesh_table``)."""
+        return ubmesh_table(case, per_rank, out_dir,
+                            closed.rank_step(shape_from(case.model), cls.hybrid_config(case),
+                                             0)[0])
 
     # ---- closed form --------------------------------------------------------------------------
     @classmethod

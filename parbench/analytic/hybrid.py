@@ -35,6 +35,13 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   way; ZeRO-3 as torchtitan runs FSDP under a pipeline, gathered once per step). Bytes per
   element e: 4 (fp32) or 2 (bf16 activations, parameters and gradients; the vocab-parallel
   loss's per-token values stay fp32).
+- **DeepSeek-V3's MoE** (arXiv 2412.19437, Sec. 2.1.2): routed experts of hidden size
+  ``moe_ffn_hidden_size`` (fine-grained); the shared expert whole on every tp rank, a dense
+  parameter (``dp_cp``) whose gradient, like the router's, is partial over tp; the first
+  ``moe_first_dense`` layers dense. With the balancing bias (``moe_bias_update_rate`` > 0),
+  once per step one all-reduce of the rank's ``[L_moe, E]`` float32 loads over its stage's
+  t cp d ranks (axis ``tp_dp_cp``, :func:`bias_transfers`), and E float32 biases per MoE
+  layer as model state "other".
 - **embd** (``tie_embeddings`` with more than one stage; Narayanan et al. 2021, Megatron-LM's
   ``_allreduce_word_embedding_grads``): the first stage's embedding and the last stage's copy
   of it as the output layer add their gradients once per step, one all-reduce of the tp
@@ -102,7 +109,7 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     and fc1 with SwiGLU's gate and up rows: ``params.attention_params`` /
     ``shape_mlp_params``; the norms LayerNorm or RMSNorm, biases only with ``bias``), E/ep
     whole experts per MoE layer."""
-    h, f, t = shape.h, shape.f, c.layout.tp
+    h, t = shape.h, c.layout.tp
     dense = tensors = partial = replicated = 0
 
     def add(n, k=1, *, repl=False):  # n elements in k tensors
