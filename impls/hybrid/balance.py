@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from parbench.config import ConfigError
 from parbench.model.router import BIAS_NAME, updated_bias
@@ -52,16 +53,24 @@ def bias_name(i: int) -> str:
     return f"blocks.{i}.mlp.router.{BIAS_NAME}"
 
 
-class ExpertBias:
-    """The balancing biases of one stage's MoE ``layers`` (none when ``rate`` is 0)."""
+class ExpertBias(nn.Module):
+    """The balancing biases of one stage's MoE ``layers`` (none when ``rate`` is 0): float32
+    buffers of a submodule of the stage, so that they move with it to its device."""
 
     def __init__(self, layers: list[int], num_experts: int, rate: float, recompute: str):
+        super().__init__()
         self.rate, self.full_recompute = rate, recompute == "full"
-        self.bias = {i: torch.zeros(num_experts, dtype=torch.float32)
-                     for i in layers} if rate else {}
+        self.layers = list(layers) if rate else []
+        for i in self.layers:
+            self.register_buffer(f"layer{i}", torch.zeros(num_experts, dtype=torch.float32))
         #: plain numbers between the forwards and the update (no storage a memory tracker
         #: would count beside the biases, the closed form's "other")
         self.load = {i: [0] * num_experts for i in self.bias}
+
+    @property
+    def bias(self) -> dict[int, torch.Tensor]:
+        """Layer -> its bias ``[E]``."""
+        return {i: getattr(self, f"layer{i}") for i in self.layers}
 
     def of(self, i: int) -> torch.Tensor | None:
         return self.bias.get(i)
@@ -81,8 +90,9 @@ class ExpertBias:
 
 def local_loads(stages: list[ExpertBias]) -> torch.Tensor:
     """``[L_moe, E]``: the step's loads of every MoE layer of the rank's stages, in order."""
+    device = next(iter(stages[0].bias.values())).device
     return torch.tensor([st.load[i] for st in stages for i in sorted(st.bias)],
-                        dtype=torch.float32)
+                        dtype=torch.float32, device=device)
 
 
 def global_load(local: torch.Tensor, mesh) -> torch.Tensor:
