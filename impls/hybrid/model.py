@@ -18,6 +18,16 @@ parallelism) on the rank's context-parallel tokens, with two hooks filled in:
   ``impls.expert.dispatch.moe_tokens`` (2 all-to-alls forward, 2 backward). The router's
   gradient is partial over tp (each rank routes its own tokens) and is summed over tp once
   per step (``tp_partial_params``).
+- **DeepSeek-V3's MoE blocks** (arXiv 2412.19437, Sec. 2.1.2; ``deepseek-tiny``): fine-grained
+  experts, the sigmoid router, group-limited routing and the routed scaling are the reference
+  router's rule inside ``moe_tokens``; the router's balancing bias is ``balance.ExpertBias``.
+  The shared expert (Eq. 12) is kept whole on every tp rank, like the router, and runs on
+  the rank's routed tokens; its output joins the routed one before ``g``, so it adds no
+  activation traffic, and its gradient, partial over tp, joins the tp sum once per step.
+  Megatron-Core instead shards it over tp as a dense MLP (megatron/core/transformer/moe/
+  shared_experts.py: ``SharedExpertMLP`` is an ``MLP`` of column- and row-parallel linears on
+  the tensor-parallel group) -- a choice of where the shared expert's h x f_s x 2 weights
+  live, not of the arithmetic. Over dp x cp it is a dense parameter (``dp_cp``).
 
 The LLaMA blocks (RoPE, grouped-query attention, SwiGLU, RMSNorm, no biases) are the
 Megatron stage's (query groups split over tp, gathered when tp > num_kv_heads); with cp > 1
@@ -61,7 +71,7 @@ import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX
 from parbench.model.blocks import rotate
-from parbench.model.moe import is_moe_layer
+from parbench.model.moe import expert_mlp, is_moe_layer
 from parbench.model.packing import documents_of
 
 from impls.context.allgather import AllGatherAttention, AllGatherCore, GatherGroup
@@ -72,6 +82,8 @@ from impls.pipeline.tied import EMBED, HEAD, embedding_init
 from impls.tensor.collectives import CopyToRegion, ReduceFromRegion
 from impls.tensor.megatron_model import MegatronGPT, MegatronLayout
 from impls.tensor.shards import Placement, take
+
+from .balance import ExpertBias
 
 
 class HybridGatherCore(AllGatherCore):
@@ -106,10 +118,11 @@ def core_packs(kind: str) -> bool:
 
 
 class HybridLayout(MegatronLayout):
-    """Megatron's placements, with the router replicated over tp and experts whole."""
+    """Megatron's placements, with the router replicated over tp and the routed and shared
+    experts whole (``HybridStage.mlp``)."""
 
     def placement(self, name: str, shape: tuple) -> Placement:
-        if ".mlp.router." in name or ".mlp.experts." in name:
+        if any(k in name for k in (".mlp.router.", ".mlp.experts.", ".mlp.shared_expert.")):
             return Placement(name, shape)
         return super().placement(name, shape)
 
@@ -147,6 +160,12 @@ class HybridStage(MegatronGPT):
         self.moe_stats: dict[int, dict] = {}
         self._experts = {i: self._expert_views(i) for i in range(self.lo, self.hi)
                          if is_moe_layer(cfg, i)}
+        #: DeepSeek-V3's shared expert of each MoE layer (Eq. 12), whole on every rank
+        self._shared = {i: self._mlp_view(f"blocks.{i}.mlp.shared_expert")
+                        for i in self._experts} if cfg.moe_shared_expert_size else {}
+        #: the routers' balancing biases and the step's loads (``balance``)
+        self.balance = ExpertBias(sorted(self._experts), cfg.num_experts,
+                                  cfg.moe_bias_update_rate, recompute)
         #: the loss is the sum over the counted tokens (``loss_mask``), not their mean
         self.summed_loss = summed_loss
         # the output layer is the embedding only where this stage holds both; a last stage
@@ -180,23 +199,28 @@ class HybridStage(MegatronGPT):
 
     def _expert_views(self, i: int) -> list[nn.Module]:
         """This rank's experts of layer ``i`` as modules over the stage's own parameters."""
-        out = []
-        for e in range(self.first_expert, self.first_expert + self.per_rank):
-            view = nn.Module()
-            for lin in ("fc1", "fc2"):
-                m = nn.Linear.__new__(nn.Linear)
-                nn.Module.__init__(m)
-                m.weight = self.p(f"blocks.{i}.mlp.experts.{e}.{lin}.weight")
-                m.bias = self.p(f"blocks.{i}.mlp.experts.{e}.{lin}.bias")
-                setattr(view, lin, m)
-            out.append(view)
-        return out
+        return [self._mlp_view(f"blocks.{i}.mlp.experts.{e}")
+                for e in range(self.first_expert, self.first_expert + self.per_rank)]
+
+    def _mlp_view(self, prefix: str) -> nn.Module:
+        """A GELU MLP (``.fc1``, ``.fc2`` with biases) over the stage's parameters
+        ``prefix.fc1.weight``, ...: an expert for ``expert_mlp``."""
+        view = nn.Module()
+        for lin in ("fc1", "fc2"):
+            m = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(m)
+            m.weight = self.p(f"{prefix}.{lin}.weight")
+            m.bias = self.p(f"{prefix}.{lin}.bias")
+            setattr(view, lin, m)
+        return view
 
     def tp_partial_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradients are partial sums over tp: the routers (tokens split
-        over tp) and, under sequence parallelism, every tp-replicated parameter."""
+        """Parameters whose gradients are partial sums over tp: the routers and shared
+        experts (tokens split over tp) and, under sequence parallelism, every tp-replicated
+        parameter."""
         out = [self.p(n) for n, pl in self.placements.items()
-               if ".mlp.router." in n or (self.sp and pl.replicated and ".experts." not in n)]
+               if ".mlp.router." in n or ".mlp.shared_expert." in n
+               or (self.sp and pl.replicated and ".experts." not in n)]
         return out if self.tp > 1 else []
 
     def expert_params(self) -> list[nn.Parameter]:
@@ -278,8 +302,13 @@ class HybridStage(MegatronGPT):
         tokens = xs.reshape(-1, xs.shape[-1])  # [n, b, h] flattened position-major
         y, stats = moe_tokens(tokens, self.p(f"blocks.{i}.mlp.router.weight"),
                               self._experts[i], self.first_expert, self.cfg, None,
-                              self.ep_group, self.ep, self.aux_scale)
+                              self.ep_group, self.ep, self.aux_scale,
+                              expert_bias=self.balance.of(i))
         self.moe_stats[i] = stats
+        self.balance.add(i, stats["load"])
+        if i in self._shared:  # on the same tokens: its gradient is partial over tp too
+            shared = self._shared[i]
+            y = y + expert_mlp(tokens, shared.fc1, shared.fc2)
         y = y.view(xs.shape)
         if split:
             n = xs.shape[0]

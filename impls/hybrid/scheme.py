@@ -32,7 +32,8 @@ which a once-per-step optimizer does not follow. After the schedule, once per st
 MoE routing groups: a rank routes one group per micro-batch (its b samples x its tp block of
 its cp positions), so the auxiliary terms are scaled by 1/(m t) (summed over tp, averaged
 over dp cp: the mean over all groups), and ``routing_groups`` tells the golden run the same
-cut.
+cut. DeepSeek-V3's MoE blocks (``deepseek-tiny``): the shared expert is dense (``model``),
+the balancing biases are updated after step 5 from the stage's loads (``balance``).
 
 The training features of the other families, on every axis at once:
 
@@ -59,7 +60,7 @@ from parbench.batching import dp_slice, microbatches
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import compute_dtype, counted_tokens, make_optimizer, stage_layers
 from parbench.model.moe import RoutingGroups
-from parbench.reproduce import ubmesh_measured as table
+from parbench.moe_rules import DEEPSEEK_MOE_FIELDS, MOE_FEATURES
 from parbench.scheme import Prediction, Scheme, register
 from parbench.schedules import get_spec
 
@@ -72,8 +73,10 @@ from impls.pipeline.weights import StageSlot, SyncWeights
 from impls.tensor.collectives import all_reduce_flat
 from impls.tensor.shards import gather_full
 
+from .balance import check_bias, global_load, update_biases
 from .clip import clip_hybrid_, counted_params, hybrid_norm, norm_axes
 from .executor import HybridExecutor
+from .figures import ubmesh_table
 from .model import CP_KINDS, HybridStage, build_core, core_packs
 from .optimizer import GradientGroup
 
@@ -109,10 +112,13 @@ class HybridScheme(Scheme):
     gradient_axes = ("dp_cp", "edp")
     options = ("sp", "vpp", "schedule", "recompute", "cp_balance", "cp_algorithm", "etp",
                "zero_stage", "num_experts", "moe_top_k", "moe_every", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_scaling")
-    #: of DeepSeek-V3's MoE, the routed gates' scaling factor: the MoE layers route with the
-    #: reference router's rule (``impls.expert.dispatch``, ``parbench.model.router.rule_of``)
-    moe_features = frozenset({"router-scaling"})
+               "moe_aux_loss_coef", "moe_z_loss_coef", *DEEPSEEK_MOE_FIELDS)
+    #: DeepSeek-V3's MoE (``parbench.moe_rules``): the MoE layers route with the reference
+    #: router's rule (``impls.expert.dispatch``), the shared expert whole and dense
+    #: (``model``), the balancing bias from the stage's loads over tp x dp x cp (``balance``)
+    moe_features = MOE_FEATURES
+    #: the step's loads summed over the routing ranks (a mutant keeps the local ones)
+    global_load = staticmethod(global_load)
     #: the LLaMA blocks of the Megatron stage (``impls.tensor.megatron_model``), RoPE at the
     #: rank's global (or within-document) positions and K/V at their own heads in the cp
     #: cores (``model.HybridStage.cp_heads``)
@@ -154,6 +160,7 @@ class HybridScheme(Scheme):
             raise ConfigError(f"schedule={p.schedule!r} updates weights asynchronously "
                               "(weight stashing, checked against its own update rule); "
                               "hybrid steps once per step: use a synchronous schedule")
+        check_bias(case, get_spec(p.schedule).placement)
         schedule_for(case, p.schedule)
 
     @classmethod
@@ -273,6 +280,9 @@ class HybridScheme(Scheme):
             self.opt.step()
             for g in self.groups:
                 g.finish()
+        with tl.span("bias_update"):
+            update_biases([s.module.balance for s in self.slots.values()], mesh,
+                          self.global_load)
         last = any(s.module.last for s in self.slots.values())
         total = self.reduce_loss(out.loss if last else 0.0)
         return total / (self.tp * self.dp * self.cp)
@@ -333,6 +343,10 @@ class HybridScheme(Scheme):
     def full_params(self):
         return self._full(grads=False)
 
+    def full_state(self):
+        """The balancing biases of the rank's MoE layers (``balance``; none without)."""
+        return {n: b for s in self.slots.values() for n, b in s.module.balance.state().items()}
+
     def full_grads(self):
         return self._full(grads=True)
 
@@ -351,22 +365,10 @@ class HybridScheme(Scheme):
 
     @classmethod
     def figures(cls, case: CaseConfig, per_rank: list, out_dir):
-        """UB-Mesh Table 1 for this case: rank 0's measured ledger beside the closed form at
-        this configuration and the traffic model at the paper's
-        (``reproduce.ubmesh_measured``); written as ``ubmesh-table1.md`` in the results
-        directory."""
-        r0 = next((r for r in per_rank if r.rank == 0), None)
-        if r0 is None or not r0.ledger:
-            return []
-        tr, _ = closed.rank_step(shape_from(case.model), cls.hybrid_config(case), 0)
-        p, o = case.layout, case.options
-        config = (f"hybrid tp={p.tp} (recompute={o.recompute}, sp={o.tensor.sp}) cp={p.cp} "
-                  f"({o.context.cp_algorithm}) ep={p.ep} (top-{case.model.moe_top_k} of "
-                  f"{case.model.num_experts}) pp={p.pp} (m={p.num_microbatches}) dp={p.dp}, "
-                  f"{case.run.dtype}, model {case.model.name}")
-        path = out_dir / "ubmesh-table1.md"
-        path.write_text(table.render(table.measured(r0.ledger), table.modelled(tr), 0, config))
-        return [path]
+        """UB-Mesh Table 1 for this case (``figures.ubmesh_table``)."""
+        return ubmesh_table(case, per_rank, out_dir,
+                            closed.rank_step(shape_from(case.model), cls.hybrid_config(case),
+                                             0)[0])
 
     # ---- closed form --------------------------------------------------------------------------
     @classmethod

@@ -35,6 +35,13 @@ Per axis, from the papers (the formulas live in :mod:`.comm`, :mod:`.tensor`, :m
   way; ZeRO-3 as torchtitan runs FSDP under a pipeline, gathered once per step). Bytes per
   element e: 4 (fp32) or 2 (bf16 activations, parameters and gradients; the vocab-parallel
   loss's per-token values stay fp32).
+- **DeepSeek-V3's MoE** (arXiv 2412.19437, Sec. 2.1.2): routed experts of hidden size
+  ``moe_ffn_hidden_size`` (fine-grained); the shared expert whole on every tp rank, a dense
+  parameter (``dp_cp``) whose gradient, like the router's, is partial over tp; the first
+  ``moe_first_dense`` layers dense. With the balancing bias (``moe_bias_update_rate`` > 0),
+  once per step one all-reduce of the rank's ``[L_moe, E]`` float32 loads over its stage's
+  t cp d ranks (axis ``tp_dp_cp``, :func:`bias_transfers`), and E float32 biases per MoE
+  layer as model state "other".
 - **embd** (``tie_embeddings`` with more than one stage; Narayanan et al. 2021, Megatron-LM's
   ``_allreduce_word_embedding_grads``): the first stage's embedding and the last stage's copy
   of it as the output layer add their gradients once per step, one all-reduce of the tp
@@ -102,7 +109,7 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     and fc1 with SwiGLU's gate and up rows: ``params.attention_params`` /
     ``shape_mlp_params``; the norms LayerNorm or RMSNorm, biases only with ``bias``), E/ep
     whole experts per MoE layer."""
-    h, f, t = shape.h, shape.f, c.layout.tp
+    h, t = shape.h, c.layout.tp
     dense = tensors = partial = replicated = 0
 
     def add(n, k=1, *, repl=False):  # n elements in k tensors
@@ -123,10 +130,12 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
         add(attn["proj"] - bias * h, 1)
         add(bias * h, bias, repl=True)  # projection bias, whole
         if shape.is_moe_layer(i):
-            add(shape.num_experts * h)
-            partial += shape.num_experts * h
+            shared = _shared_expert(shape)
+            add(shape.num_experts * h + shared[0], 1 + shared[1])
+            partial += shape.num_experts * h + shared[0]  # router, shared expert: whole
             per = shape.num_experts // c.layout.ep
-            expert += per * (2 * h * f + f + h)
+            fe = shape.expert_f
+            expert += per * (2 * h * fe + fe + h)
             expert_tensors += 4 * per
         else:
             add(shape_mlp_params(shape, t) - bias * h, 2 + bias)  # fc1 (+ bias), fc2
@@ -140,6 +149,14 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     elif c.sp:
         partial += replicated
     return StageParams(dense, tensors, expert, expert_tensors, partial)
+
+
+def _shared_expert(shape: Shape) -> tuple[int, int]:
+    """(elements, tensors) of an MoE layer's shared expert, a GELU MLP with biases of hidden
+    size ``moe_shared_expert_size`` (DeepSeek-V3 Eq. 12), whole on every tp rank; (0, 0)
+    without one."""
+    fs, h = shape.moe_shared_expert_size, shape.h
+    return (2 * h * fs + fs + h, 4) if fs else (0, 0)
 
 
 def _stages(shape: Shape, c: HybridStep, pp_rank: int):
@@ -218,7 +235,7 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
     t, cp, dp = lay.tp, lay.cp, lay.dp
     pp_rank = rank // (t * cp * dp)
     out: list[Transfer] = []
-    dense = dense_tensors = expert = expert_tensors = partial = 0
+    dense = dense_tensors = expert = expert_tensors = partial = moe = 0
     mine = {(pipe, st) for pipe, st, *_ in _stages(shape, c, pp_rank)}
     m = microbatches_per_pipe(c)
     for pipe, st, lo, hi, first, last, S in _stages(shape, c, pp_rank):  # noqa: N806
@@ -229,6 +246,7 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
         expert += p.expert
         expert_tensors += p.expert_tensors
         partial += p.tp_partial
+        moe += sum(shape.is_moe_layer(i) for i in range(lo, hi))
         act = lay.micro_batch_size * (shape.s // cp) // (t if c.sp else 1) * shape.h * c.e
         # a boundary between two stages of this rank (the V placement's turn) stays local
         if st < S - 1 and (pipe, st + 1) not in mine:
@@ -245,9 +263,29 @@ def rank_step(shape: Shape, c: HybridStep, rank: int) -> tuple[list[Transfer], d
     out += _grad_sync("dp_cp", dp * cp, dense, c, "dense gradients")
     out += _grad_sync("edp", t * cp * dp // lay.ep, expert, c, "expert gradients")
     out += norm_transfers(clip_spread(shape, c), c.clip_grad)
+    out += bias_transfers(shape, c, moe)
     states = _states(c, dense, dense_tensors, dp * cp)
     ex = _states(c, expert, expert_tensors, t * cp * dp // lay.ep)
-    return out, {k: states[k] + ex[k] for k in states}
+    states = {k: states[k] + ex[k] for k in states}
+    states["other"] += bias_state(shape, moe)
+    return out, states
+
+
+def bias_transfers(shape: Shape, c: HybridStep, moe: int) -> list[Transfer]:
+    """The balancing bias's update (DeepSeek-V3 Sec. 2.1.2; Megatron-Core's
+    ``get_updated_expert_bias``): once per step one all-reduce of the rank's ``[moe, E]``
+    float32 loads (``moe``: its MoE layers) over the t cp d ranks of its pipeline stage,
+    which together route the stage's tokens (axis ``tp_dp_cp``); none without the bias."""
+    n = c.layout.tp * c.layout.cp * c.layout.dp
+    if not shape.moe_bias_update_rate or not moe or n < 2:
+        return []
+    return [Transfer("tp_dp_cp", "all_reduce", n, moe * shape.num_experts * 4, 1,
+                     "expert loads for the balancing bias (sum)")]
+
+
+def bias_state(shape: Shape, moe: int) -> int:
+    """The ``moe`` routers' balancing biases: E float32 each (model state "other")."""
+    return 4 * shape.num_experts * moe if shape.moe_bias_update_rate else 0
 
 
 def tied_transfers(shape: Shape, c: HybridStep, pp_rank: int) -> list[Transfer]:

@@ -346,8 +346,12 @@ class RankChecker:
         self.state = self._scheme_state()
 
     def _scheme_state(self) -> dict[str, torch.Tensor]:
+        """The scheme's state, completed over the ranks when the stepwise reference needs
+        the whole model's and a rank holds part of it (a pipeline stage's biases)."""
         with comm.unrecorded():
-            return {n: t.detach().cpu().clone() for n, t in self.scheme.full_state().items()}
+            mine = {n: t.detach().cpu().clone() for n, t in self.scheme.full_state().items()}
+            names = expert_bias_state(self.stepwise.model) if self.stepwise else {}
+            return completed(mine, names, lambda m: m) if names else mine
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights before this step (``completed``)."""

@@ -64,7 +64,6 @@ def test_alltoall_runs_the_routed_scaling_factor(pools):
 
 
 @pytest.mark.parametrize("scheme,want", [
-    ("hybrid", "moe_ffn_hidden_size=16: scheme hybrid does not run this DeepSeek-style MoE"),
     ("baseline.deepspeed.moe", "moe_ffn_hidden_size=16: baseline baseline.deepspeed.moe "
                                "routes with its framework"),
 ])

@@ -1,0 +1,36 @@
+"""The hybrid on DeepSeek-V3's MoE blocks (issue 21; arXiv 2412.19437, Sec. 2.1.2):
+``deepseek-tiny`` at 4 layers (the first dense), 8 fine-grained experts top-2 in 2 groups
+keeping 1, the sigmoid router, one shared expert and the balancing bias, on tp 2 x ep 2 x pp 2
+against the golden run -- parameters, gradients and the biases after every step -- with every
+rank's wire bytes, calls and model states per axis equal to ``parbench.analytic.hybrid``."""
+from __future__ import annotations
+
+import pytest
+
+from parbench.config import ConfigError
+from tests.equivalence.test_hybrid import assert_exact, make_case
+from tests.helpers import run_on_pool
+
+DEEPSEEK = {"model": "deepseek-tiny", "num_experts": 8, "num_layers": 4, "steps": 2,
+            "timed_steps": 0}
+
+
+def test_hybrid_runs_deepseek_moe_byte_exact(pools):
+    case = make_case(**DEEPSEEK, tp=2, ep=2, etp=1, pp=2)
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
+    # the bias update's loads: [L_moe of the stage, E] float32 over the stage's t cp d = 2
+    # ranks, ring all-reduce 2 (n-1)/n B (stage 0 holds MoE layer 1, stage 1 layers 2, 3)
+    for r in per_rank:
+        moe = 1 if r.rank < 2 else 2  # ranks 0, 1: pp rank 0
+        for wire in r.wire_by_axis_per_step:
+            assert wire["tp_dp_cp"] == 2 * (2 - 1) / 2 * moe * 8 * 4, (r.rank, wire)
+
+
+@pytest.mark.parametrize("ov, why", [
+    ({"dtype": "bf16"}, "dtype='bf16'"),
+    ({"schedule": "dualpipe", "num_microbatches": 4}, "two stage copies"),
+])
+def test_balancing_bias_refused_where_it_cannot_follow_the_golden_run(ov, why):
+    with pytest.raises(ConfigError, match=why):
+        make_case(**DEEPSEEK, tp=2, ep=2, etp=1, pp=2, **ov)
