@@ -203,14 +203,15 @@ class HybridStage(MegatronGPT):
                 for e in range(self.first_expert, self.first_expert + self.per_rank)]
 
     def _mlp_view(self, prefix: str) -> nn.Module:
-        """A GELU MLP (``.fc1``, ``.fc2`` with biases) over the stage's parameters
-        ``prefix.fc1.weight``, ...: an expert for ``expert_mlp``."""
+        """An MLP (``.fc1``, ``.fc2``; GELU, or SwiGLU with fc1 [gate; up], biases where the
+        model has them) over the stage's parameters ``prefix.fc1.weight``, ...: an expert
+        for ``expert_mlp``."""
         view = nn.Module()
         for lin in ("fc1", "fc2"):
             m = nn.Linear.__new__(nn.Linear)
             nn.Module.__init__(m)
             m.weight = self.p(f"{prefix}.{lin}.weight")
-            m.bias = self.p(f"{prefix}.{lin}.bias")
+            m.bias = self.p(f"{prefix}.{lin}.bias") if self.cfg.bias else None
             setattr(view, lin, m)
         return view
 

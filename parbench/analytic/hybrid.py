@@ -68,6 +68,7 @@ from .pipeline import num_stages, stages_on_rank, tied_embedding_holder
 from .shape import Shape, expert_capacity
 from .gqa import local_kv_heads, qkv_gather_transfers
 from .params import attention_params, norm_tensor_sizes, shape_mlp_params
+from .expert import mlp_tensor_sizes
 from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
 
 
@@ -134,9 +135,9 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
             add(shape.num_experts * h + shared[0], 1 + shared[1])
             partial += shape.num_experts * h + shared[0]  # router, shared expert: whole
             per = shape.num_experts // c.layout.ep
-            fe = shape.expert_f
-            expert += per * (2 * h * fe + fe + h)
-            expert_tensors += 4 * per
+            sizes = mlp_tensor_sizes(h, shape.expert_f, shape.gated, shape.bias)
+            expert += per * sum(sizes)
+            expert_tensors += len(sizes) * per
         else:
             add(shape_mlp_params(shape, t) - bias * h, 2 + bias)  # fc1 (+ bias), fc2
             add(bias * h, bias, repl=True)  # fc2 bias, whole
@@ -152,11 +153,13 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
 
 
 def _shared_expert(shape: Shape) -> tuple[int, int]:
-    """(elements, tensors) of an MoE layer's shared expert, a GELU MLP with biases of hidden
-    size ``moe_shared_expert_size`` (DeepSeek-V3 Eq. 12), whole on every tp rank; (0, 0)
-    without one."""
-    fs, h = shape.moe_shared_expert_size, shape.h
-    return (2 * h * fs + fs + h, 4) if fs else (0, 0)
+    """(elements, tensors) of an MoE layer's shared expert, an MLP of hidden size
+    ``moe_shared_expert_size`` (DeepSeek-V3 Eq. 12; the experts' kind: GELU with biases, or
+    SwiGLU without, ``expert.mlp_tensor_sizes``), whole on every tp rank; (0, 0) without
+    one."""
+    fs = shape.moe_shared_expert_size
+    sizes = mlp_tensor_sizes(shape.h, fs, shape.gated, shape.bias) if fs else []
+    return sum(sizes), len(sizes)
 
 
 def _stages(shape: Shape, c: HybridStep, pp_rank: int):

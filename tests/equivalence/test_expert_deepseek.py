@@ -63,6 +63,27 @@ def test_alltoall_runs_the_routed_scaling_factor(pools):
     assert_exact(case, per_rank)
 
 
+@pytest.mark.parametrize("scheme,exact", [("expert.alltoall", assert_exact),
+                                          ("expert.dropless", assert_bytes_exact)])
+def test_the_expert_family_runs_mixtral_blocks(pools, scheme, exact):
+    """mixtral-tiny (Jiang et al. 2024): 8 SwiGLU experts without biases, top-2, GQA, RoPE,
+    RMSNorm at ep = dp = 2 -- equal to the golden run, every rank's bytes, calls and states
+    equal to the closed forms (the experts' [gate; up] fc1 counted)."""
+    case = make_case(scheme, model="mixtral-tiny", num_experts=8, ep=2, dp=2, steps=3,
+                     timed_steps=1)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    exact(case, per_rank)
+
+
+def test_framework_moe_baselines_refuse_mixtral_experts():
+    case = apply_overrides(CaseConfig(), {"scheme": "baseline.deepspeed.moe",
+                                          "model": "mixtral-tiny", "dp": "2", "ep": "2"})
+    validate_case(case)
+    with pytest.raises(ConfigError, match="does not run this LLaMA-style feature"):
+        get_scheme("baseline.deepspeed.moe").check(case)
+
+
 @pytest.mark.parametrize("scheme,want", [
     ("baseline.deepspeed.moe", "moe_ffn_hidden_size=16: baseline baseline.deepspeed.moe "
                                "routes with its framework"),

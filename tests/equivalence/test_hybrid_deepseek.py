@@ -34,3 +34,12 @@ def test_hybrid_runs_deepseek_moe_byte_exact(pools):
 def test_balancing_bias_refused_where_it_cannot_follow_the_golden_run(ov, why):
     with pytest.raises(ConfigError, match=why):
         make_case(**DEEPSEEK, tp=2, ep=2, etp=1, pp=2, **ov)
+
+
+def test_hybrid_runs_mixtral_experts_byte_exact(pools):
+    """mixtral-tiny (SwiGLU experts without biases, GQA, RoPE) on tp 2 x ep 2: the experts'
+    [gate; up] fc1 and no biases in the closed form's states and gradient traffic."""
+    case = make_case(model="mixtral-tiny", num_experts=8, steps=2, timed_steps=0, tp=2, ep=2,
+                     etp=1)
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
