@@ -59,7 +59,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # report's value), group-limited routing over 2 groups of 4 keeping 1 (the report's
     # top-2-sum group score and Megatron-Core's top-k/topk_groups one agree at k = 2), a
     # small balancing loss (alpha 0.0001) and no token dropped (capacity factor 0). RoPE and
-    # RMSNorm; GELU experts with biases (what the expert family runs; MHA, not MLA).
+    # RMSNorm; GELU experts with biases (the routing is what this preset exercises; SwiGLU
+    # experts without biases are mixtral-tiny's; MHA, not MLA).
     "deepseek-tiny": dict(vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
                           ffn_hidden_size=64, seq_length=16, num_experts=8, moe_top_k=2,
                           moe_ffn_hidden_size=16, moe_shared_expert_size=16,
