@@ -117,13 +117,16 @@ class MegatronCoreGPTModel(nn.Module):
     """Megatron-Core's GPTModel holding this rank's shards of the reference weights; forward
     (tokens [b, s], targets [b, s]) -> the mean token loss."""
 
+    #: where each reference parameter's rows go (the self-test's mutants swap it)
+    layout_cls = GPTModelLayout
+
     def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         conf = transformer_config(cfg, tp, sp and tp > 1)
         spec = get_gpt_layer_local_spec(normalization=conf.normalization)
-        self.cfg, self.tp, self.layout = cfg, tp, GPTModelLayout(cfg, tp)
+        self.cfg, self.tp, self.layout = cfg, tp, self.layout_cls(cfg, tp)
         self.gpt = GPTModel(
             conf, spec, vocab_size=self.layout.vp, max_sequence_length=cfg.seq_length,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
@@ -167,6 +170,7 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
     sp = False
     #: the LLaMA blocks (RoPE, GQA, SwiGLU, RMSNorm, no biases), all in TransformerConfig
     model_features = MODEL_FEATURES
+    model_cls = MegatronCoreGPTModel
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -181,6 +185,6 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
         ctx = self.ctx
         _set_parallel_state(self.group, ctx.device)
         no_cuda_rng_fork()
-        return MegatronCoreGPTModel(ctx.model, ctx.run.seed, self.group, self.tp,
+        return self.model_cls(ctx.model, ctx.run.seed, self.group, self.tp,
                                     self.tp_rank, self.sp).to(ctx.device)
 
