@@ -123,7 +123,7 @@ class MegatronCoreGPTModel(nn.Module):
     def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool, pg=None):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
-        conf = self.config(cfg, tp, sp and tp > 1)
+        conf = self.build_config(cfg, tp, sp and tp > 1)
         self.cfg, self.tp, self.layout = cfg, tp, self.layout_cls(cfg, tp)
         self.gpt = GPTModel(
             conf, self.layer_spec(conf), vocab_size=self.layout.vp,
@@ -131,14 +131,19 @@ class MegatronCoreGPTModel(nn.Module):
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type="rope" if cfg.rope_theta else "learned_absolute",
             rotary_base=cfg.rope_theta or 10000,
-            pg_collection=pg or process_groups(group, conf.num_query_groups < tp))
+            pg_collection=pg or process_groups(group, conf.num_query_groups < tp),
+            **self.gpt_kwargs())
         self.adapt()
         self.vocab_start = rank * (self.layout.vp // tp)
         self._load(build_model(cfg, seed), rank)
 
     # ---- what a variant (the MoE one) changes -------------------------------------------
-    def config(self, cfg, tp: int, sp: bool):
+    def build_config(self, cfg, tp: int, sp: bool):
         return transformer_config(cfg, tp, sp)
+
+    def gpt_kwargs(self) -> dict:
+        """More GPTModel arguments (a pipeline stage's pre_process / post_process)."""
+        return {}
 
     def layer_spec(self, conf):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

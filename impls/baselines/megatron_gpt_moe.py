@@ -78,9 +78,9 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
         pg.pp = pg.embd = pg.pos_embd = one
         super().__init__(cfg, seed, mesh.group("tp"), 1, 0, False, pg=pg)
 
-    def config(self, cfg, tp: int, sp: bool):
+    def build_config(self, cfg, tp: int, sp: bool):
         moe = megatron_moe.transformer_config(cfg, self.ep)
-        base = super().config(cfg, tp, sp)
+        base = super().build_config(cfg, tp, sp)
         return dataclasses.replace(base, **{f: getattr(moe, f) for f in MOE_FIELDS})
 
     def layer_spec(self, conf):
