@@ -10,8 +10,10 @@ and the comparable cases are ``baseline.megatron.moe``'s (``megatron_moe``: capa
 dropless split sizes break gloo --, router without bias, top-1 pre-softmax, the Switch and
 z-losses through ``MoEAuxLossAutoScaler`` at 1/m, ep >= 2, nothing dropped); here Megatron
 also runs the attention, norms, embedding, rotary and vocab-parallel cross-entropy around
-them (tp = 1: ``expert.alltoall``'s degrees are ep and dp). Expert e of E sits on ep rank
-e // (E/ep) as local expert e mod (E/ep) (Megatron-Core's ``SequentialMLP``: the
+them (tp = 1: ``expert.alltoall``'s degrees are ep and dp). Fine-grained experts
+(``moe_ffn_hidden_size``) run; a shared expert does not (its ``SharedExpertMLP`` refuses
+biases, which the expert family's experts have: refused in ``check``). Expert e of E sits
+on ep rank e // (E/ep) as local expert e mod (E/ep) (Megatron-Core's ``SequentialMLP``: the
 ``local_expert_indices`` of its ep rank are contiguous).
 
 Process groups: the mesh's (``megatron_moe.process_groups``: tp, cp, dp, ep and the expert
@@ -42,9 +44,11 @@ from parbench.config import CaseConfig, ConfigError
 from parbench.scheme import register
 
 from impls.baselines import megatron_moe
-from impls.baselines.megatron_gpt import MegatronCoreGPTModel, mcore_name, no_cuda_rng_fork
+from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel, mcore_name,
+                                          no_cuda_rng_fork)
 from impls.baselines.megatron_moe import MegatronMoE
 from impls.baselines.megatron_tp import _set_parallel_state
+from impls.tensor.shards import Placement
 
 #: the MoE fields of ``megatron_moe.transformer_config`` taken into the GPTModel's config
 MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
@@ -67,8 +71,20 @@ def unshard(local: torch.Tensor, index: tuple, shape: tuple) -> torch.Tensor:
     return out
 
 
+class MoELayout(GPTModelLayout):
+    """tp = 1: an expert's weights are whole on its ep rank (the dense MLP's row placement
+    would read a fine-grained expert's rows at the dense width)."""
+
+    def placement(self, name: str, shape: tuple) -> Placement:
+        if ".mlp.experts." in name:
+            return Placement(name, shape)
+        return super().placement(name, shape)
+
+
 class MegatronCoreMoEGPT(MegatronCoreGPTModel):
     """GPTModel with every MLP an ``MoELayer``; this rank's experts of every layer."""
+
+    layout_cls = MoELayout
 
     def __init__(self, cfg, seed: int, mesh, ep: int, ep_rank: int):
         self.ep, self.first = ep, ep_rank * (cfg.num_experts // ep)
@@ -81,7 +97,10 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
     def build_config(self, cfg, tp: int, sp: bool):
         moe = megatron_moe.transformer_config(cfg, self.ep)
         base = super().build_config(cfg, tp, sp)
-        return dataclasses.replace(base, **{f: getattr(moe, f) for f in MOE_FIELDS})
+        return dataclasses.replace(
+            base, **{f: getattr(moe, f) for f in MOE_FIELDS},
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None)
 
     def layer_spec(self, conf):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -96,6 +115,9 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
     def mcore_name(self, ref: str) -> str | None:
         if ".mlp.router." in ref:
             return "decoder.layers." + ref[len("blocks."):]
+        if ".mlp.shared_expert." in ref:
+            return mcore_name(ref.replace(".mlp.shared_expert.", ".mlp.", 1)).replace(
+                ".mlp.linear_", ".mlp.shared_experts.linear_")
         if ".mlp.experts." not in ref:
             return mcore_name(ref)
         head, tail = ref.split(".mlp.experts.")
@@ -118,13 +140,19 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
 @register
 class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
+    #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
+    moe_features = frozenset({"fine-grained"})
     description = ("Megatron-Core 0.16 GPTModel with MoELayer (local spec, alltoall "
                    "dispatcher, capacity mode) with the reference weights")
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
-        super().check(case)
         m = case.model
+        if m.moe_shared_expert_size:
+            raise ConfigError(f"moe_shared_expert_size={m.moe_shared_expert_size}: Megatron-Core "
+                              "0.16.1's SharedExpertMLP asserts 'bias is not supported in the "
+                              "shared experts', and the expert family's experts have biases")
+        super().check(case)
         if m.moe_every != 1 or m.moe_first_dense:
             raise ConfigError(f"moe_every={m.moe_every}, moe_first_dense="
                               f"{m.moe_first_dense}: {cls.name} builds every layer as MoE "

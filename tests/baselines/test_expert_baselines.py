@@ -128,6 +128,8 @@ def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
     assert_ours_plus_probabilities(case, per_rank)
     with pytest.raises(ConfigError, match="moe_every=2"):
         case_for(cls.name, model="tiny-4l", moe_every=2)
+    with pytest.raises(ConfigError, match="bias is not supported in the shared experts"):
+        case_for(cls.name, moe_shared_expert_size=16)
 
 
 def test_megatron_moe_rejects_what_it_cannot_compare():
