@@ -22,7 +22,11 @@ layers Megatron 1D's all-reduces, the dp all-reduce one bucket per stage: ``pred
 Measured (tp = dp = pp = 2, 8 ranks, 3 steps): equivalent on tiny-4l (GPT-2 blocks) and on
 llama-tiny; wire bytes and calls per axis equal ``hybrid``'s closed form on every rank and
 step (tiny-4l: dp_cp 57,600 B in one all-reduce, pp 8,192 B in 2 sends, tp 74,496 B in 18
-all-reduces per rank and step). Not run: ``clip_grad`` (refused: Megatron's norm skips the
+all-reduces per rank and step). On the LLaMA blocks the model states hold 16 B more than
+the closed form per rank (``other``): Megatron's ``RotaryEmbedding`` keeps its ``inv_freq``
+(head_dim / 2 fp32) as a buffer, a difference shown, not a failure. tp = 4 > 2 K/V heads
+with pp = 2 (attention.py's QKV all-gather on the global tp group, the mesh's): equivalent,
+wire bytes and calls = the closed form. Not run: ``clip_grad`` (refused: Megatron's norm skips the
 loaded weights, ``baseline.megatron.ptdp``'s finding), tied embeddings across stages.
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
