@@ -142,6 +142,7 @@ class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
     #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
     moe_features = frozenset({"fine-grained"})
+    model_cls = MegatronCoreMoEGPT
     description = ("Megatron-Core 0.16 GPTModel with MoELayer (local spec, alltoall "
                    "dispatcher, capacity mode) with the reference weights")
 
@@ -166,7 +167,7 @@ class MegatronCoreGPTMoE(MegatronMoE):
         ctx = self.ctx
         _set_parallel_state(ctx.mesh.group("tp"), ctx.device)
         no_cuda_rng_fork()
-        return MegatronCoreMoEGPT(ctx.model, ctx.run.seed, ctx.mesh, self.ep, self.ep_rank)
+        return self.model_cls(ctx.model, ctx.run.seed, ctx.mesh, self.ep, self.ep_rank)
 
     def named_parameters(self):
         return [(n, p) for n, (p, _) in self.model.shards().items()]

@@ -1,5 +1,5 @@
 """Megatron-Core's GPTModel (``baseline.megatron.gpt``) loaded with a wrong weight mapping --
-the two classic bugs of converting a LLaMA checkpoint to Megatron-Core's layout:
+the classic bugs of converting a checkpoint to Megatron-Core's layout:
 
 - ``linear_qkv`` filled as plain [Q; K; V] rows (each rank: its query heads, then its K
   heads, then its V heads) instead of Megatron-Core's group-interleaved order [q of group 0,
@@ -10,7 +10,12 @@ the two classic bugs of converting a LLaMA checkpoint to Megatron-Core's layout:
   ``glu``: the first half goes through the activation; Shazeer 2020, "GLU Variants Improve
   Transformer", Eq. 5 gates with the activated half).
 
-Both mutants need megatron-core: where it is not installed their scheme reports itself
+- the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
+  Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- a pipeline stage's GPTModel loaded with reference layers 0..L/p-1 on every stage: the
+  layer offset (Megatron-Core's ``get_transformer_layer_offset``, r L/p) forgotten.
+
+The mutants need megatron-core: where it is not installed their scheme reports itself
 unavailable and ``parbench selftest`` skips them, saying why.
 """
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import torch
 
 from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
-                                          MegatronCoreGPTScheme)
+                                          MegatronCoreGPTScheme, mcore_name, no_cuda_rng_fork)
+from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
+from impls.baselines.megatron_gpt_ptdp import MegatronCoreGPTPTDP, MegatronCoreGPTStage
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import blocks
 
@@ -56,3 +63,45 @@ class _SwappedFc1(MegatronCoreGPTModel):
         bug="SwiGLU linear_fc1 loaded as [up; gate] instead of Megatron's [gate; up]")
 class MCoreGPTFc1Swapped(with_model(MegatronCoreGPTScheme, _SwappedFc1)):
     pass
+
+
+class _StridedExperts(MegatronCoreMoEGPT):
+    def mcore_name(self, ref: str) -> str | None:
+        if ".mlp.experts." not in ref:
+            return super().mcore_name(ref)
+        head, tail = ref.split(".mlp.experts.")
+        e, rest = tail.split(".", 1)
+        if int(e) % self.ep != self.first // self.local:
+            return None
+        j = int(e) // self.ep  # the bug: expert e on ep rank e mod ep, not e // (E/ep)
+        return (f"decoder.layers.{head[len('blocks.'):]}.mlp.experts.local_experts.{j}."
+                + rest.replace("fc1", "linear_fc1").replace("fc2", "linear_fc2"))
+
+
+@mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",
+        overrides={"moe_capacity_factor": "0"},
+        bug="experts loaded round-robin (e on ep rank e mod ep), not Megatron's contiguous "
+            "local_expert_indices")
+class MCoreGPTMoEStrided(with_model(MegatronCoreGPTMoE, _StridedExperts)):
+    pass
+
+
+class _NoOffsetStage(MegatronCoreGPTStage):
+    def mcore_name(self, ref: str) -> str | None:
+        if not ref.startswith("blocks."):
+            return super().mcore_name(ref)
+        i = int(ref.split(".")[1])
+        if i >= self.hi - self.lo:
+            return None
+        return mcore_name(ref)  # the bug: reference layer i as every stage's local layer i
+
+
+@mutant("mcore-gpt-pp-no-layer-offset", base="baseline.megatron.gpt-ptdp",
+        overrides={"model": "tiny-4l", "pp": "2", "dp": "1", "ep": "1", "etp": "0",
+                   "num_experts": "0", "schedule": "1f1b", "steps": "2"},
+        bug="every pipeline stage loads reference layers 0..L/p-1 (the layer offset ignored)")
+class MCoreGPTPPNoOffset(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        no_cuda_rng_fork()
+        return _NoOffsetStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                              self.tp_rank, stage, config)
