@@ -10,7 +10,9 @@ and the comparable cases are ``baseline.megatron.moe``'s (``megatron_moe``: capa
 dropless split sizes break gloo --, router without bias, top-1 pre-softmax, the Switch and
 z-losses through ``MoEAuxLossAutoScaler`` at 1/m, ep >= 2, nothing dropped); here Megatron
 also runs the attention, norms, embedding, rotary and vocab-parallel cross-entropy around
-them (tp = 1: ``expert.alltoall``'s degrees are ep and dp). Fine-grained experts
+them (tp = 1: ``expert.alltoall``'s degrees are ep and dp; tp x ep cannot run here, since
+Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence parallelism,
+which the local spec's norm refuses). Fine-grained experts
 (``moe_ffn_hidden_size``) run; a shared expert does not (its ``SharedExpertMLP`` refuses
 biases, which the expert family's experts have: refused in ``check``). Expert e of E sits
 on ep rank e // (E/ep) as local expert e mod (E/ep) (Megatron-Core's ``SequentialMLP``: the

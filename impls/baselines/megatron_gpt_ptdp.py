@@ -27,7 +27,10 @@ the closed form per rank (``other``): Megatron's ``RotaryEmbedding`` keeps its `
 (head_dim / 2 fp32) as a buffer, a difference shown, not a failure. tp = 4 > 2 K/V heads
 with pp = 2 (attention.py's QKV all-gather on the global tp group, the mesh's): equivalent,
 wire bytes and calls = the closed form. Not run: ``clip_grad`` (refused: Megatron's norm skips the
-loaded weights, ``baseline.megatron.ptdp``'s finding), tied embeddings across stages.
+loaded weights, ``baseline.megatron.ptdp``'s finding), tied embeddings across stages
+(its ``setup_embeddings_and_output_layer`` moves the copy with ``.cuda()``: no shim yet);
+sequence and context parallelism, which the local spec refuses (``WrappedTorchNorm``,
+``DotProductAttention`` assert them unsupported without TransformerEngine).
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """
