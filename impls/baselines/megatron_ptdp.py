@@ -160,6 +160,8 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
                    "layers, 1F1B forward_backward_pipelining_without_interleaving, its DDP")
     uses = ("tp", "dp", "pp")
     options = ("schedule",)
+    #: whether a tied head on the last stage is run (Megatron's embedding group)
+    ties_across_stages = False
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -171,7 +173,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         if case.run.dtype != "fp32":
             raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name} "
                               "(fp32 only)")
-        if p.pp > 1 and m.tie_embeddings:
+        if p.pp > 1 and m.tie_embeddings and not cls.ties_across_stages:
             raise ConfigError(f"tie_embeddings=true with pp > 1 is not supported by "
                               f"{cls.name} (as by hybrid)")
         if m.num_layers % p.pp:
