@@ -14,18 +14,24 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
   Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
 - a pipeline stage's GPTModel loaded with reference layers 0..L/p-1 on every stage: the
   layer offset (Megatron-Core's ``get_transformer_layer_offset``, r L/p) forgotten.
+- the head tied across the stages, but the stage wrapper tells ``finalize_model_grads`` it is
+  not (``share_embeddings_and_output_weights`` False): the two copies' gradients are never
+  summed over the embedding group.
 
 The mutants need megatron-core: where it is not installed their scheme reports itself
 unavailable and ``parbench selftest`` skips them, saying why.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
                                           MegatronCoreGPTScheme, mcore_name, no_cuda_rng_fork)
 from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
-from impls.baselines.megatron_gpt_ptdp import MegatronCoreGPTPTDP, MegatronCoreGPTStage
+from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
+                                               _CudaMovesOnCpu, adopt_embedding_group)
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import blocks
 
@@ -105,3 +111,26 @@ class MCoreGPTPPNoOffset(MegatronCoreGPTPTDP):
         no_cuda_rng_fork()
         return _NoOffsetStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
                               self.tp_rank, stage, config)
+
+
+class _UnsharedStage(MegatronCoreGPTStage):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.share_embeddings_and_output_weights = False  # the bug: finalize sees no tie
+
+
+@mutant("mcore-gpt-pp-tied-grads-not-summed", base="baseline.megatron.gpt-ptdp",
+        overrides={"model": "tiny-4l", "pp": "2", "dp": "1", "ep": "1", "etp": "0",
+                   "num_experts": "0", "schedule": "1f1b", "steps": "2",
+                   "tie_embeddings": "true"},
+        bug="the stage wrapper hides the tie from finalize_model_grads: the first stage's "
+            "embedding and the last stage's head copy step on their own gradients")
+class MCoreGPTPPTiedNotSummed(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        tied = self.ctx.model.tie_embeddings and self.pp > 1
+        if tied:
+            adopt_embedding_group(self.ctx.mesh)
+        no_cuda_rng_fork()
+        with _CudaMovesOnCpu() if tied else nullcontext():
+            return _UnsharedStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                                  self.tp_rank, stage, config)
