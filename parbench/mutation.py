@@ -14,8 +14,9 @@ mutant's own overrides). Its outcome is one of (issue 20, sec. 7):
 
 A mutant whose scheme reports itself ``unavailable`` (its framework is not installed, e.g.
 megatron-core) is not run: it is ``skipped``, with the reason, counted apart from the four
-outcomes -- neither a kill nor a failure. Only ``check`` is a success of the verdict. ``profile=ci`` runs a stratified sample
-(``ci_sample``): at least one mutant of every scheme that has mutants.
+outcomes -- neither a kill nor a failure. Only ``check`` is a success of the verdict.
+``profile=ci`` runs a stratified sample (``ci_sample``): at least one mutant of every scheme
+that has mutants.
 """
 from __future__ import annotations
 

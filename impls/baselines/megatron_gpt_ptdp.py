@@ -38,9 +38,10 @@ all-reduces per rank and step). On the LLaMA blocks the model states hold 16 B m
 the closed form per rank (``other``): Megatron's ``RotaryEmbedding`` keeps its ``inv_freq``
 (head_dim / 2 fp32) as a buffer, a difference shown, not a failure. tp = 4 > 2 K/V heads
 with pp = 2 (attention.py's QKV all-gather on the global tp group, the mesh's): equivalent,
-wire bytes and calls = the closed form. Not run: ``clip_grad`` (refused: Megatron's norm skips the
-loaded weights, ``baseline.megatron.ptdp``'s finding); sequence and context parallelism, which the local spec refuses (``WrappedTorchNorm``,
-``DotProductAttention`` assert them unsupported without TransformerEngine).
+wire bytes and calls = the closed form. Not run: ``clip_grad`` (refused: Megatron's norm
+skips the loaded weights, ``baseline.megatron.ptdp``'s finding); sequence and context
+parallelism, which the local spec refuses (``WrappedTorchNorm``, ``DotProductAttention``
+assert them unsupported without TransformerEngine).
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """
