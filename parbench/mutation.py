@@ -12,8 +12,11 @@ mutant's own overrides). Its outcome is one of (issue 20, sec. 7):
   before it ran;
 - ``survived``: the case passed.
 
-Only ``check`` is a success of the verdict. ``profile=ci`` runs a stratified sample
-(``ci_sample``): at least one mutant of every scheme that has mutants.
+A mutant whose scheme reports itself ``unavailable`` (its framework is not installed, e.g.
+megatron-core) is not run: it is ``skipped``, with the reason, counted apart from the four
+outcomes -- neither a kill nor a failure. Only ``check`` is a success of the verdict.
+``profile=ci`` runs a stratified sample (``ci_sample``): at least one mutant of every scheme
+that has mutants.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from .selftest import CI_SUBSET, FAMILY_CASES, Mutant, load
 from .suites import case_id
 
 OUTCOMES = ("check", "crash", "refused", "survived")
+#: a mutant not run because its scheme is unavailable here (not one of the outcomes)
+SKIPPED = "skipped"
 #: the last line of a rank's traceback when the scheme refused its case while it was built
 _REFUSAL = re.compile(r"\b(ConfigError|ScheduleError)\b")
 
@@ -150,6 +155,12 @@ def run_selftest(profile: str = "full", seeds: int = 5, only: list[str] | None =
     cases: list[dict] = []
     try:
         for m in chosen:
+            why = get_scheme(m.scheme).unavailable()
+            if why:
+                cases.append(_skipped(m, why))
+                if progress:
+                    progress(SKIPPED, m, why)
+                continue
             controls = [runner.control(m, s, progress) for s in range(1, seeds + 1)]
             row = runner.row(base_case(m, m.scheme, 1))
             cases.append(_entry(m, row, all(c.passed for c in controls)))
@@ -160,15 +171,21 @@ def run_selftest(profile: str = "full", seeds: int = 5, only: list[str] | None =
     return summary(cases, runner.controls, seeds)
 
 
+def _skipped(m: Mutant, why: str) -> dict:
+    return {**asdict(m), "outcome": SKIPPED, "killed": False, "caught_by": "-",
+            "failure": None, "skipped_because": why}
+
+
 def summary(cases: list[dict], controls: dict, seeds: int) -> dict:
     """The self-test's result: counts per outcome, false alarms, the entries."""
-    count = {o: sum(c["outcome"] == o for c in cases) for o in OUTCOMES}
+    count = {o: sum(c["outcome"] == o for c in cases) for o in (*OUTCOMES, SKIPPED)}
     false_alarms = sorted({f"{k[0]} seed {k[2]}: {why_failed(r)}" for k, r in controls.items()
                            if not r.passed})
     bases = sorted({c["base"] for c in cases})
     return {"mutants": len(cases), "killed": count["check"],
             "killed_by_check": count["check"], "killed_by_crash": count["crash"],
             "refused": count["refused"], "survived": count["survived"],
+            "skipped": count[SKIPPED],
             "false_alarms": len(false_alarms), "false_alarm_cases": false_alarms,
             "schemes": bases, "seeds": seeds, "controls": len(controls), "cases": cases}
 
@@ -183,9 +200,11 @@ def summary_line(result: dict) -> str:
     """'N killed by a check, M by a crash, K refused before running, S survived (of T
     mutants); F false alarm(s) over C unmodified runs (s seeds)'."""
     n = {k: result.get(k, 0) for k in ("killed_by_check", "killed_by_crash", "refused",
-                                        "survived", "mutants", "false_alarms", "controls")}
+                                        "survived", "mutants", "false_alarms", "controls",
+                                        "skipped")}
+    skipped = f", {n['skipped']} skipped (framework not installed)" if n["skipped"] else ""
     return (f"{n['killed_by_check']} killed by a check, {n['killed_by_crash']} by a crash, "
-            f"{n['refused']} refused before running, {n['survived']} survived (of "
+            f"{n['refused']} refused before running, {n['survived']} survived{skipped} (of "
             f"{n['mutants']} mutants of {len(result.get('schemes', ()))} schemes); "
             f"{n['false_alarms']} false alarm(s) over {n['controls']} unmodified runs "
             f"({result.get('seeds', 0)} seeds)")

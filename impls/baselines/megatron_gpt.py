@@ -117,28 +117,62 @@ class MegatronCoreGPTModel(nn.Module):
     """Megatron-Core's GPTModel holding this rank's shards of the reference weights; forward
     (tokens [b, s], targets [b, s]) -> the mean token loss."""
 
-    def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool):
+    #: where each reference parameter's rows go (the self-test's mutants swap it)
+    layout_cls = GPTModelLayout
+
+    def __init__(self, cfg, seed: int, group, tp: int, rank: int, sp: bool, pg=None):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        conf = transformer_config(cfg, tp, sp and tp > 1)
-        spec = get_gpt_layer_local_spec(normalization=conf.normalization)
-        self.cfg, self.tp, self.layout = cfg, tp, GPTModelLayout(cfg, tp)
+        conf = self.build_config(cfg, tp, sp and tp > 1)
+        self.cfg, self.tp, self.layout = cfg, tp, self.layout_cls(cfg, tp)
         self.gpt = GPTModel(
-            conf, spec, vocab_size=self.layout.vp, max_sequence_length=cfg.seq_length,
+            conf, self.layer_spec(conf), vocab_size=self.layout.vp,
+            max_sequence_length=cfg.seq_length,
             share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type="rope" if cfg.rope_theta else "learned_absolute",
-            rotary_base=cfg.rope_theta or 10000, pg_collection=process_groups(group, conf.num_query_groups < tp))
+            rotary_base=cfg.rope_theta or 10000,
+            pg_collection=pg or process_groups(group, conf.num_query_groups < tp),
+            **self.gpt_kwargs())
+        self.adapt()
         self.vocab_start = rank * (self.layout.vp // tp)
+        self._load(build_model(cfg, seed), rank)
+
+    # ---- what a variant (the MoE one) changes -------------------------------------------
+    def build_config(self, cfg, tp: int, sp: bool):
+        return transformer_config(cfg, tp, sp)
+
+    def gpt_kwargs(self) -> dict:
+        """More GPTModel arguments (a pipeline stage's pre_process / post_process)."""
+        return {}
+
+    def layer_spec(self, conf):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        return get_gpt_layer_local_spec(normalization=conf.normalization)
+
+    def adapt(self) -> None:
+        """Changes to the built GPTModel before the weights are loaded (none here)."""
+
+    def mcore_name(self, ref: str) -> str | None:
+        """Megatron's name of reference parameter ``ref`` (None: not on this rank)."""
+        return mcore_name(ref)
+
+    def _load(self, full: nn.Module, rank: int) -> None:
+        """Every Megatron parameter filled from its reference parameter's shard (one left
+        unfilled raises: the name mapping missed it)."""
         self._placements, self._params = {}, {}
         mine = dict(self.gpt.named_parameters())
         with torch.no_grad():
-            for name, p in build_model(cfg, seed).named_parameters():
+            for name, p in full.named_parameters():
+                theirs = self.mcore_name(name)
+                if theirs is None:
+                    continue
                 pl = self.layout.placement(name, tuple(p.shape))
                 local = p.detach() if pl.replicated else take(p.detach(), pl.index(rank))
-                target = mine[mcore_name(name)]
+                target = mine.pop(theirs)
                 target.copy_(local)
                 self._placements[name], self._params[name] = pl, target
+        if mine:
+            raise RuntimeError(f"Megatron-Core parameters with no reference weight: {sorted(mine)}")
 
     def shards(self):
         return {n: (self._params[n], pl) for n, pl in self._placements.items()}
@@ -167,6 +201,7 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
     sp = False
     #: the LLaMA blocks (RoPE, GQA, SwiGLU, RMSNorm, no biases), all in TransformerConfig
     model_features = MODEL_FEATURES
+    model_cls = MegatronCoreGPTModel
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -181,6 +216,6 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
         ctx = self.ctx
         _set_parallel_state(self.group, ctx.device)
         no_cuda_rng_fork()
-        return MegatronCoreGPTModel(ctx.model, ctx.run.seed, self.group, self.tp,
+        return self.model_cls(ctx.model, ctx.run.seed, self.group, self.tp,
                                     self.tp_rank, self.sp).to(ctx.device)
 

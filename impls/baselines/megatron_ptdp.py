@@ -160,6 +160,8 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
                    "layers, 1F1B forward_backward_pipelining_without_interleaving, its DDP")
     uses = ("tp", "dp", "pp")
     options = ("schedule",)
+    #: whether a tied head on the last stage is run (Megatron's embedding group)
+    ties_across_stages = False
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -171,7 +173,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         if case.run.dtype != "fp32":
             raise ConfigError(f"dtype={case.run.dtype!r} is not supported by {cls.name} "
                               "(fp32 only)")
-        if p.pp > 1 and m.tie_embeddings:
+        if p.pp > 1 and m.tie_embeddings and not cls.ties_across_stages:
             raise ConfigError(f"tie_embeddings=true with pp > 1 is not supported by "
                               f"{cls.name} (as by hybrid)")
         if m.num_layers % p.pp:
@@ -189,7 +191,6 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
                                                DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-        from megatron.core.transformer.transformer_config import TransformerConfig
         mesh, cfg, par = ctx.mesh, ctx.model, ctx.layout
         point_current_device_at_cpu(ctx.device)  # shim 1
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp,
@@ -199,19 +200,11 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         self.tp, self.dp, self.pp = par.tp, par.dp, par.pp
         self.group, self.tp_rank = mesh.group("tp"), mesh.index("tp")
         self.dp_rank, self.m = mesh.index("dp"), par.num_microbatches
-        config = TransformerConfig(
-            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_heads, ffn_hidden_size=cfg.ffn,
-            tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-            pipeline_dtype=torch.float32, params_dtype=torch.float32,
-            use_cpu_initialization=True, perform_initialization=False,
-            gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
-            batch_p2p_comm=True, batch_p2p_sync=False)
+        config = self.transformer_config(cfg, par)
         r = ps.get_pipeline_model_parallel_rank()
         lo, hi = stage_layers(cfg.num_layers, par.pp, r)
-        self.model = MegatronCoreStage(cfg, ctx.run.seed, self.group, par.tp, self.tp_rank,
-                                       (lo, hi, r == 0, r == par.pp - 1), config
-                                       ).to(ctx.device)
+        self.model = self.build_stage(config, (lo, hi, r == 0, r == par.pp - 1)
+                                      ).to(ctx.device)
         self.ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(overlap_grad_reduce=False,
                                                   use_distributed_optimizer=False),
@@ -223,6 +216,23 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         self.factories = _CudaFactoriesOnCpu if cpu_only else contextlib.nullcontext  # shim 2
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, ctx.run)
+
+    def transformer_config(self, cfg, par):
+        """Megatron's config of the pipeline (what the schedule and its DDP read)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        return TransformerConfig(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_heads, ffn_hidden_size=cfg.ffn,
+            tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+            pipeline_dtype=torch.float32, params_dtype=torch.float32,
+            use_cpu_initialization=True, perform_initialization=False,
+            gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
+            batch_p2p_comm=True, batch_p2p_sync=False)
+
+    def build_stage(self, config, stage):
+        """This rank's stage (lo, hi, first, last) as the schedule drives it."""
+        return MegatronCoreStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                                 self.tp_rank, stage, config)
 
     def train_step(self, inputs, targets, step):
         cfg, par, dev, tl = self.ctx.model, self.ctx.layout, self.ctx.device, self.ctx.timeline

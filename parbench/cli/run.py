@@ -239,8 +239,10 @@ def cmd_selftest(args: list[str], as_json: bool = False, wide: bool = False) -> 
             "survived": "[red]SURVIVED[/]"}
 
     def progress(kind, mutant, row):
-        if kind == "mutant":
-            out.print(f"  {mutant.id:32s} {tags[outcome(row)]}  ({mutant.bug})")
+        if kind == "skipped":  # row: why its scheme is unavailable
+            out.print(f"  {mutant.id:32s} [yellow]skipped[/]: {escape(row)}")
+        elif kind == "mutant":
+            out.print(f"  {mutant.id:32s} {tags[outcome(row)]}  ({escape(mutant.bug)})")
         elif not row.passed:
             out.print(f"  [red]false alarm[/]: unmodified {row.scheme} seed "
                       f"{row.case.config['run']['seed']}: {escape(why_failed(row))}")

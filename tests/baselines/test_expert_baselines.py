@@ -93,6 +93,12 @@ def test_megatron_moe_top2_with_both_losses_equals_golden_and_native(pools):
     assert ours.equivalent and theirs.equivalent
     for a, b in zip(ours.losses, theirs.losses):
         assert abs(a - b) <= LOSS_AGREE * abs(a), (ours.losses, theirs.losses)
+    assert_ours_plus_probabilities(case, per_rank)
+
+
+def assert_ours_plus_probabilities(case, per_rank) -> None:
+    """Megatron's MoE traffic: ``expert.alltoall``'s closed form plus one all-to-all of the
+    E C fp32 gate probabilities each way per MoE layer per micro-batch."""
     pred = get_scheme("expert.alltoall").predict(case)
     f = pred.figures
     per = f["moe_layers"] * case.layout.num_microbatches
@@ -102,6 +108,28 @@ def test_megatron_moe_top2_with_both_losses_equals_golden_and_native(pools):
         assert r.wire_by_axis_per_step[-1]["ep"] == pred.wire_bytes[r.rank]["ep"] + \
             2 * per * probs / 2  # (ep - 1)/ep of each, ep = 2
         assert r.wire_by_axis_per_step[-1]["dp"] == pred.wire_bytes[r.rank]["dp"]
+
+
+LLAMA_BLOCKS = {"rope_theta": 10000, "position_embeddings": "false", "norm": "rmsnorm",
+                "num_kv_heads": 2}
+
+
+def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
+    """Megatron-Core's whole GPTModel (local spec: its attention with RoPE and GQA, RMSNorm,
+    embedding, cross-entropy) with MoELayer in every layer, top-2 with both losses, ep = 2:
+    equal to the golden run; its all-to-alls are MoELayer's (ours plus the probabilities)
+    and its gradient all-reduce ours (issue 21)."""
+    cls = get_scheme("baseline.megatron.gpt-moe")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    case = case_for(cls.name, moe_top_k=2, moe_z_loss_coef=1e-3, **LLAMA_BLOCKS)
+    theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
+    assert theirs.equivalent, theirs
+    assert_ours_plus_probabilities(case, per_rank)
+    with pytest.raises(ConfigError, match="moe_every=2"):
+        case_for(cls.name, model="tiny-4l", moe_every=2)
+    with pytest.raises(ConfigError, match="bias is not supported in the shared experts"):
+        case_for(cls.name, moe_shared_expert_size=16)
 
 
 def test_megatron_moe_rejects_what_it_cannot_compare():

@@ -76,3 +76,27 @@ def test_megatron_core_clips_wrongly_on_weights_it_did_not_initialise(pools, meg
     fixed, _ = run_on_pool(pools, case)
     assert fixed.equivalent, fixed.first_failure
     assert fixed.clipped_steps == 1
+
+
+def test_megatron_core_gptmodel_stages_equal_golden_with_hybrids_traffic(pools, megatron):
+    """Megatron-Core's own GPTModel per pipeline stage (``baseline.megatron.gpt-ptdp``:
+    pre_process / post_process, its TransformerBlock's layer offset) on the LLaMA blocks
+    (RoPE, GQA, SwiGLU, RMSNorm, no biases) under tp x pp with its 1F1B schedule and DDP,
+    the head tied across the stages (Megatron's embedding group): equal to the golden run,
+    and its ledger exactly ``hybrid``'s closed form, the embd all-reduce included (issue 21)."""
+    name = "baseline.megatron.gpt-ptdp"
+    case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
+                                          "vocab_size": 128, "dp": 1, "steps": 1,
+                                          "tie_embeddings": True})
+    get_scheme(name).check(case)
+    theirs, per_rank = run_on_pool(pools, case)
+    assert theirs.equivalent, theirs
+    assert not theirs.uncovered
+    pred = get_scheme("hybrid").predict(case)
+    for r in per_rank:
+        wire = {a: b for a, b in r.wire_by_axis_per_step[-1].items() if b}  # dp = 1: 0 B
+        assert wire == pytest.approx(pred.wire_at(0)[r.rank], abs=0.5), r.rank
+        assert r.calls_by_axis_per_step[-1] == pred.calls_at(0)[r.rank]
+    assert all(r.wire_by_axis_per_step[-1]["embd"] > 0 for r in per_rank)
+    with pytest.raises(ConfigError, match="clip_grad"):
+        get_scheme(name).check(apply_overrides(case, {"clip_grad": "0.5"}))

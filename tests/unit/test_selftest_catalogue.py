@@ -107,3 +107,26 @@ def test_a_w_before_its_b_is_refused_by_the_validator(name):
     validate(right)
     with pytest.raises(ScheduleError):
         validate(_w_before_b(right))
+
+
+def test_a_skipped_mutant_is_neither_a_kill_nor_a_failure():
+    controls = {("s0", (), 1): _row()}
+    result = summary([_entry(0, "check"), _entry(1, "skipped")], controls, seeds=1)
+    assert (result["killed_by_check"], result["skipped"], exit_status(result)) == (1, 1, 0)
+    assert "survived, 1 skipped (framework not installed)" in summary_line(result)
+
+
+def test_a_mutant_of_an_unavailable_framework_is_skipped_with_its_reason(monkeypatch):
+    """Where megatron-core is missing its mutants are skipped, saying why, before any rank
+    runs (here its absence is simulated)."""
+    from impls.baselines.megatron_gpt import MegatronCoreGPTScheme
+    from parbench.mutation import run_selftest
+    monkeypatch.setattr(MegatronCoreGPTScheme, "unavailable",
+                        classmethod(lambda cls: "megatron-core is not importable"))
+    seen = []
+    result = run_selftest("full", 1, ["mcore-gpt-fc1-halves-swapped"],
+                          lambda kind, m, why: seen.append((kind, m.id, why)))
+    assert seen == [("skipped", "mcore-gpt-fc1-halves-swapped",
+                     "megatron-core is not importable")]
+    assert (result["skipped"], result["controls"], exit_status(result)) == (1, 0, 0)
+    assert result["cases"][0]["skipped_because"] == "megatron-core is not importable"

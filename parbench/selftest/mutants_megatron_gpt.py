@@ -1,0 +1,136 @@
+"""Megatron-Core's GPTModel (``baseline.megatron.gpt``) loaded with a wrong weight mapping --
+the classic bugs of converting a checkpoint to Megatron-Core's layout:
+
+- ``linear_qkv`` filled as plain [Q; K; V] rows (each rank: its query heads, then its K
+  heads, then its V heads) instead of Megatron-Core's group-interleaved order [q of group 0,
+  k0, v0, q of group 1, ...] (Megatron-Core docs, ``SelfAttention``: the fused QKV is split
+  per query group). With one query group per rank both orders coincide, so the case gives
+  each tp rank two groups (MHA, num_kv_heads = num_heads = 4, tp = 2);
+- SwiGLU's ``linear_fc1`` filled as [up; gate] instead of [gate; up] (Megatron-Core's
+  ``glu``: the first half goes through the activation; Shazeer 2020, "GLU Variants Improve
+  Transformer", Eq. 5 gates with the activated half).
+
+- the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
+  Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- a pipeline stage's GPTModel loaded with reference layers 0..L/p-1 on every stage: the
+  layer offset (Megatron-Core's ``get_transformer_layer_offset``, r L/p) forgotten.
+- the head tied across the stages, but the stage wrapper tells ``finalize_model_grads`` it is
+  not (``share_embeddings_and_output_weights`` False): the two copies' gradients are never
+  summed over the embedding group.
+
+The mutants need megatron-core: where it is not installed their scheme reports itself
+unavailable and ``parbench selftest`` skips them, saying why.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
+                                          MegatronCoreGPTScheme, mcore_name, no_cuda_rng_fork)
+from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
+from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
+                                               _CudaMovesOnCpu, adopt_embedding_group)
+from impls.tensor.megatron_model import MegatronLayout
+from impls.tensor.shards import blocks
+
+from .catalogue import mutant, with_model
+
+LLAMA = {"model": "llama-tiny", "vocab_size": "128"}
+
+
+class _PlainQKVLayout(GPTModelLayout):
+    qkv_rows = MegatronLayout.qkv_rows  # the bug: [Q_r; K_r; V_r], not group-interleaved
+
+
+class _PlainQKV(MegatronCoreGPTModel):
+    layout_cls = _PlainQKVLayout
+
+
+@mutant("mcore-gpt-qkv-plain-order", base="baseline.megatron.gpt",
+        overrides={**LLAMA, "num_kv_heads": "4"},
+        bug="linear_qkv loaded as plain [Q; K; V] rows, not Megatron's group-interleaved order")
+class MCoreGPTQKVPlain(with_model(MegatronCoreGPTScheme, _PlainQKV)):
+    pass
+
+
+class _SwappedFc1Layout(GPTModelLayout):
+    def fc1_rows(self, r: int) -> torch.Tensor:
+        f, w = self.cfg.ffn, self.cfg.ffn // self.tp
+        return torch.cat([blocks(f + r * w, w), blocks(r * w, w)])  # the bug: [up; gate]
+
+
+class _SwappedFc1(MegatronCoreGPTModel):
+    layout_cls = _SwappedFc1Layout
+
+
+@mutant("mcore-gpt-fc1-halves-swapped", base="baseline.megatron.gpt", overrides=LLAMA,
+        bug="SwiGLU linear_fc1 loaded as [up; gate] instead of Megatron's [gate; up]")
+class MCoreGPTFc1Swapped(with_model(MegatronCoreGPTScheme, _SwappedFc1)):
+    pass
+
+
+class _StridedExperts(MegatronCoreMoEGPT):
+    def mcore_name(self, ref: str) -> str | None:
+        if ".mlp.experts." not in ref:
+            return super().mcore_name(ref)
+        head, tail = ref.split(".mlp.experts.")
+        e, rest = tail.split(".", 1)
+        if int(e) % self.ep != self.first // self.local:
+            return None
+        j = int(e) // self.ep  # the bug: expert e on ep rank e mod ep, not e // (E/ep)
+        return (f"decoder.layers.{head[len('blocks.'):]}.mlp.experts.local_experts.{j}."
+                + rest.replace("fc1", "linear_fc1").replace("fc2", "linear_fc2"))
+
+
+@mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",
+        overrides={"moe_capacity_factor": "0"},
+        bug="experts loaded round-robin (e on ep rank e mod ep), not Megatron's contiguous "
+            "local_expert_indices")
+class MCoreGPTMoEStrided(with_model(MegatronCoreGPTMoE, _StridedExperts)):
+    pass
+
+
+class _NoOffsetStage(MegatronCoreGPTStage):
+    def mcore_name(self, ref: str) -> str | None:
+        if not ref.startswith("blocks."):
+            return super().mcore_name(ref)
+        i = int(ref.split(".")[1])
+        if i >= self.hi - self.lo:
+            return None
+        return mcore_name(ref)  # the bug: reference layer i as every stage's local layer i
+
+
+@mutant("mcore-gpt-pp-no-layer-offset", base="baseline.megatron.gpt-ptdp",
+        overrides={"model": "tiny-4l", "pp": "2", "dp": "1", "ep": "1", "etp": "0",
+                   "num_experts": "0", "schedule": "1f1b", "steps": "2"},
+        bug="every pipeline stage loads reference layers 0..L/p-1 (the layer offset ignored)")
+class MCoreGPTPPNoOffset(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        no_cuda_rng_fork()
+        return _NoOffsetStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                              self.tp_rank, stage, config)
+
+
+class _UnsharedStage(MegatronCoreGPTStage):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.share_embeddings_and_output_weights = False  # the bug: finalize sees no tie
+
+
+@mutant("mcore-gpt-pp-tied-grads-not-summed", base="baseline.megatron.gpt-ptdp",
+        overrides={"model": "tiny-4l", "pp": "2", "dp": "1", "ep": "1", "etp": "0",
+                   "num_experts": "0", "schedule": "1f1b", "steps": "2",
+                   "tie_embeddings": "true"},
+        bug="the stage wrapper hides the tie from finalize_model_grads: the first stage's "
+            "embedding and the last stage's head copy step on their own gradients")
+class MCoreGPTPPTiedNotSummed(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        tied = self.ctx.model.tie_embeddings and self.pp > 1
+        if tied:
+            adopt_embedding_group(self.ctx.mesh)
+        no_cuda_rng_fork()
+        with _CudaMovesOnCpu() if tied else nullcontext():
+            return _UnsharedStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                                  self.tp_rank, stage, config)
