@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from parbench.mutation import ci_sample, run_selftest
+from parbench.mutation import ci_sample, run_selftest, stratum
 from parbench.selftest import CI_SUBSET
 from parbench.selftest.catalogue import load
 
@@ -31,8 +31,12 @@ def test_every_mutant_is_killed_by_a_check_and_no_control_fails(pools):
                           share_pools=True)
     expected = set(catalogue) if thorough else set(ci_sample(catalogue))
     assert {c["id"] for c in result["cases"]} == expected
-    # every scheme that has mutants is sampled, the second wave's included
-    assert set(result["schemes"]) == {m.base for m in catalogue.values()}
+    # every scheme that has mutants is sampled, the second wave's included (a framework's
+    # baselines: one of them, ``mutation.stratum``)
+    if thorough:
+        assert set(result["schemes"]) == {m.base for m in catalogue.values()}
+    assert {stratum(b) for b in result["schemes"]} == {stratum(m.base)
+                                                       for m in catalogue.values()}
     # a mutant of a framework not installed here is skipped, with its reason, not run
     not_by_a_check = {c["id"]: (c["outcome"], c["caught_by"], c["failure"])
                       for c in result["cases"] if c["outcome"] not in ("check", "skipped")}

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from parbench.mutation import OUTCOMES, ci_sample, exit_status, outcome, summary, summary_line
+from parbench.mutation import (OUTCOMES, ci_sample, exit_status, outcome, stratum, summary,
+                               summary_line)
 from parbench.results import Row
 from parbench.results.row import RowCase
 from parbench.results.rank import Failure
@@ -78,7 +79,10 @@ def test_the_ci_sample_holds_every_scheme_with_mutants_and_the_kinds_of_check():
     catalogue = load()
     sample = ci_sample(catalogue)
     assert len(sample) == len(set(sample))
-    assert {catalogue[i].base for i in sample} == {m.base for m in catalogue.values()}
+    strata = {stratum(m.base) for m in catalogue.values()}
+    assert {stratum(catalogue[i].base) for i in sample} == strata
+    # every native scheme is its own stratum; a framework's baselines are one
+    assert {m.base for m in catalogue.values() if not m.base.startswith("baseline.")} <= strata
     assert set(CI_SUBSET) <= set(sample)
     assert sample == ci_sample(dict(catalogue))  # the same on every run
     # a new scheme's mutants join the sample without touching CI_SUBSET
