@@ -2,8 +2,9 @@
 ``get_gpt_layer_local_spec``: no TransformerEngine / Apex) as a framework under test,
 against ``tensor.megatron`` (issue 21). Sequence parallelism is not run: the local spec's
 norm (``WrappedTorchNorm``) asserts "sequence parallel not supported by torch LayerNorm"
-(SP needs TransformerEngine's or Apex's norms, absent on this CPU machine), so the scheme
-has no ``-sp`` variant.
+(SP needs TransformerEngine's or Apex's norms, absent on this CPU machine), so this tp-only
+scheme has no ``-sp`` variant; ``baseline.megatron.gpt-ptdp`` runs SP with its DDP's
+``finalize_model_grads`` and shim 5 (:class:`SequenceParallelTorchNorm`).
 
 The model is built from the case's model config as a ``TransformerConfig`` (Megatron-Core
 docs, "transformer_config"): num_query_groups for GQA, ``gated_linear_unit`` with SiLU for
@@ -83,6 +84,38 @@ def transformer_config(cfg, tp: int, sp: bool):
         params_dtype=torch.float32, gradient_accumulation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
+
+
+class SequenceParallelTorchNorm:
+    """CPU shim 5, for sequence parallelism: torch's ``LayerNorm`` / ``RMSNorm`` built as
+    Megatron-Core's ``WrappedTorchNorm`` builds them (megatron/core/transformer/
+    torch_norm.py), with each parameter marked ``sequence_parallel`` as TransformerEngine's
+    ``TENorm`` and Apex's ``FusedLayerNorm`` mark theirs, so that ``finalize_model_grads``
+    all-reduces their gradients over tp. ``WrappedTorchNorm`` itself asserts sequence
+    parallelism off; TransformerEngine and Apex are not installed here. The norm's
+    arithmetic is torch's, as without sequence parallelism."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        norm.returns_residual = False
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_spec(conf, norm=SequenceParallelTorchNorm):
+    """The local layer spec with ``norm`` (:class:`SequenceParallelTorchNorm`) as every norm:
+    the layers' (the spec's submodules) and the final one (``transformer_block.
+    LayerNormImpl``, which it reads when it builds the decoder; this process is isolated)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_block
+    transformer_block.LayerNormImpl = norm
+    spec = get_gpt_layer_local_spec(normalization=conf.normalization)
+    subs = dataclasses.replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
+    return dataclasses.replace(spec, submodules=subs)
 
 
 def no_cuda_rng_fork() -> None:

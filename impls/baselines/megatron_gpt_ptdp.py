@@ -38,10 +38,14 @@ all-reduces per rank and step). On the LLaMA blocks the model states hold 16 B m
 the closed form per rank (``other``): Megatron's ``RotaryEmbedding`` keeps its ``inv_freq``
 (head_dim / 2 fp32) as a buffer, a difference shown, not a failure. tp = 4 > 2 K/V heads
 with pp = 2 (attention.py's QKV all-gather on the global tp group, the mesh's): equivalent,
-wire bytes and calls = the closed form. Not run: ``clip_grad`` (refused: Megatron's norm
-skips the loaded weights, ``baseline.megatron.ptdp``'s finding); sequence and context
-parallelism, which the local spec refuses (``WrappedTorchNorm``, ``DotProductAttention``
-assert them unsupported without TransformerEngine).
+wire bytes and calls = the closed form. Sequence parallelism (``sp=true``) runs with CPU
+shim 5 (``megatron_gpt.SequenceParallelTorchNorm``: the local spec's ``WrappedTorchNorm``
+asserts it off without TransformerEngine; the shim builds the same torch norm and marks its
+parameters ``sequence_parallel`` as TransformerEngine's norm does): llama-tiny tp = dp =
+pp = 2, and tp = pp = 2 with the head tied, equivalent, bytes and calls = ``hybrid``'s
+closed form with SP. Not run: ``clip_grad`` (refused: Megatron's norm skips the loaded
+weights, ``baseline.megatron.ptdp``'s finding); context parallelism
+(``DotProductAttention`` asserts it needs TransformerEngine).
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """
@@ -58,7 +62,7 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import register
 
 from impls.baselines.megatron_gpt import (MegatronCoreGPTModel, mcore_name, no_cuda_rng_fork,
-                                          transformer_config)
+                                          sequence_parallel_spec, transformer_config)
 from impls.baselines.megatron_ptdp import MegatronCorePTDP
 from impls.pipeline.tied import EMBD_AXIS
 
@@ -83,6 +87,10 @@ class MegatronCoreGPTStage(MegatronCoreGPTModel):
 
     def build_config(self, cfg, tp, sp):
         return self._config
+
+    def layer_spec(self, conf):
+        return sequence_parallel_spec(conf) if conf.sequence_parallel else \
+            super().layer_spec(conf)
 
     def gpt_kwargs(self) -> dict:
         return {"pre_process": self.first, "post_process": self.last}
@@ -129,6 +137,11 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
     #: the LLaMA blocks, in Megatron's own layers
     model_features = MODEL_FEATURES
     ties_across_stages = True
+    #: sequence parallelism (Megatron's own scatter / gather regions, its norms' and row
+    #: biases' gradients all-reduced over tp by finalize_model_grads), with shim 5
+    options = ("schedule", "sp")
+    #: the stage (a self-test mutant replaces it)
+    stage_cls = MegatronCoreGPTStage
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -138,6 +151,10 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
         if g % t and t % g:
             raise ConfigError(f"tp={t}: Megatron-Core needs num_kv_heads={g} to be a "
                               "multiple or a divisor of tp")
+        sp = case.options.tensor.sp and t > 1
+        if sp and m.seq_length % t:
+            raise ConfigError(f"tp={t} must divide seq_length={m.seq_length} (sequence "
+                              "parallelism)")
         if case.run.clip_grad:
             raise ConfigError(f"clip_grad={case.run.clip_grad:g} is not run by {cls.name}: "
                               "Megatron-Core 0.16.1 counts loaded (not initialised) tp weights "
@@ -145,7 +162,7 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
                               "baseline.megatron.ptdp); set clip_grad=0")
 
     def transformer_config(self, cfg, par):
-        base = transformer_config(cfg, par.tp, False)
+        base = transformer_config(cfg, par.tp, self.ctx.options.tensor.sp and par.tp > 1)
         return dataclasses.replace(
             base, pipeline_model_parallel_size=par.pp, pipeline_dtype=torch.float32,
             deallocate_pipeline_outputs=True, batch_p2p_comm=True, batch_p2p_sync=False)
@@ -156,8 +173,8 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
         if tied:
             adopt_embedding_group(self.ctx.mesh)
         with _CudaMovesOnCpu() if tied and not torch.cuda.is_available() else nullcontext():
-            return MegatronCoreGPTStage(self.ctx.model, self.ctx.run.seed, self.group,
-                                        self.tp, self.tp_rank, stage, config)
+            return self.stage_cls(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
+                                  self.tp_rank, stage, config)
 
 
 class _CudaMovesOnCpu(TorchFunctionMode):

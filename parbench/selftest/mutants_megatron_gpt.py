@@ -17,6 +17,9 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 - the head tied across the stages, but the stage wrapper tells ``finalize_model_grads`` it is
   not (``share_embeddings_and_output_weights`` False): the two copies' gradients are never
   summed over the embedding group.
+- under sequence parallelism, norms built without the ``sequence_parallel`` mark (a norm
+  class that forgets it, as a port to another norm implementation can): each tp rank's norm
+  gradient stays its sequence shard's part, never all-reduced by ``finalize_model_grads``.
 
 The mutants need megatron-core: where it is not installed their scheme reports itself
 unavailable and ``parbench selftest`` skips them, saying why.
@@ -28,7 +31,9 @@ from contextlib import nullcontext
 import torch
 
 from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
-                                          MegatronCoreGPTScheme, mcore_name, no_cuda_rng_fork)
+                                          MegatronCoreGPTScheme, SequenceParallelTorchNorm,
+                                          mcore_name, no_cuda_rng_fork,
+                                          sequence_parallel_spec)
 from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
@@ -134,3 +139,26 @@ class MCoreGPTPPTiedNotSummed(MegatronCoreGPTPTDP):
         with _CudaMovesOnCpu() if tied else nullcontext():
             return _UnsharedStage(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
                                   self.tp_rank, stage, config)
+
+
+class _UnmarkedNorm(SequenceParallelTorchNorm):
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = SequenceParallelTorchNorm.__new__(cls, config, hidden_size, eps)
+        for p in norm.parameters():
+            p.sequence_parallel = False  # the bug: finalize_model_grads leaves them partial
+        return norm
+
+
+class _UnmarkedNormStage(MegatronCoreGPTStage):
+    def layer_spec(self, conf):
+        return sequence_parallel_spec(conf, _UnmarkedNorm)
+
+
+@mutant("mcore-gpt-sp-norm-grads-not-reduced", base="baseline.megatron.gpt-ptdp",
+        overrides={**LLAMA, "num_layers": "4", "tp": "2", "pp": "2", "dp": "1", "ep": "1",
+                   "etp": "0", "num_experts": "0", "schedule": "1f1b", "steps": "2",
+                   "sp": "true"},
+        bug="sequence parallelism with norms not marked sequence_parallel: their gradients "
+            "stay each rank's sequence shard's part (finalize_model_grads skips them)")
+class MCoreGPTSPNormNotReduced(MegatronCoreGPTPTDP):
+    stage_cls = _UnmarkedNormStage

@@ -82,12 +82,14 @@ def test_megatron_core_gptmodel_stages_equal_golden_with_hybrids_traffic(pools, 
     """Megatron-Core's own GPTModel per pipeline stage (``baseline.megatron.gpt-ptdp``:
     pre_process / post_process, its TransformerBlock's layer offset) on the LLaMA blocks
     (RoPE, GQA, SwiGLU, RMSNorm, no biases) under tp x pp with its 1F1B schedule and DDP,
-    the head tied across the stages (Megatron's embedding group): equal to the golden run,
-    and its ledger exactly ``hybrid``'s closed form, the embd all-reduce included (issue 21)."""
+    the head tied across the stages (Megatron's embedding group), with sequence parallelism
+    (its scatter / gather regions; its norms' gradients all-reduced over tp by
+    finalize_model_grads, CPU shim 5): equal to the golden run, and its ledger exactly
+    ``hybrid``'s closed form, the embd all-reduce included (issue 21)."""
     name = "baseline.megatron.gpt-ptdp"
     case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
                                           "vocab_size": 128, "dp": 1, "steps": 1,
-                                          "tie_embeddings": True})
+                                          "tie_embeddings": True, "sp": True})
     get_scheme(name).check(case)
     theirs, per_rank = run_on_pool(pools, case)
     assert theirs.equivalent, theirs
