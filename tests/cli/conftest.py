@@ -1,10 +1,12 @@
-"""``in_process_verify``: ``parbench verify ARGS`` run by the test process itself on the
-session's rank pools (issue 24). The command's own code runs -- argument parsing, its cases,
-``run_cases``, the localisation rerun, its printed lines and exit status -- but ``run_cases``
+"""Commands run by the test process itself on the session's rank pools (issue 24).
+
+``shared_rank_pools``: while a test runs, ``run_cases`` (``parbench run`` and ``verify``)
 takes the process-wide pools (``runner.PoolCache(shared=True)``, the ``pools`` fixture's
-ranks) instead of starting two fresh ranks, and no interpreter is started to import torch
-again. The installed script as a user runs it keeps its own tests (``test_verify.py``,
-``test_verify_defaults.py``)."""
+ranks) instead of starting fresh ranks per command. ``in_process_verify``: ``parbench verify
+ARGS`` run so -- the command's own code (argument parsing, its cases, ``run_cases``, the
+localisation rerun, its printed lines and exit status), without an interpreter started to
+import torch again and two fresh ranks. The installed script as a user runs it keeps its
+own tests (``test_verify.py``, ``test_verify_defaults.py``, ``test_cli.py``)."""
 from __future__ import annotations
 
 import functools
@@ -23,12 +25,18 @@ class CliRun:
 
 
 @pytest.fixture
-def in_process_verify(pools, capsys, monkeypatch):
+def shared_rank_pools(pools, monkeypatch):
+    """While the test runs, a command's ``run_cases`` runs on the session's pools."""
+    from parbench import runner
+    monkeypatch.setattr(runner, "PoolCache", functools.partial(runner.PoolCache, shared=True))
+    return pools
+
+
+@pytest.fixture
+def in_process_verify(shared_rank_pools, capsys, monkeypatch):
     """``in_process_verify(cwd, *args)`` -> CliRun of ``parbench verify *args`` run in
     ``cwd``."""
-    from parbench import runner
     from parbench.cli import main
-    monkeypatch.setattr(runner, "PoolCache", functools.partial(runner.PoolCache, shared=True))
 
     def verify(cwd, *args) -> CliRun:
         monkeypatch.chdir(cwd)
