@@ -1,19 +1,25 @@
 """This rank's process groups over the rank grid of a :class:`~parbench.layout.Layout`.
 
 The grid itself -- which ranks form which group, in Megatron-Core's order -- is pure and lives
-in :mod:`parbench.layout`; a ``Mesh`` creates the torch.distributed groups of that grid once
+in :mod:`parbench.layout`; a ``Mesh`` takes the torch.distributed groups of that grid once
+(from :mod:`parbench.group_cache`, shared by member list with the process's other meshes)
 and hands them to schemes explicitly (no global parallel state).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import group_cache
 from .layout import GROUP_SPECS, Axis, Layout
 
 
 @dataclass
 class Mesh:
-    """A layout plus this rank's process groups (``None`` outside torch.distributed)."""
+    """A layout plus this rank's process groups (``None`` outside torch.distributed).
+
+    The groups come from :mod:`parbench.group_cache`: shared with the other meshes of this
+    process by member list, never between two names of this mesh (the ledger tells axes apart
+    by group identity, ``axis_of_group``)."""
 
     layout: Layout
     rank: int
@@ -22,23 +28,31 @@ class Mesh:
     #: groups a scheme carves out of the mesh (``subgroup``): name -> (pg, ranks)
     _sub: dict[str, tuple[object, list[int]]] = field(default_factory=dict)
     _sub_parts: dict[str, list[list[int]]] = field(default_factory=dict)
-    #: every partition created: (name, canonical partition) -> (pg, ranks)
-    _sub_keys: dict[tuple, tuple[object, list[int]]] = field(default_factory=dict)
+    #: member list -> {axis or subgroup name -> (index in the shared cache, pg)}
+    _slots: dict[tuple[int, ...], dict[str, tuple[int, object]]] = field(default_factory=dict)
+    #: this rank's groups and the name each carries: (pg, name)
+    _names: list[tuple[object, str]] = field(default_factory=list)
 
     @classmethod
     def build(cls, layout: Layout, rank: int, backend_groups: bool = True) -> "Mesh":
-        """Create every group of every kind (collectively: all ranks call in the same order)."""
+        """Every group of every kind (collectively: all ranks call in the same order)."""
         mesh = cls(layout=layout, rank=rank)
         for name in GROUP_SPECS:
             for members in layout.groups(name):
-                pg = None
-                if backend_groups:
-                    import torch.distributed as dist
-                    pg = dist.new_group(members)
+                pg = mesh._group(name.value, members) if backend_groups else None
                 if rank in members:
                     mesh._pgs[name.value] = pg
                     mesh._ranks[name.value] = members
         return mesh
+
+    def _group(self, name: str, members: list[int]):
+        """The group of ``members`` that carries ``name`` in this mesh (collective)."""
+        slots = self._slots.setdefault(tuple(sorted(members)), {})
+        if name not in slots:
+            slots[name] = group_cache.take(members, {i for i, _ in slots.values()})
+            if self.rank in members:
+                self._names.append((slots[name][1], name))
+        return slots[name][1]
 
     def group(self, axis: Axis | str):
         """This rank's process group for an axis (a typo raises, listing the valid axes)."""
@@ -56,37 +70,31 @@ class Mesh:
 
     def subgroup(self, name: str, partition: list[list[int]]):
         """This rank's group of ``partition`` (lists of global ranks that together cover the
-        world), created once per mesh, name and partition -- collectively: every rank calls
-        it with the same arguments in the same order -- and known to the ledger as axis
+        world), taken once per mesh, name and member list from the process's shared groups
+        -- collectively: every rank calls it with the same arguments in the same order -- and
+        known to the ledger as axis
         ``name`` (e.g. the row and column groups of 2-D tensor parallelism inside Megatron's
         tp groups). One name may carry several partitions (grids of different shapes on the
         same ranks, one case after another); each is recorded as axis ``name``. Returns None
         on a rank that no part holds."""
-        key = (name, tuple(sorted(tuple(sorted(m)) for m in partition)))
-        if key not in self._sub_keys:
-            import torch.distributed as dist
-            mine = (None, [])
-            for members in partition:
-                pg = dist.new_group(sorted(members))
-                if self.rank in members:
-                    mine = (pg, sorted(members))
-            self._sub_keys[key] = mine
-        self._sub[name] = self._sub_keys[key]
+        mine = (None, [])
+        for members in partition:
+            pg = self._group(name, members)
+            if self.rank in members:
+                mine = (pg, sorted(members))
+        self._sub[name] = mine
         self._sub_parts[name] = [list(m) for m in partition]
-        return self._sub[name][0]
+        return mine[0]
 
     def subgroup_ranks(self, name: str) -> list[int]:
         """The ranks of this rank's group of the partition last requested under ``name``."""
         return self._sub[name][1]
 
     def axis_of_group(self, pg) -> str | None:
-        for name, g in self._pgs.items():
-            if g is pg:
-                return name
-        for (name, _), (g, _) in self._sub_keys.items():
-            if g is pg and g is not None:
-                return name
-        return None
+        """The axis or subgroup name ``pg`` carries in this mesh (None: not one of its)."""
+        if pg is None:
+            return None
+        return next((name for g, name in self._names if g is pg), None)
 
     @property
     def coords(self) -> dict[str, int]:

@@ -320,7 +320,7 @@ def test_cli_unreadable_file_and_nothing_in_common_exit_2(tmp_path):
 # ---- end to end: two real runs -------------------------------------------------------------
 
 
-def test_two_real_runs_then_a_heavier_scheme(tmp_path, capsys):
+def test_two_real_runs_then_a_heavier_scheme(shared_rank_pools, tmp_path, capsys):
     """The same one-case suite twice: nothing but time may move, and compare exits 0 (time
     is ignored for the gate here: two shared cores make 5 ms steps noisy). Then the same
     case run by a self-test mutant that adds a debugging all-reduce (scheme= override):
@@ -333,7 +333,8 @@ def test_two_real_runs_then_a_heavier_scheme(tmp_path, capsys):
     for name, extra in (("a", []), ("b", []),
                         ("heavy", ["scheme=mutant.ddp-debug-allreduce"])):
         runs[name] = tmp_path / name
-        # in this process (saves a torch import per run); compare itself runs as a command
+        # in this process on the session's ranks (saves a torch import and two rank starts
+        # per run); compare itself runs as a command
         rc = main(["run", f"suite={suite}", f"out={runs[name]}", *extra])
         # the mutant leaves its closed form: run says so with status 3
         assert rc == (3 if extra else 0), capsys.readouterr()

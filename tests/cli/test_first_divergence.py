@@ -6,10 +6,7 @@ module diverges, so the difference arises in the reduction; the correct class is
 localised at all (it passes)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -40,17 +37,17 @@ SUMMED = HEADER + textwrap.dedent('''
 CASE = ("dp=2", "model=tiny", "steps=2", "timed_steps=0", "num_microbatches=2")
 
 
-def verify(cwd, *args):
-    script = Path(sys.executable).parent / "parbench"
-    return subprocess.run([str(script), "verify", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, check=False)
+@pytest.fixture
+def verify(in_process_verify):
+    """``parbench verify`` on the session's ranks (``tests/cli/conftest.py``)."""
+    return in_process_verify
 
 
 @pytest.mark.parametrize("source, says", [
     (LN_EPS, "first divergence: forward output of blocks.1.ln2 (rank 1, step 0)"),
     (SUMMED, "first divergence: none in the mapped modules"),
 ])
-def test_a_failing_case_names_its_first_diverging_module(tmp_path, source, says):
+def test_a_failing_case_names_its_first_diverging_module(verify, tmp_path, source, says):
     (tmp_path / "mine.py").write_text(source)
     r = verify(tmp_path, "scheme=mine.py:MyDDP", *CASE, f"out={tmp_path / 'r'}")
     assert r.returncode == 3, r.stdout + r.stderr
@@ -71,7 +68,7 @@ PIPE_CASE = ("pp=2", "model=tiny-4l", "steps=2", "timed_steps=0", "num_microbatc
              "micro_batch_size=1")
 
 
-def test_a_pipeline_stage_names_its_first_diverging_module(tmp_path):
+def test_a_pipeline_stage_names_its_first_diverging_module(verify, tmp_path):
     """The second stage (rank 1, layers 2-3) computes blocks.3.ln1 with another eps: its
     forward output on that rank is named, though rank 0's stage and every gradient the
     loss sends back through rank 0 differ too (issue 20, sec. 5)."""
@@ -91,7 +88,7 @@ EXPERT_LN_EPS = HEADER + textwrap.dedent('''
 ''')
 
 
-def test_an_expert_parallel_rank_names_its_first_diverging_module(tmp_path):
+def test_an_expert_parallel_rank_names_its_first_diverging_module(verify, tmp_path):
     """The expert family maps its modules as the data family does (MoE layers included):
     rank 1's blocks.1.ln2 is named, not the MoE layer after it, whose all-to-alls carry the
     wrong rows to rank 0 too."""
@@ -150,7 +147,7 @@ TP_CASE = ("tp=2", "model=tiny", "vocab_size=61", "steps=2", "timed_steps=0",
     (TP_FC2_UNREDUCED, "MyTP", (), "forward output of blocks.1.mlp (rank 0, step 0)"),
     (SP_LN_EPS, "MySP", ("pack_docs=3",), "forward output of blocks.0.ln2 (rank 1, step 0)"),
 ])
-def test_a_tensor_parallel_layer_is_named(tmp_path, source, cls, extra, says):
+def test_a_tensor_parallel_layer_is_named(verify, tmp_path, source, cls, extra, says):
     """Megatron's model maps the reference modules (issue 20, sec. 5): whole on every tp
     rank after the row-parallel all-reduce, the rank's sequence shard under sp. One layer
     computed otherwise -- every rank's MLP of layer 1, rank 1's shard of a norm under sp
@@ -162,7 +159,7 @@ def test_a_tensor_parallel_layer_is_named(tmp_path, source, cls, extra, says):
     assert f"first divergence: {says}" in line, r.stdout
 
 
-def test_a_correct_tensor_parallel_subclass_reports_nothing(tmp_path):
+def test_a_correct_tensor_parallel_subclass_reports_nothing(verify, tmp_path):
     (tmp_path / "mine.py").write_text(TP_FC2_UNREDUCED)
     r = verify(tmp_path, "scheme=mine.py:Correct", *TP_CASE, f"out={tmp_path / 'r'}")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -202,8 +199,8 @@ CP_CASE = ("cp=2", "model=tiny", "cp_balance=none", "steps=2", "timed_steps=0",
     (CP_LN_EPS, (), "forward output of blocks.1.ln2 (rank 1, step 0)"),
     (CP_NO_RESCALE, ("pack_docs=3",), "forward output of blocks.0.attn (rank 1, step 0)"),
 ])
-def test_a_context_parallel_rank_names_its_first_diverging_module(tmp_path, source, extra,
-                                                                   says):
+def test_a_context_parallel_rank_names_its_first_diverging_module(verify, tmp_path, source,
+                                                                   extra, says):
     """The context family maps the reference modules on each rank's sequence positions
     (issue 20, sec. 5): cp rank 1's norm of layer 1 with another eps is named, not the MLP
     and head after it nor rank 0's gradients, which rank 1's loss reaches through the ring;
@@ -216,7 +213,7 @@ def test_a_context_parallel_rank_names_its_first_diverging_module(tmp_path, sour
     assert f"first divergence: {says}" in line, r.stdout
 
 
-def test_a_correct_context_parallel_subclass_reports_nothing(tmp_path):
+def test_a_correct_context_parallel_subclass_reports_nothing(verify, tmp_path):
     (tmp_path / "mine.py").write_text(CP_NO_RESCALE)
     r = verify(tmp_path, "scheme=mine.py:Correct", *CP_CASE, "pack_docs=3",
                f"out={tmp_path / 'r'}")
@@ -249,7 +246,7 @@ DFA_CASE = ("cp=2", "model=tiny", "recompute=full", "steps=2", "timed_steps=0",
     ("Stale", "first divergence: forward output of blocks.0.attn (rank 0, step 0)"),
     ("Correct", None),
 ])
-def test_distflashattn_remat_layers_are_probed(tmp_path, cls, says):
+def test_distflashattn_remat_layers_are_probed(verify, tmp_path, cls, says):
     """DistFlashAttn's rematerialised layers (``recompute=full``) map the reference modules
     through probe points in their backward's recomputation (issue 20, sec. 5): cp rank 1's
     norm of layer 1 with another eps is named; a checkpoint that hands micro-batch 1 the

@@ -4,18 +4,14 @@ model states differing, rank and category named, and not as "bytes differ" (issu
 sec. 8)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 SCHEMES = Path(__file__).parents[1] / "equivalence" / "leaky_schemes.py"
 
 
-def test_verify_says_the_model_states_differ_not_the_bytes(tmp_path):
-    script = Path(sys.executable).parent / "parbench"
-    r = subprocess.run([str(script), "verify", f"scheme={SCHEMES}:InClosure", "dp=2",
-                        "steps=2", "timed_steps=0", f"out={tmp_path / 'r'}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def test_verify_says_the_model_states_differ_not_the_bytes(in_process_verify, tmp_path):
+    r = in_process_verify(tmp_path, f"scheme={SCHEMES}:InClosure", "dp=2", "steps=2",
+                          "timed_steps=0", f"out={tmp_path / 'r'}")
     assert r.returncode == 3, r.stdout + r.stderr
     lines = [x for x in r.stdout.splitlines() if "differ" in x]
     assert lines and "model states differ" in lines[-1], r.stdout

@@ -6,10 +6,7 @@ changes, by the final parameters when only its values do -- and the same class w
 change (and data.ddp beside it) passes."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -38,10 +35,10 @@ USER_DDP = textwrap.dedent('''
 NEVER = 10**9
 
 
-def verify(cwd, *args):
-    script = Path(sys.executable).parent / "parbench"
-    return subprocess.run([str(script), "verify", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, check=False)
+@pytest.fixture
+def verify(in_process_verify):
+    """``parbench verify`` on the session's ranks (``tests/cli/conftest.py``)."""
+    return in_process_verify
 
 
 def first_failure(out: str) -> str:
@@ -54,8 +51,8 @@ def first_failure(out: str) -> str:
     # the traffic stays, the values change: the final parameters name the last step
     ("resets.py", NEVER, 3, "step 5, rank 0: final parameters '"),
 ])
-def test_a_change_after_the_checked_steps_fails_naming_the_step(tmp_path, name, skip_from,
-                                                                 reset_at, says):
+def test_a_change_after_the_checked_steps_fails_naming_the_step(verify, tmp_path, name,
+                                                                 skip_from, reset_at, says):
     (tmp_path / name).write_text(USER_DDP.format(skip_from=skip_from, reset_at=reset_at))
     r = verify(tmp_path, f"scheme={name}:FastDDP", f"out={tmp_path / 'r'}")
     assert r.returncode == 3, r.stdout + r.stderr
@@ -63,7 +60,7 @@ def test_a_change_after_the_checked_steps_fails_naming_the_step(tmp_path, name, 
     assert says in first_failure(r.stdout), r.stdout
 
 
-def test_the_same_class_without_the_change_passes(tmp_path):
+def test_the_same_class_without_the_change_passes(verify, tmp_path):
     (tmp_path / "steady.py").write_text(USER_DDP.format(skip_from=NEVER, reset_at=NEVER))
     r = verify(tmp_path, "scheme=steady.py:FastDDP", f"out={tmp_path / 'r'}")
     assert r.returncode == 0, r.stdout + r.stderr
