@@ -118,6 +118,15 @@ def sequence_parallel_spec(conf, norm=SequenceParallelTorchNorm):
     return dataclasses.replace(spec, submodules=subs)
 
 
+def check_query_groups(case: CaseConfig) -> None:
+    """Megatron-Core splits K/V heads over tp only when one count divides the other."""
+    m, t = case.model, case.layout.tp
+    g = m.num_kv_heads or m.num_heads
+    if g % t and t % g:
+        raise ConfigError(f"tp={t}: Megatron-Core needs num_kv_heads={g} to be a multiple or "
+                          "a divisor of tp")
+
+
 def no_cuda_rng_fork() -> None:
     """Megatron-Core's attention enters its CUDA RNG tracker's ``fork`` (the tp-distinct
     dropout stream) even at dropout 0; a CPU process has no CUDA RNG state to add, and with
@@ -239,11 +248,7 @@ class MegatronCoreGPTScheme(MegatronCoreBaseline, MegatronFigures):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
-        m, t = case.model, case.layout.tp
-        g = m.num_kv_heads or m.num_heads
-        if g % t and t % g:
-            raise ConfigError(f"tp={t}: Megatron-Core needs num_kv_heads={g} to be a "
-                              "multiple or a divisor of tp")
+        check_query_groups(case)
 
     def build_model(self):
         ctx = self.ctx

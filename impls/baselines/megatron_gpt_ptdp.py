@@ -61,8 +61,9 @@ from torch.overrides import TorchFunctionMode
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import register
 
-from impls.baselines.megatron_gpt import (MegatronCoreGPTModel, mcore_name, no_cuda_rng_fork,
-                                          sequence_parallel_spec, transformer_config)
+from impls.baselines.megatron_gpt import (MegatronCoreGPTModel, check_query_groups, mcore_name,
+                                          no_cuda_rng_fork, sequence_parallel_spec,
+                                          transformer_config)
 from impls.baselines.megatron_ptdp import MegatronCorePTDP
 from impls.pipeline.tied import EMBD_AXIS
 
@@ -146,11 +147,8 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         super().check(case)
+        check_query_groups(case)
         m, t = case.model, case.layout.tp
-        g = m.num_kv_heads or m.num_heads
-        if g % t and t % g:
-            raise ConfigError(f"tp={t}: Megatron-Core needs num_kv_heads={g} to be a "
-                              "multiple or a divisor of tp")
         sp = case.options.tensor.sp and t > 1
         if sp and m.seq_length % t:
             raise ConfigError(f"tp={t} must divide seq_length={m.seq_length} (sequence "
