@@ -143,7 +143,9 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
 class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
     #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
-    moe_features = frozenset({"fine-grained"})
+    moe_features = frozenset({"fine-grained", "llama-experts"})
+    #: the LLaMA blocks and Mixtral's experts (SwiGLU, no biases), Megatron's own MLPs
+    model_features = frozenset({"rope", "gqa", "rmsnorm", "swiglu", "no-bias"})
     model_cls = MegatronCoreMoEGPT
     description = ("Megatron-Core 0.16 GPTModel with MoELayer (local spec, alltoall "
                    "dispatcher, capacity mode) with the reference weights")
@@ -154,7 +156,8 @@ class MegatronCoreGPTMoE(MegatronMoE):
         if m.moe_shared_expert_size:
             raise ConfigError(f"moe_shared_expert_size={m.moe_shared_expert_size}: Megatron-Core "
                               "0.16.1's SharedExpertMLP asserts 'bias is not supported in the "
-                              "shared experts', and the expert family's experts have biases")
+                              "shared experts' (with biases), and without them its shared "
+                              "expert's fc1 is not yet mapped (a size mismatch)")
         super().check(case)
         if m.moe_every != 1 or m.moe_first_dense:
             raise ConfigError(f"moe_every={m.moe_every}, moe_first_dense="

@@ -116,13 +116,16 @@ LLAMA_BLOCKS = {"rope_theta": 10000, "position_embeddings": "false", "norm": "rm
 
 def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
     """Megatron-Core's whole GPTModel (local spec: its attention with RoPE and GQA, RMSNorm,
-    embedding, cross-entropy) with MoELayer in every layer, top-2 with both losses, ep = 2:
+    embedding, cross-entropy) with MoELayer in every layer -- SwiGLU experts without biases,
+    as Mixtral's -- top-2 with both losses, ep = 2:
     equal to the golden run; its all-to-alls are MoELayer's (ours plus the probabilities)
     and its gradient all-reduce ours (issue 21)."""
     cls = get_scheme("baseline.megatron.gpt-moe")
     if cls.unavailable():
         pytest.skip(cls.unavailable())
-    case = case_for(cls.name, moe_top_k=2, moe_z_loss_coef=1e-3, **LLAMA_BLOCKS)
+    # Mixtral's experts too: SwiGLU ([gate; up] in Megatron's linear_fc1) without biases
+    case = case_for(cls.name, moe_top_k=2, moe_z_loss_coef=1e-3, mlp="swiglu", bias="false",
+                    **LLAMA_BLOCKS)
     theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
     assert theirs.equivalent, theirs
     assert_ours_plus_probabilities(case, per_rank)
