@@ -64,7 +64,7 @@ from parbench.scheme import register
 from impls.baselines.megatron_gpt import (MegatronCoreGPTModel, check_query_groups, mcore_name,
                                           no_cuda_rng_fork, sequence_parallel_spec,
                                           transformer_config)
-from impls.baselines.megatron_ptdp import MegatronCorePTDP
+from impls.baselines.megatron_ptdp import MegatronCorePTDP, swap_group
 from impls.pipeline.tied import EMBD_AXIS
 
 
@@ -200,6 +200,4 @@ def adopt_embedding_group(mesh) -> None:
     if members != mesh.subgroup_ranks(EMBD_AXIS):
         raise RuntimeError(f"rank {mesh.rank}: Megatron-Core's embedding group holds ranks "
                            f"{members}, the mesh's {mesh.subgroup_ranks(EMBD_AXIS)}")
-    for name, value in list(vars(ps).items()):
-        if value is theirs:
-            setattr(ps, name, mine)
+    swap_group(theirs, mine)

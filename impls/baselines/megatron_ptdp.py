@@ -93,6 +93,16 @@ MEGATRON_GROUPS = {
 }
 
 
+def swap_group(theirs, mine) -> None:
+    """Every handle ``parallel_state`` keeps of its group ``theirs`` (aliases included)
+    replaced by the mesh's ``mine`` of the same members, so the traffic lands in the ledger
+    under the mesh's axis name."""
+    from megatron.core import parallel_state as ps
+    for name, value in list(vars(ps).items()):
+        if value is theirs:
+            setattr(ps, name, mine)
+
+
 def adopt_mesh_groups(mesh) -> None:
     """Check Megatron-Core's groups against the mesh's, then make ``parallel_state`` hold
     the mesh's handles (module docstring, "Groups")."""
@@ -103,9 +113,7 @@ def adopt_mesh_groups(mesh) -> None:
         if members != mesh.ranks(axis):
             raise RuntimeError(f"rank {mesh.rank}: Megatron-Core's {getter}({kw}) holds ranks "
                                f"{members}, the mesh's {axis} group {mesh.ranks(axis)}")
-        for name, value in list(vars(ps).items()):
-            if value is theirs:
-                setattr(ps, name, mesh.group(axis))
+        swap_group(theirs, mesh.group(axis))
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
