@@ -27,6 +27,7 @@ from .megatron_args import (
     MEGATRON_FLAGS,
     MEGATRON_IGNORED_FLAGS,
     MEGATRON_IGNORED_VALUED,
+    MEGATRON_LIST_ARGS,
     MEGATRON_MOE_DEFAULTS,
     MEGATRON_NUMERICS_ONLY,
     MEGATRON_NUMERICS_ONLY_FLAGS,
@@ -93,6 +94,10 @@ def read_megatron(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         elif key in MEGATRON_IGNORED_VALUED or key in MEGATRON_NUMERICS_ONLY:
             ignored.append(key)
             i = _skip_values(argv, i, inline)
+        elif key in MEGATRON_LIST_ARGS:
+            end = _skip_values(argv, i, inline)
+            out[key] = inline or ",".join(argv[i + 1:end])
+            i = end
         elif typ is not None:
             value, i = _read_value(argv, i, key, inline)
             out[key] = value if typ is str else coerce(value, typ, key)
@@ -296,6 +301,7 @@ def _case_fields(args: dict[str, Any]) -> dict[str, Any]:
     """The bare case fields Megatron arguments set (ffn 0 = 4h unless given; the embeddings
     tied unless untied, as Megatron ties them)."""
     vals = {MEGATRON_ARGS[k][0]: v for k, v in args.items() if k in MEGATRON_ARGS}
+    vals.update({MEGATRON_LIST_ARGS[k]: v for k, v in args.items() if k in MEGATRON_LIST_ARGS})
     vals.setdefault("tie_embeddings", True)
     if vals.get("num_experts"):
         for name, value in MEGATRON_MOE_DEFAULTS.items():
@@ -365,7 +371,8 @@ def _dp(fields: dict[str, Any], world_size: int | None) -> int:
 
 
 #: the option and run fields Megatron arguments may set (the others are model/layout fields)
-_MEGATRON_OTHER_KEYS = {"sp": "tensor.sp", "recompute": "recompute", "clip_grad": "run.clip_grad",
+_MEGATRON_OTHER_KEYS = {"sp": "tensor.sp", "recompute": "recompute",
+                        "recompute_modules": "recompute_modules", "clip_grad": "run.clip_grad",
                         "lr": "run.lr", "weight_decay": "run.weight_decay", "beta1": "run.beta1",
                         "beta2": "run.beta2", "eps": "run.eps", "seed": "run.seed",
                         "dtype": "run.dtype"}

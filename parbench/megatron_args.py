@@ -38,6 +38,10 @@ MEGATRON_ARGS = {
     # multi-token prediction modules (DeepSeek-V3 Sec. 2.2; counted by parbench.analytic)
     "--mtp-num-layers": ("mtp_layers", int),
 }
+#: Megatron arguments with a list of values that set a case field: name -> bare field (the
+#: values joined by commas); ``--recompute-modules`` names what selective recomputation
+#: recomputes (megatron/core/transformer/transformer_config.py ``recompute_modules``)
+MEGATRON_LIST_ARGS = {"--recompute-modules": "recompute_modules"}
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
     "--sequence-parallel": {"sp": True}, "--swiglu": {"mlp": "swiglu"},
@@ -147,9 +151,10 @@ MEGATRON_REFUSED = {
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
-    "--recompute-method": "only whole-model recomputation (granularity) is modelled",
-    "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
-    "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
+    "--recompute-method": "recomputing some layers only is not modelled (every layer at the "
+    "granularity and modules given)",
+    "--recompute-num-layers": "recomputing some layers only is not modelled (every layer at "
+    "the granularity and modules given)",
 }
 #: Megatron arguments that must keep one value (the one parbench computes with): name -> value
 MEGATRON_FIXED = {"--rotary-percent": 1.0, "--attention-dropout": 0.0, "--hidden-dropout": 0.0}
