@@ -324,3 +324,29 @@ def test_megatron_lms_deepseek_v3_example_routing_applies_the_deepseek_v3_router
                  "--moe-router-group-topk", "--moe-router-num-groups",
                  "--moe-router-bias-update-rate", "--moe-router-topk-scaling-factor"):
         assert name not in ignored
+
+
+def test_the_distributed_optimizer_and_megatron_fsdp_set_the_zero_stage():
+    """Megatron-Core's distributed optimizer shards the optimizer states over dp (6 + 12/d
+    bytes per parameter): ZeRO-1. Megatron-FSDP's sharding strategy is the stage (optim 1,
+    optim_grads 2, optim_grads_params 3, no_shard 0) whatever the flags' order; without
+    --use-megatron-fsdp the strategy changes nothing and is listed so; a gradient dtype other
+    than the run's is refused by name."""
+    from parbench.imports import megatron_ignored
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --bf16 "
+    assert from_megatron_args(shlex.split(base)).options.data.zero_stage == 0
+    dist = base + "--use-distributed-optimizer"
+    assert from_megatron_args(shlex.split(dist)).options.data.zero_stage == 1
+    for strategy, stage in (("optim", 1), ("optim_grads", 2), ("optim_grads_params", 3),
+                            ("no_shard", 0)):
+        argv = shlex.split(f"{base}--use-megatron-fsdp --data-parallel-sharding-strategy "
+                           f"{strategy} --use-distributed-optimizer "
+                           "--megatron-fsdp-main-grads-dtype bf16")
+        assert from_megatron_args(argv).options.data.zero_stage == stage
+    alone = shlex.split(dist + " --data-parallel-sharding-strategy optim_grads_params")
+    assert from_megatron_args(alone).options.data.zero_stage == 1
+    assert "--data-parallel-sharding-strategy" in megatron_ignored(alone)
+    with pytest.raises(ConfigError, match="--megatron-fsdp-main-grads-dtype=fp32 is not "
+                                          "supported"):
+        from_megatron_args(shlex.split(base + "--use-megatron-fsdp "
+                                       "--megatron-fsdp-main-grads-dtype fp32"))
