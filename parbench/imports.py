@@ -25,8 +25,10 @@ from .megatron_args import (
     MEGATRON_DERIVED,
     MEGATRON_FIXED,
     MEGATRON_FLAGS,
+    MEGATRON_FSDP_STAGES,
     MEGATRON_IGNORED_FLAGS,
     MEGATRON_IGNORED_VALUED,
+    MEGATRON_LIST_ARGS,
     MEGATRON_MOE_DEFAULTS,
     MEGATRON_NUMERICS_ONLY,
     MEGATRON_NUMERICS_ONLY_FLAGS,
@@ -93,6 +95,10 @@ def read_megatron(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         elif key in MEGATRON_IGNORED_VALUED or key in MEGATRON_NUMERICS_ONLY:
             ignored.append(key)
             i = _skip_values(argv, i, inline)
+        elif key in MEGATRON_LIST_ARGS:
+            end = _skip_values(argv, i, inline)
+            out[key] = inline or ",".join(argv[i + 1:end])
+            i = end
         elif typ is not None:
             value, i = _read_value(argv, i, key, inline)
             out[key] = value if typ is str else coerce(value, typ, key)
@@ -107,9 +113,14 @@ def _without_effect(args: dict[str, Any]) -> list[str]:
     ``--moe-router-enable-expert-bias`` (megatron/core/transformer/moe/router.py keeps no
     bias then), the group count without ``--moe-router-group-topk`` (moe_utils.py's
     ``group_limited_topk`` runs only with it), ``--moe-router-pre-softmax`` with the sigmoid
-    score (only the softmax branch of ``topk_routing_with_score_function`` reads it)."""
+    score (only the softmax branch of ``topk_routing_with_score_function`` reads it),
+    Megatron-FSDP's sharding strategy and gradient dtypes without ``--use-megatron-fsdp``."""
     sigmoid = args.get("--moe-router-score-function") == "sigmoid"
-    idle = {"--moe-router-bias-update-rate": not args.get("--moe-router-enable-expert-bias"),
+    fsdp = bool(args.get("--use-megatron-fsdp"))
+    idle = {"--data-parallel-sharding-strategy": not fsdp,
+            "--megatron-fsdp-grad-comm-dtype": not fsdp,
+            "--megatron-fsdp-main-grads-dtype": not fsdp,
+            "--moe-router-bias-update-rate": not args.get("--moe-router-enable-expert-bias"),
             "--moe-router-num-groups": not args.get("--moe-router-group-topk"),
             "--moe-router-pre-softmax": sigmoid}
     return [k for k in args if idle.get(k)]
@@ -170,6 +181,7 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
         vals["rope_theta"] = args["--rotary-base"]
     _mla_check(args, vals)
     _router_checks(args, vals)
+    _fsdp_check(args, vals)
     hidden, heads = vals.get("hidden_size"), vals.get("num_heads")
     kv = args.get("--kv-channels")
     if kv is not None and hidden and heads and kv * heads != hidden and \
@@ -181,6 +193,25 @@ def _megatron_checks(args: dict[str, Any], vals: dict[str, Any]) -> None:
     max_pos, seq = args.get("--max-position-embeddings"), vals.get("seq_length")
     if max_pos is not None and seq is not None and max_pos < seq:
         raise ConfigError(f"--max-position-embeddings={max_pos} is below --seq-length={seq}")
+
+
+def _fsdp_check(args: dict[str, Any], vals: dict[str, Any]) -> None:
+    """Megatron-FSDP: ``--data-parallel-sharding-strategy`` as the ZeRO stage
+    (:data:`MEGATRON_FSDP_STAGES`, over the distributed optimizer's stage 1); its gradient
+    dtypes must be the run's (parbench counts gradients and their messages in the model's
+    element type: 2 bytes under --bf16, ``accounting=mixed_adam``)."""
+    strategy = args.get("--data-parallel-sharding-strategy")
+    if strategy is not None and strategy not in MEGATRON_FSDP_STAGES:
+        raise ConfigError(f"Megatron argument --data-parallel-sharding-strategy={strategy} is "
+                          f"not supported (parbench reads {', '.join(MEGATRON_FSDP_STAGES)})")
+    if not args.get("--use-megatron-fsdp"):
+        return
+    vals["zero_stage"] = MEGATRON_FSDP_STAGES[strategy or "no_shard"]
+    dtype = vals.get("dtype", "fp32")
+    for key in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
+        if key in args and args[key] != dtype:
+            raise ConfigError(f"Megatron argument {key}={args[key]} is not supported: parbench "
+                              f"counts gradients and their messages as the run's {dtype}")
 
 
 def _mla_check(args: dict[str, Any], vals: dict[str, Any]) -> None:
@@ -296,6 +327,7 @@ def _case_fields(args: dict[str, Any]) -> dict[str, Any]:
     """The bare case fields Megatron arguments set (ffn 0 = 4h unless given; the embeddings
     tied unless untied, as Megatron ties them)."""
     vals = {MEGATRON_ARGS[k][0]: v for k, v in args.items() if k in MEGATRON_ARGS}
+    vals.update({MEGATRON_LIST_ARGS[k]: v for k, v in args.items() if k in MEGATRON_LIST_ARGS})
     vals.setdefault("tie_embeddings", True)
     if vals.get("num_experts"):
         for name, value in MEGATRON_MOE_DEFAULTS.items():
@@ -365,7 +397,9 @@ def _dp(fields: dict[str, Any], world_size: int | None) -> int:
 
 
 #: the option and run fields Megatron arguments may set (the others are model/layout fields)
-_MEGATRON_OTHER_KEYS = {"sp": "tensor.sp", "recompute": "recompute", "clip_grad": "run.clip_grad",
+_MEGATRON_OTHER_KEYS = {"sp": "tensor.sp", "zero_stage": "data.zero_stage",
+                        "recompute": "recompute",
+                        "recompute_modules": "recompute_modules", "clip_grad": "run.clip_grad",
                         "lr": "run.lr", "weight_decay": "run.weight_decay", "beta1": "run.beta1",
                         "beta2": "run.beta2", "eps": "run.eps", "seed": "run.seed",
                         "dtype": "run.dtype"}

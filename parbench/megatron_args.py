@@ -38,8 +38,17 @@ MEGATRON_ARGS = {
     # multi-token prediction modules (DeepSeek-V3 Sec. 2.2; counted by parbench.analytic)
     "--mtp-num-layers": ("mtp_layers", int),
 }
+#: Megatron arguments with a list of values that set a case field: name -> bare field (the
+#: values joined by commas); ``--recompute-modules`` names what selective recomputation
+#: recomputes (megatron/core/transformer/transformer_config.py ``recompute_modules``)
+MEGATRON_LIST_ARGS = {"--recompute-modules": "recompute_modules"}
 #: Megatron flags that set case fields: name -> {bare field: value}
 MEGATRON_FLAGS = {
+    # Megatron-Core's distributed optimizer shards the fp32 master weights and Adam's moments
+    # over the data-parallel ranks (developer guide, "Distributed Optimizer": 6 + 12/d bytes
+    # per parameter): ZeRO stage 1 (``analytic.memory``'s MEGATRON accounting); Megatron-FSDP's
+    # ``--data-parallel-sharding-strategy`` sets the stage instead (MEGATRON_FSDP_STAGES)
+    "--use-distributed-optimizer": {"zero_stage": 1},
     "--sequence-parallel": {"sp": True}, "--swiglu": {"mlp": "swiglu"},
     "--disable-bias-linear": {"bias": False}, "--bf16": {"dtype": "bf16"},
     # fp16 with loss scaling: estimate counts and prices it as the 2-byte type it is (A100 /
@@ -68,12 +77,20 @@ MEGATRON_CHOICES = {
     # over the experts or DeepSeek-V3's sigmoid affinities (sqrtsoftplus is not modelled)
     "--moe-router-score-function": {"softmax": {}, "sigmoid": {"moe_router": "sigmoid"}},
 }
+#: Megatron-FSDP (``--use-megatron-fsdp``): ``--data-parallel-sharding-strategy`` -> the ZeRO
+#: stage it is (megatron/core/distributed/distributed_data_parallel_config.py: no_shard,
+#: optim, optim_grads, optim_grads_params -- the optimizer states, then the gradients, then
+#: the parameters sharded over the data-parallel ranks; its default no_shard)
+MEGATRON_FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 #: Megatron arguments read by the checks in :func:`_megatron_checks` (one value each)
 MEGATRON_CHECKED = {"--num-query-groups": int, "--rotary-base": float, "--kv-channels": int,
                      "--max-position-embeddings": int, "--rotary-percent": float,
                      "--attention-dropout": float, "--hidden-dropout": float,
                      "--attention-backend": str, "--moe-layer-freq": str,
-                     "--moe-router-num-groups": int, "--moe-router-bias-update-rate": float}
+                     "--moe-router-num-groups": int, "--moe-router-bias-update-rate": float,
+                     "--data-parallel-sharding-strategy": str,
+                     "--megatron-fsdp-grad-comm-dtype": str,
+                     "--megatron-fsdp-main-grads-dtype": str}
 #: ``--attention-backend`` -> how ``estimate`` counts and prices attention: Megatron-Core's
 #: ``auto`` (its default), ``flash`` and ``fused`` run a fused kernel that keeps no s x s
 #: scores; ``unfused`` and ``local`` materialise them
@@ -83,7 +100,8 @@ MEGATRON_ATTENTION = {"auto": "flash", "flash": "flash", "fused": "flash", "unfu
 #: latents' RMSNorms, which parbench counts; without MLA per-head query/key norms, refused)
 #: and the router's: ``--moe-router-enable-expert-bias`` (with ``--moe-router-bias-update-rate``,
 #: :data:`MEGATRON_BIAS_UPDATE_RATE` when absent) and ``--moe-router-pre-softmax``
-MEGATRON_CHECKED_FLAGS = frozenset({"--group-query-attention", "--multi-latent-attention",
+MEGATRON_CHECKED_FLAGS = frozenset({"--use-megatron-fsdp",
+                                    "--group-query-attention", "--multi-latent-attention",
                                     "--qk-layernorm", "--moe-router-enable-expert-bias",
                                     "--moe-router-pre-softmax"})
 #: Megatron-Core's default ``moe_router_bias_update_rate`` (megatron/core/transformer/
@@ -100,7 +118,7 @@ MEGATRON_DERIVED = {"--global-batch-size": "num_microbatches",
 #: Megatron flags that do not change what parbench computes (performance, logging, checkpoints)
 MEGATRON_IGNORED_FLAGS = frozenset("--" + n for n in """
 use-flash-attn use-mcore-models overlap-grad-reduce overlap-param-gather
-use-distributed-optimizer cross-entropy-loss-fusion manual-gc no-masked-softmax-fusion
+cross-entropy-loss-fusion manual-gc no-masked-softmax-fusion
 no-bias-gelu-fusion no-bias-swiglu-fusion no-bias-dropout-fusion no-rope-fusion
 no-gradient-accumulation-fusion log-throughput log-params-norm log-num-zeros-in-grad
 log-timers-to-tensorboard log-validation-ppl-to-tensorboard log-memory-to-tensorboard
@@ -111,7 +129,8 @@ use-checkpoint-args accumulate-allreduce-grads-in-fp32 attention-softmax-in-fp32
 distribute-saved-activations use-torch-fsdp2 ddp-average-in-collective
 align-grad-reduce align-param-gather defer-embedding-wgrad-compute
 no-check-for-nan-in-loss-and-grad no-mmap-bin-files auto-detect-ckpt-format
-moe-shared-expert-overlap moe-router-fusion""".split())
+moe-shared-expert-overlap moe-router-fusion init-model-with-meta-device fsdp-double-buffer
+use-nccl-ub enable-experimental""".split())
 #: Megatron arguments with values that do not change what parbench computes (schedule, data,
 #: logging, checkpoints, performance); their values are skipped up to the next ``--``
 MEGATRON_IGNORED_VALUED = frozenset("--" + n for n in """
@@ -136,7 +155,9 @@ MEGATRON_NUMERICS_ONLY = {
 }
 #: flags of the same kind: uniform routing forced (a benchmark mode) -- estimate prices
 #: balanced routing either way
-MEGATRON_NUMERICS_ONLY_FLAGS = {"--moe-router-force-load-balancing": "routing forced uniform"}
+MEGATRON_NUMERICS_ONLY_FLAGS = {"--moe-router-force-load-balancing": "routing forced uniform",
+                                "--calculate-per-token-loss": "the loss summed per token and "
+                                "divided by the global batch's token count"}
 #: Megatron arguments that change the computation in ways parbench does not model
 MEGATRON_REFUSED = {
     "--account-for-embedding-in-pipeline-split": "the embedding counted as a pipeline layer "
@@ -147,9 +168,10 @@ MEGATRON_REFUSED = {
     "--fp8-format": "fp8 is not modelled", "--fp8-recipe": "fp8 is not modelled",
     "--rampup-batch-size": "a batch size that changes during training is not modelled",
     "--step-batch-size-schedule": "a batch size that changes during training is not modelled",
-    "--recompute-method": "only whole-model recomputation (granularity) is modelled",
-    "--recompute-modules": "only whole-model recomputation (granularity) is modelled",
-    "--recompute-num-layers": "only whole-model recomputation (granularity) is modelled",
+    "--recompute-method": "recomputing some layers only is not modelled (every layer at the "
+    "granularity and modules given)",
+    "--recompute-num-layers": "recomputing some layers only is not modelled (every layer at "
+    "the granularity and modules given)",
 }
 #: Megatron arguments that must keep one value (the one parbench computes with): name -> value
 MEGATRON_FIXED = {"--rotary-percent": 1.0, "--attention-dropout": 0.0, "--hidden-dropout": 0.0}

@@ -19,6 +19,12 @@ from typing import Any
 from .layout import ConfigError
 
 RECOMPUTE = ("none", "selective", "full")
+#: the submodules selective recomputation may recompute, as Megatron-Core names them
+#: (``TransformerConfig.recompute_modules``, megatron-core 0.16): the attention core, the
+#: MoE experts' activation function, the two norms, MLA's up projections and RoPE, the dense
+#: MLP, the whole MoE layer, the shared experts. Megatron's default is ``core_attn`` alone
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
 #: context-parallel attention algorithms (the names of ``parbench.analytic.context``)
 CP_ALGORITHMS = ("ring-attention", "ulysses", "allgather", "usp", "ring-self-attention")
 CP_BALANCE = ("none", "zigzag", "striped")
@@ -138,18 +144,30 @@ class Options:
     expert: ExpertOptions = field(default_factory=ExpertOptions)
     data: DataOptions = field(default_factory=DataOptions)
     recompute: str = choice("none", RECOMPUTE, "activation recomputation")
+    #: what ``recompute=selective`` recomputes: comma-separated names of
+    #: :data:`RECOMPUTE_MODULES` (Megatron's ``--recompute-modules``), kept in that order
+    recompute_modules: str = field(default="core_attn", metadata={
+        "help": "the submodules selective recomputation recomputes (comma-separated: "
+                + ", ".join(RECOMPUTE_MODULES) + ")"})
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={self.recompute!r} must be one of "
                               f"{', '.join(RECOMPUTE)}")
+        object.__setattr__(self, "recompute_modules", canonical_modules(self.recompute_modules))
+
+    @property
+    def selective_modules(self) -> frozenset[str]:
+        """The submodules ``recompute=selective`` recomputes (``recompute_modules``)."""
+        return frozenset(self.recompute_modules.split(","))
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Options":
         """From ``dataclasses.asdict`` output (a case file, a row's case)."""
         d = d or {}
         parts = {fam: kind(**d.get(fam, {})) for fam, kind in FAMILY_OPTIONS.items()}
-        return cls(**parts, recompute=d.get("recompute", "none"))
+        return cls(**parts, recompute=d.get("recompute", "none"),
+                   recompute_modules=d.get("recompute_modules", "core_attn"))
 
     def with_values(self, **values: Any) -> "Options":
         """A copy with bare option names changed: ``with_values(sp=True, zero_stage=1)``."""
@@ -160,13 +178,26 @@ class Options:
         return replace(self, **parts, **changes.get("", {}))
 
 
+def canonical_modules(text: str) -> str:
+    """``recompute_modules`` checked (every name one of :data:`RECOMPUTE_MODULES`, at least
+    one) and written in :data:`RECOMPUTE_MODULES`' order. Read only with
+    ``recompute=selective``, as Megatron reads ``--recompute-modules`` only with
+    ``--recompute-granularity selective``."""
+    names = [n.strip() for n in str(text).replace(" ", ",").split(",") if n.strip()]
+    bad = [n for n in names if n not in RECOMPUTE_MODULES]
+    if bad or not names:
+        raise ConfigError(f"recompute_modules={text!r} must name one or more of "
+                          f"{', '.join(RECOMPUTE_MODULES)} (comma-separated)")
+    return ",".join(m for m in RECOMPUTE_MODULES if m in names)
+
+
 def option_family(name: str) -> str | None:
     """The family whose options hold the bare field ``name`` (None: ``recompute``, a field
     of :class:`Options` itself); unknown names raise ConfigError."""
     for fam, kind in FAMILY_OPTIONS.items():
         if name in {f.name for f in fields(kind)}:
             return fam
-    if name == "recompute":
+    if name in ("recompute", "recompute_modules"):
         return None
     raise ConfigError(f"{name!r} is not an option (options: {', '.join(option_names())})")
 
@@ -174,4 +205,4 @@ def option_family(name: str) -> str | None:
 def option_names() -> list[str]:
     """Every bare option name, family by family, then ``recompute``."""
     out = [f.name for kind in FAMILY_OPTIONS.values() for f in fields(kind)]
-    return out + ["recompute"]
+    return out + ["recompute", "recompute_modules"]

@@ -211,6 +211,11 @@ class Scheme(ABC):
                               "(set loss_mask=0)")
         cls.check_model_features(case)
         cls.check_moe_features(case)
+        opt = case.options
+        if opt.recompute == "selective" and opt.recompute_modules != "core_attn":
+            raise ConfigError(f"recompute_modules={opt.recompute_modules}: run recomputes the "
+                              "attention core only (recompute_modules=core_attn, Megatron's "
+                              "default); estimate counts and prices the others")
         if case.model.pack_docs and not cls.supports_packing:
             raise ConfigError(f"pack_docs={case.model.pack_docs}: scheme {cls.name} does not "
                               "attend within packed documents (set pack_docs=0)")

@@ -53,7 +53,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            dropout: bool = True, attention: str = "eager",
                            kv_hidden: int | None = None, mlp: str = "gelu",
                            widths: tuple[int, int, int, int] | None = None,
-                           latent: int = 0) -> float:
+                           latent: int = 0,
+                           modules: frozenset[str] = frozenset({"core_attn"})) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank.
 
     ``attention="eager"`` stores the s x s score matrices (softmax output, and with dropout
@@ -67,6 +68,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     h) -- multi-head latent attention's (``Shape.attention_widths``); ``latent``: elements
     per token kept whole on every tensor-parallel rank besides (MLA's query and K/V latents,
     each as its norm's input and the up projection's input, and the rotary key).
+    ``modules``: what ``recompute="selective"`` recomputes (:func:`selective_savings`;
+    Korthikanti's selective recomputation is ``core_attn``, the default).
     """
     for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         require_positive_int(name, v)
@@ -94,8 +97,36 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     else:
         scores = s * b * o_w * e + a * s * b * 4
     if recompute == "selective":
-        scores = 0
+        kept = selective_savings(modules, s * b, e, h, (q_w, k_w, v_w), mlp_tensors * f,
+                                 widths is not None)
+        replicated -= kept["layernorm"]
+        split -= kept["mla_up_proj"] + kept["mlp"]
+        scores = 0 if "core_attn" in modules else scores
     return replicated / (t if sp else 1) + latent * s * b * e + (split + scores) / t
+
+
+def selective_savings(modules: frozenset[str], tokens: int, e: int, h: int,
+                      qkv: tuple[int, int, int], mlp_width: int, mla: bool) -> dict:
+    """The elements x e bytes a dense layer stops keeping for each submodule that selective
+    recomputation recomputes (Megatron-Core's ``recompute_modules``; the attention core,
+    ``core_attn``, drops the score terms in :func:`layer_activation_bytes` itself):
+
+    - ``layernorm`` (output-discarding: the input and pre-MLP norms' outputs are recomputed
+      from their inputs, which the residual keeps): the QKV and fc1 inputs, 2 s b h;
+    - ``mla_up_proj`` (output-discarding: MLA's up projections and RoPE recomputed from the
+      latents, which stay): Q, K and V, s b (w_q + w_k + w_v); multi-head latent attention
+      only (Megatron refuses it otherwise);
+    - ``mlp`` (the dense MLP checkpointed at its input): its fc1 output and activation
+      output (GeLU 2 s b f, SwiGLU 3 s b f).
+
+    Before tensor-parallel division (the caller divides as the tensors are split); the MoE
+    modules are :func:`moe_layer_activation_bytes`' terms."""
+    if "mla_up_proj" in modules and not mla:
+        raise ValueError("recompute_modules=mla_up_proj needs multi-head latent attention "
+                         "(Megatron refuses it otherwise)")
+    return {"layernorm": 2 * tokens * h * e if "layernorm" in modules else 0,
+            "mla_up_proj": sum(qkv) * tokens * e if "mla_up_proj" in modules else 0,
+            "mlp": mlp_width * tokens * e if "mlp" in modules else 0}
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -118,7 +149,9 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      kv_hidden: int | None = None,
                                      mlp: str = "gelu",
                                      widths: tuple[int, int, int, int] | None = None,
-                                     latent: int = 0) -> float:
+                                     latent: int = 0,
+                                     modules: frozenset[str] = frozenset({"core_attn"})
+                                     ) -> float:
     """:func:`layer_activation_bytes` adapted to parbench's reference model.
 
     Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
@@ -141,10 +174,13 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
                                   bytes_per_element=bytes_per_element, mask_bytes=0,
                                   dropout=False, attention="flash", kv_hidden=kv_hidden,
-                                  mlp=mlp, widths=widths, latent=latent)
+                                  mlp=mlp, widths=widths, latent=latent,
+                                  modules=modules)
     if recompute == "full":
         return base
-    ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1)
+    # the norms' statistics; not kept when selective recomputation recomputes the norms
+    norms_kept = recompute != "selective" or "layernorm" not in modules
+    ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1) * norms_kept
     if recompute == "none" and not proj_input_copy:
         base -= s * b * (widths[3] if widths else h) * bytes_per_element / t
     return base + ln_stats
@@ -200,7 +236,9 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
                                etp: int = 1, recompute: str = "none",
                                bytes_per_element: int = 2,
                                mlp: str = "gelu", expert_f: int | None = None,
-                               shared_f: int = 0) -> dict[str, float]:
+                               shared_f: int = 0,
+                               modules: frozenset[str] = frozenset({"core_attn"})
+                               ) -> dict[str, float]:
     """Activation bytes one MoE layer keeps for backward on one rank, by term, given the same
     layer's count as a dense layer, ``dense_layer`` (``activations.layer_activation_bytes``
     or ``reference_layer_activation_bytes`` at the same s = s/cp, b, t, sp and recompute).
@@ -240,14 +278,37 @@ def moe_layer_activation_bytes(dense_layer: float, *, s: int, b: int, h: int, f:
     (an all-to-all keeps nothing for backward) and any gather of the routed tokens over
     the etp ranks (not in the communication count either). Full recomputation keeps only the
     layer input, as for a dense layer: every routed term is 0.
+
+    Selective recomputation of MoE submodules (``modules``, Megatron-Core's names): ``moe``
+    (the whole layer checkpointed at its input) keeps no routed term; ``moe_act`` (the
+    experts' activation recomputed, output-discarding) keeps the experts' fc1 output but not
+    the activation's (expert_mlp: 1 of GeLU's 2, 2 of SwiGLU's 3 widths); ``shared_experts``
+    keeps none of the shared MLP's. ``mlp`` recomputes dense MLPs only: ``dense_layer`` was
+    counted without them then, so nothing is replaced.
     """
     k = 3 if mlp == "swiglu" else 2
     terms = _routed_terms(k, s * b, h, f, tp, tokens, rows, num_experts, etp,
                           bytes_per_element, f if expert_f is None else expert_f, shared_f)
     if recompute == "full":
         terms = dict.fromkeys(terms, 0)
+    elif recompute == "selective":
+        terms = _selective_moe(terms, modules, k)
     return {"dense_layer": dense_layer, **terms,
             "total": dense_layer + sum(terms.values())}
+
+
+def _selective_moe(terms: dict, modules: frozenset[str], k: int) -> dict:
+    """The routed terms of :func:`moe_layer_activation_bytes` under selective recomputation
+    of ``modules``."""
+    if "moe" in modules:
+        terms = {name: (v if name == "dense_mlp_replaced" else 0) for name, v in terms.items()}
+    if "moe_act" in modules:
+        terms["expert_mlp"] *= (k - 1) / k
+    if "shared_experts" in modules and "shared_mlp" in terms:
+        terms["shared_mlp"] = 0
+    if "mlp" in modules:
+        terms["dense_mlp_replaced"] = 0
+    return terms
 
 
 def _routed_terms(k: int, sb: int, h: int, f: int, tp: int, tokens: int, rows: int,

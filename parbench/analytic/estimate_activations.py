@@ -15,6 +15,7 @@ from .counting import Counting
 from .estimate_blocks import Block, optional
 from .estimate_traffic import routed_rows
 from .params import mtp_layer_is_moe
+from .recompute_modules import check_modules
 from .shape import Shape, moe_layer_count
 from .stages import layout_stage_indices
 
@@ -60,7 +61,8 @@ class Activations(Block):
 
 
 def _layer(shape: Shape, lay: Layout, sp: bool, mode: str, counting: Counting,
-           s_local: int, view: bool = False) -> tuple[float, float]:
+           s_local: int, view: bool = False,
+           modules: frozenset[str] = frozenset({"core_attn"})) -> tuple[float, float]:
     """One dense layer's bytes: Korthikanti's count (e-byte activations, 1-byte dropout
     masks) and the reference model's (no dropout, fused attention, LayerNorm statistics).
     ``view``: the reference model's projection input counted as a view of the kernel's
@@ -69,11 +71,12 @@ def _layer(shape: Shape, lay: Layout, sp: bool, mode: str, counting: Counting,
     arch = shape.attention_keywords()
     kor = activations.layer_activation_bytes(s_local, b, shape.h, shape.a, t, sp, mode,
                                               shape.f, bytes_per_element=e,
-                                              attention=counting.attention, **arch)
+                                              attention=counting.attention,
+                                              modules=modules, **arch)
     ref_kw = {"proj_input_copy": False} if view else {}
     ref = activations.reference_layer_activation_bytes(
         s_local, b, shape.h, shape.a, t, (sp and t > 1) if view else sp, mode, shape.f,
-        bytes_per_element=e, **ref_kw, **arch)
+        bytes_per_element=e, modules=modules, **ref_kw, **arch)
     return kor, ref
 
 
@@ -90,13 +93,14 @@ def _moe_keywords(shape: Shape, lay: Layout, sp: bool, counting: Counting,
 
 def _by_recompute(shape: Shape, lay: Layout, sp: bool, counting: Counting, s_local: int,
                   moe: dict | None) -> dict[str, dict[str, float]]:
-    """One layer's bytes for every recompute mode; for an MoE model an MoE layer's too
-    (``*_moe``)."""
+    """One layer's bytes for every recompute mode (``moe`` holds the selective modules);
+    for an MoE model an MoE layer's too (``*_moe``)."""
     out = {}
     for mode in activations.RECOMPUTE:
-        kor, ref = _layer(shape, lay, sp, mode, counting, s_local, view=True)
+        kor, ref = _layer(shape, lay, sp, mode, counting, s_local, view=True,
+                          modules=moe["modules"])
         out[mode] = {"korthikanti": kor, "reference_model": ref}
-        if moe is not None:
+        if "num_experts" in moe:
             for kind in ("korthikanti", "reference_model"):
                 out[mode][kind + "_moe"] = activations.moe_layer_activation_bytes(
                     out[mode][kind], recompute=mode, **moe)["total"]
@@ -134,13 +138,16 @@ def _mtp(shape: Shape, lay: Layout, sp: bool, layer: float, logits: float,
 def activation_block(shape: Shape, lay: Layout, options: Options, counting: Counting,
                      s_local: int) -> Activations:
     """The activation block of ``shape`` (vocabulary padded) on one rank."""
-    sp, mode = options.tensor.sp, options.recompute
-    kor, ref = _layer(shape, lay, sp, mode, counting, s_local)
-    moe = _moe_keywords(shape, lay, sp, counting, s_local) if shape.moe else None
+    sp, mode, mods = options.tensor.sp, options.recompute, options.selective_modules
+    check_modules(shape, lay, mods if mode == "selective" else frozenset())
+    kor, ref = _layer(shape, lay, sp, mode, counting, s_local, modules=mods)
+    moe = {**_moe_keywords(shape, lay, sp, counting, s_local), "modules": mods} \
+        if shape.moe else None
     logits = counting.logits_bytes
     common = dict(
         per_layer_korthikanti=kor, per_layer_reference_model=ref,
-        per_layer_by_recompute=_by_recompute(shape, lay, sp, counting, s_local, moe),
+        per_layer_by_recompute=_by_recompute(shape, lay, sp, counting, s_local,
+                                             moe or {"modules": mods}),
         attention=counting.attention,
         last_stage_logits=activations.logits_bytes(s_local, lay.micro_batch_size, shape.V,
                                                    lay.tp, logits),

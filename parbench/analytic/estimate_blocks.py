@@ -71,6 +71,8 @@ class Inputs(Block):
     sp: bool
     recompute: str
     bytes_per_element: int
+    #: what selective recomputation recomputes (Megatron's ``--recompute-modules``)
+    recompute_modules: str | None = optional()
     vocab_size: int | None = optional()
     padded_vocab_size: int | None = optional()
     make_vocab_size_divisible_by: int | None = optional()
@@ -116,6 +118,8 @@ def layout_inputs(lay: Layout, options: Options, counting: Counting, **more: Any
                   global_batch=lay.global_batch_size, tp=lay.tp, pp=lay.pp, dp=lay.dp,
                   cp=lay.cp, ep=lay.ep, vpp=lay.vpp, zero_stage=options.data.zero_stage,
                   sp=options.tensor.sp, recompute=options.recompute,
+                  recompute_modules=options.recompute_modules
+                  if options.recompute == "selective" else None,
                   bytes_per_element=counting.bytes_per_element, **more)
 
 

@@ -12,6 +12,7 @@ from ..options import Options
 from . import comm, context, gqa, tensor
 from .counting import Counting
 from .estimate_blocks import Block, StageParams, optional
+from .recompute_modules import repeats_dispatch
 from .shape import Shape, exact_factor, expert_capacity, moe_layer_count
 from .stages import layout_stage_indices
 
@@ -147,7 +148,8 @@ def communication_block(shape: Shape, lay: Layout, options: Options, counting: C
         tr += cp_transfers(shape, lay, options.context.cp_algorithm, s_local, full, e)
     routing = None
     if shape.moe:
-        ep_tr, routing = expert_transfers(shape, lay, sp, s_local, full, e)
+        ep_tr, routing = expert_transfers(shape, lay, sp, s_local, repeats_dispatch(options),
+                                          e)
         tr += ep_tr
     if lay.pp > 1:
         s_p2p = s_local // lay.tp if sp and s_local % lay.tp == 0 else s_local

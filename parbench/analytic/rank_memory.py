@@ -37,6 +37,7 @@ from . import activations, memory
 from . import params as param_model
 from .counting import Counting
 from .estimate_traffic import routed_rows
+from .recompute_modules import recompute_key, split_key
 from .shape import Shape, moe_layer_count, shape_from
 from .stages import stage_layer_indices
 
@@ -70,13 +71,15 @@ def padded_shape(shape: Shape, tp: int) -> Shape:
 def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
                 counting: Counting) -> tuple[float, float | None]:
     """(a dense layer's, an MoE layer's or None) activation bytes per micro-batch on one
-    rank: Korthikanti's count at s/cp tokens with the counting's attention and element
+    rank (``recompute``: a ``recompute_modules.recompute_key`` word): Korthikanti's count at s/cp tokens with the counting's attention and element
     bytes, the routed terms added on an MoE layer (``estimate``'s ``per_layer_korthikanti``
     and ``per_moe_layer_korthikanti``)."""
     s_local, t, e = shape.s // lay.cp, lay.tp, counting.bytes_per_element
+    recompute, modules = split_key(recompute)
     dense = activations.layer_activation_bytes(
         s_local, lay.micro_batch_size, shape.h, shape.a, t, sp, recompute, shape.f,
-        bytes_per_element=e, attention=counting.attention, **shape.attention_keywords())
+        bytes_per_element=e, attention=counting.attention, modules=modules,
+        **shape.attention_keywords())
     if not shape.moe:
         return dense, None
     tokens, _, rows = routed_rows(shape, lay.micro_batch_size, s_local, t, sp)
@@ -84,7 +87,7 @@ def layer_bytes(shape: Shape, lay: Layout, sp: bool, recompute: str,
         dense, s=s_local, b=lay.micro_batch_size, h=shape.h, f=shape.f, tp=t, tokens=tokens,
         rows=rows, num_experts=shape.num_experts, etp=lay.expert_tp, recompute=recompute,
         bytes_per_element=e, mlp=shape.mlp, expert_f=shape.expert_f,
-        shared_f=shape.moe_shared_expert_size)["total"]
+        shared_f=shape.moe_shared_expert_size, modules=modules)["total"]
     return dense, moe
 
 
@@ -136,7 +139,7 @@ def _static_of(shape, lay: Layout, options: Options, counting: Counting):
     grid = (lay.tp, lay.cp, lay.ep, lay.etp, lay.dp, lay.pp, lay.vpp, lay.micro_batch_size,
             lay.first_stage_layers, lay.last_stage_layers)
     return _static_grid(shape_from(shape), grid, options.tensor.sp and lay.tp > 1,
-                        options.recompute, options.data.zero_stage, counting)
+                        recompute_key(options), options.data.zero_stage, counting)
 
 
 @lru_cache(maxsize=65536)

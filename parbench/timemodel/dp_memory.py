@@ -184,7 +184,8 @@ def memory_per_rank(shape, trn: Training) -> tuple[float, dict]:
     fp32 logits) with the schedule's micro-batches in flight (:func:`_inflight`); cached per
     layout and options, since the planner asks for the same figures again and again."""
     lay, opt = trn.layout, trn.options
-    key = (shape, lay, opt.tensor.sp, opt.recompute, opt.data.zero_stage, trn.dtype,
+    key = (shape, lay, opt.tensor.sp, opt.recompute, opt.recompute_modules,
+           opt.data.zero_stage, trn.dtype,
            trn.accounting, trn.attention)
     hit = _MEMORY.get(key)
     if hit is None:

@@ -61,6 +61,8 @@ def _headline(model: str, shape, trn: Training) -> str:
         extra.append(f"ZeRO-{opt.data.zero_stage}")
     if opt.recompute != "none":
         extra.append(f"recompute={opt.recompute}")
+    if opt.recompute == "selective" and opt.recompute_modules != "core_attn":
+        extra.append(f"recompute_modules={opt.recompute_modules}")
     if lay.pp > 1:
         extra.append(f"schedule={lay.schedule}")
     m = lay.num_microbatches

@@ -10,6 +10,7 @@ from ..analytic import comm as acomm
 from ..analytic import context as actx
 from ..analytic import gqa as agqa
 from ..analytic import tensor as atensor
+from ..analytic.recompute_modules import repeats_dispatch
 from .costs import (
     _apply_measured,
     _bias,
@@ -26,6 +27,7 @@ from .costs import (
     _scaled,
     mla_gemms,
 )
+from .recompute import selective_forward_s
 from .training import Training
 from .profile import Profile
 
@@ -35,6 +37,7 @@ def layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool = False)
     the exposed tp / cp / ep communication (``model``'s module doc)."""
     lay, opt = trn.layout, trn.options
     key = ("layer", shape, lay.tp, lay.cp, lay.ep, lay.etp, opt.tensor.sp, opt.recompute,
+           opt.recompute_modules,
            lay.micro_batch_size, trn.dtype, opt.context.cp_algorithm,
            opt.context.cp_ulysses, moe_layer, trn.ranks_per_node, trn.attention)
     cache = _cache(profile)
@@ -106,7 +109,9 @@ def _layer_costs(shape, trn: Training, profile: Profile, moe_layer: bool) -> _Co
     c = _Costs()
     af_self, ab_self = _layer_compute(c, shape, trn, profile, loc, moe_layer)
     af, hop_block = _cp_attention(c, shape, trn, profile, loc, af_self, ab_self)
-    _recomputation(c, trn, profile, af)
+    _recomputation(c, trn, profile, selective_forward_s(shape, trn, profile, loc, moe_layer,
+                                                        af)
+                   if trn.options.recompute == "selective" else 0.0)
     # ---- communication on the critical path
     link = _LinkFn(profile, trn.ranks_per_node or profile.ranks_per_node)
     if loc.tp > 1:
@@ -201,13 +206,14 @@ def _cp_attention(c: _Costs, shape, trn: Training, profile: Profile, loc: _Local
     return af, hop_block
 
 
-def _recomputation(c: _Costs, trn: Training, profile: Profile, af: float) -> None:
+def _recomputation(c: _Costs, trn: Training, profile: Profile, selective_f: float) -> None:
     """Recomputation (Korthikanti et al. 2022, Sec. 5): ``full`` repeats the layer's
-    forward, ``selective`` the attention core (forward seconds ``af``)."""
+    forward, ``selective`` its modules' forward (``selective_f`` seconds: the attention core
+    by default, ``recompute.selective_forward_s``)."""
     if trn.options.recompute == "full":
         c.rc = c.f
     elif trn.options.recompute == "selective":
-        c.rc = af * _part_ratio(profile, "layer", trn.dtype)[0]
+        c.rc = selective_f * _part_ratio(profile, "layer", trn.dtype)[0]
 
 
 def _tp_comm(c: _Costs, trn: Training, profile: Profile, loc: _LocalLayer, link: str) -> None:
@@ -280,7 +286,7 @@ def _ep_comm(c: _Costs, shape, trn: Training, profile: Profile, loc: _LocalLayer
     opt = trn.options
     cf = shape.moe_capacity_factor or None
     tr = acomm.expert_traffic(loc.T_ln, loc.h, trn.layout.ep, 1, 1, shape.moe_top_k, loc.e,
-                              opt.recompute == "full", capacity_factor=cf,
+                              repeats_dispatch(opt), capacity_factor=cf,
                               num_experts=shape.num_experts)
     t_all = _comm_time(profile, tr, link)
     n_all = sum(t.count for t in tr) or 1

@@ -228,8 +228,14 @@ def test_fp16_is_estimated_as_two_bytes_and_refused_by_run(capsys):
 #: (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), written out; each feature parbench
 #: does not model must be refused by name, the rest must import
 DEEPSEEK_V3_REFUSED = {
-    "--recompute-modules mlp moe mla_up_proj layernorm": "only whole-model recomputation",
+    "--recompute-granularity selective --recompute-num-layers 2": "some layers only",
 }
+#: the same script's recomputation and layout (TP=1, EP=8, MBS=4 by default)
+DEEPSEEK_V3_RECOMPUTE = """
+--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm
+--tensor-model-parallel-size 1 --expert-model-parallel-size 8
+--expert-tensor-parallel-size 1 --micro-batch-size 4 --sequence-parallel
+"""
 #: the same script's routing arguments parbench applies (and --moe-shared-expert-overlap of
 #: examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh), in the order given
 DEEPSEEK_V3_ROUTER = """
@@ -256,6 +262,38 @@ DEEPSEEK_V3_MODEL = """
 def test_megatron_lms_deepseek_v3_example_refuses_what_is_not_modelled(extra, match):
     with pytest.raises(ConfigError, match=match):
         from_megatron_args(shlex.split(DEEPSEEK_V3_MODEL + extra))
+
+
+def test_megatron_lms_deepseek_v3_example_recompute_modules_import_and_are_counted():
+    """``--recompute-modules mlp moe mla_up_proj layernorm`` sets recompute_modules (in
+    Megatron-Core's order of names); estimate then keeps, per dense layer, neither the norms'
+    outputs nor MLA's up-projected Q/K/V nor the MLP's internals, per MoE layer no routed
+    tensor, and counts the MoE layer's dispatch and combine again (6 all-to-alls per MoE layer
+    and micro-batch, as under full recomputation): each figure against the same layout with
+    core_attn alone, from the closed forms' own terms."""
+    from parbench.analytic import Counting, estimate
+    from parbench.analytic.shape import shape_from
+    from parbench.imports import megatron_attention
+    argv = shlex.split(DEEPSEEK_V3_MODEL + DEEPSEEK_V3_RECOMPUTE)
+    case = from_megatron_args(argv)
+    opt = case.options
+    assert (opt.recompute, opt.recompute_modules) == ("selective", "layernorm,mla_up_proj,mlp,moe")
+    shape = shape_from(case.model)
+    counting = Counting(attention=megatron_attention(argv))  # auto: a fused kernel
+    assert counting.attention == "flash"
+    mods = estimate(shape, case.layout, opt, counting)
+    core = estimate(shape, case.layout, opt.with_values(recompute_modules="core_attn"), counting)
+    act, act0 = mods.memory.activations, core.memory.activations
+    s, b, h, e, f = 4096, 4, 7168, 2, 18432
+    qkv = 128 * 192 + 128 * 192 + 128 * 128
+    flash_out = s * b * 128 * 128 * e + 128 * s * b * 4  # the core's output and its LSE
+    saved = 2 * s * b * h * e + qkv * s * b * e + 3 * s * b * f * e - flash_out
+    assert act0.per_layer_korthikanti - act.per_layer_korthikanti == saved
+    terms = act.moe_layer_terms_korthikanti
+    assert all(terms[k] == 0 for k in ("router", "dispatch", "expert_mlp", "combine",
+                                       "shared_mlp", "dense_mlp_replaced"))
+    assert mods.communication.expert.all_to_alls_per_moe_layer_per_micro_batch == 6
+    assert core.communication.expert.all_to_alls_per_moe_layer_per_micro_batch == 4
 
 
 def test_megatron_lms_deepseek_v3_example_model_imports_with_its_published_count():
@@ -286,3 +324,29 @@ def test_megatron_lms_deepseek_v3_example_routing_applies_the_deepseek_v3_router
                  "--moe-router-group-topk", "--moe-router-num-groups",
                  "--moe-router-bias-update-rate", "--moe-router-topk-scaling-factor"):
         assert name not in ignored
+
+
+def test_the_distributed_optimizer_and_megatron_fsdp_set_the_zero_stage():
+    """Megatron-Core's distributed optimizer shards the optimizer states over dp (6 + 12/d
+    bytes per parameter): ZeRO-1. Megatron-FSDP's sharding strategy is the stage (optim 1,
+    optim_grads 2, optim_grads_params 3, no_shard 0) whatever the flags' order; without
+    --use-megatron-fsdp the strategy changes nothing and is listed so; a gradient dtype other
+    than the run's is refused by name."""
+    from parbench.imports import megatron_ignored
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --bf16 "
+    assert from_megatron_args(shlex.split(base)).options.data.zero_stage == 0
+    dist = base + "--use-distributed-optimizer"
+    assert from_megatron_args(shlex.split(dist)).options.data.zero_stage == 1
+    for strategy, stage in (("optim", 1), ("optim_grads", 2), ("optim_grads_params", 3),
+                            ("no_shard", 0)):
+        argv = shlex.split(f"{base}--use-megatron-fsdp --data-parallel-sharding-strategy "
+                           f"{strategy} --use-distributed-optimizer "
+                           "--megatron-fsdp-main-grads-dtype bf16")
+        assert from_megatron_args(argv).options.data.zero_stage == stage
+    alone = shlex.split(dist + " --data-parallel-sharding-strategy optim_grads_params")
+    assert from_megatron_args(alone).options.data.zero_stage == 1
+    assert "--data-parallel-sharding-strategy" in megatron_ignored(alone)
+    with pytest.raises(ConfigError, match="--megatron-fsdp-main-grads-dtype=fp32 is not "
+                                          "supported"):
+        from_megatron_args(shlex.split(base + "--use-megatron-fsdp "
+                                       "--megatron-fsdp-main-grads-dtype fp32"))

@@ -232,3 +232,29 @@ def test_a_goal_tables_misses_are_reported_not_excused(reproductions):
     short = sum(len(t.misses) for t in r.tables)
     assert (f"{short} outside the goal" in r.summary()) == (short > 0)
     assert all(not c.explained for t in r.tables for c in t.cells)
+
+
+def test_compute_scale_says_how_much_compute_would_close_a_rows_gap(reproductions):
+    """``compute_scale``: a step of 10 s with 6 s of compute published at 12 s needs its
+    compute x (12 - 4) / 6; published at 10 s, x 1. Table 1's note states the median and
+    range over its rows, from each row's own prediction."""
+    from parbench.reproduce.throughput import compute_scale
+    assert compute_scale(12.0, 10.0, 6.0) == pytest.approx(8 / 6)
+    assert compute_scale(10.0, 10.0, 6.0) == pytest.approx(1.0)
+    from parbench.reproduce.ptdp import TABLE1, gpt_shape
+    from parbench.reproduce.throughput import TABLE1_RUNS
+    from parbench.timemodel import Training, load_profile, predict_step
+    table = reproductions["throughput"].tables[0]
+    _, a, h, l, t, p, n, B, _ = TABLE1[0]  # noqa: E741
+    mbs, _, _ = TABLE1_RUNS["1.7"]
+    d = n // (t * p)
+    st = predict_step(gpt_shape(a, h, l), Training.of(
+        tp=t, pp=p, dp=d, micro_batch_size=mbs, num_microbatches=B // (d * mbs),
+        schedule="1f1b", recompute="full", sp=False, zero_stage=0, attention="eager",
+        dtype="fp16", overlap_grad_reduce=True, grad_accumulation="unfused"),
+        load_profile("a100-80gb"))
+    cell = table.cells[0]
+    one = compute_scale(cell.published, st.step_s, st.compute_s + st.recompute_s)
+    assert one > 1  # the row's step is predicted short of the published one
+    where = [x for x in table.notes if x.startswith("where the gap lies")]
+    assert len(where) == 1 and "compute would have to be x" in where[0]
