@@ -29,13 +29,12 @@ import torch
 from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
 from parbench.analytic import tensor_grid as grid_model
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
 from .collectives import all_gather_dim0, reduce_scatter_dim0
-from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
-from .megatron_model import MegatronLayout
+from .grid import GridGPT, grid_out_rows, grid_probes, make_subgroup, reduce_grads
 from .shards import Placement, blocks
 
 #: linears from layout L1 to L2 (input features on z, output on y) and back
@@ -90,7 +89,6 @@ class CubeGPT(GridGPT):
         self.grid, self.q = grid, grid.q
         super().__init__(cfg, seed, tp_index)
         self.hidden_group = grid.z
-        self.heads = cfg.num_heads // grid.q
 
     def rows(self, batch: int) -> slice:
         n = batch // (self.q * self.q)
@@ -107,13 +105,12 @@ class CubeGPT(GridGPT):
 
     def placement(self, name: str, shape: tuple) -> Placement:
         q = self.q
-        qkv = MegatronLayout(self.cfg, q)
 
         def block_of(n, b):
             return blocks(b * (n // q), n // q)
 
         def out_block(b):
-            return qkv.qkv_rows(b) if ".attn.qkv." in name else block_of(shape[0], b)
+            return grid_out_rows(self.cfg, q, name, shape[0], b)
 
         def out_sub(b, i):
             rows = out_block(b)
@@ -142,16 +139,17 @@ class CubeGPT(GridGPT):
         else:
             groups = (g.z, g.x, g.y)
         y = CubeLinear.apply(x, self.p(f"{prefix}.weight"), *groups, self.q)
-        return y + self.p(f"{prefix}.bias")
+        return self.add_bias(y, f"{prefix}.bias")
 
     def weights(self) -> list:
         return [self.p(f"blocks.{i}.{lin}.weight") for i in range(self.cfg.num_layers)
                 for lin in L1_TO_L2 + L2_TO_L1]
 
     def y_feature_params(self) -> list:
-        """Biases whose features run along y (outputs of the L1 -> L2 linears)."""
+        """Biases whose features run along y (outputs of the L1 -> L2 linears; none
+        without biases)."""
         return [self.p(f"blocks.{i}.{lin}.bias") for i in range(self.cfg.num_layers)
-                for lin in L1_TO_L2]
+                for lin in L1_TO_L2 if self.cfg.bias]
 
 
 @register
@@ -171,6 +169,9 @@ class Cube3D(TensorParallelScheme):
     #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
     #: --reset-position-ids)
     supports_packing = True
+    #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
+    #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
+    model_features = MODEL_FEATURES
 
     def build_model(self):
         ctx = self.ctx

@@ -31,12 +31,11 @@ import torch.distributed as dist
 from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
 from parbench.analytic import tensor_grid as grid_model
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
-from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
-from .megatron_model import MegatronLayout
+from .grid import GridGPT, grid_out_rows, grid_probes, make_subgroup, reduce_grads
 from .shards import Placement, blocks
 
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -114,7 +113,6 @@ class SummaGPT(GridGPT):
         self.q, self.d = grid.q, grid.d
         super().__init__(cfg, seed, tp_index)
         self.hidden_group = grid.row
-        self.heads = cfg.num_heads // grid.q
 
     def rows(self, batch: int) -> slice:
         n = batch // (self.d * self.q)
@@ -123,13 +121,12 @@ class SummaGPT(GridGPT):
 
     def placement(self, name: str, shape: tuple) -> Placement:
         q = self.q
-        qkv = MegatronLayout(self.cfg, q)
 
         def block_of(n, j):
             return blocks(j * (n // q), n // q)
 
         def out_rows(j):
-            return qkv.qkv_rows(j) if ".attn.qkv." in name else block_of(shape[0], j)
+            return grid_out_rows(self.cfg, q, name, shape[0], j)
         if name.endswith(".weight") and any(f".{lin}." in name for lin in LINEARS):
             return Placement(name, shape, lambda t: (out_rows(self.coords(t)[2]),
                                                      block_of(shape[1], self.coords(t)[1])))
@@ -143,7 +140,7 @@ class SummaGPT(GridGPT):
 
     def linear(self, x, prefix: str):
         y = SummaLinear.apply(x, self.p(f"{prefix}.weight"), self.grid)
-        return y + self.p(f"{prefix}.bias")
+        return self.add_bias(y, f"{prefix}.bias")
 
     def weights(self) -> list:
         return [self.p(f"blocks.{i}.{lin}.weight") for i in range(self.cfg.num_layers)
@@ -167,6 +164,9 @@ class Tesseract(TensorParallelScheme):
     #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
     #: --reset-position-ids)
     supports_packing = True
+    #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
+    #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
+    model_features = MODEL_FEATURES
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:

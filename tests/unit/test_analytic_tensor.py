@@ -12,7 +12,8 @@ from parbench.analytic import tensor_grid as G
 from parbench.analytic.activations import (korthikanti_layer_bytes, layer_activation_bytes,
                                            reference_layer_activation_bytes)
 from parbench.analytic.comm import tp_traffic
-from parbench.analytic.params import embedding_params, head_params, layer_params
+from parbench.analytic.params import (embedding_params, head_params, layer_params,
+                                      total_params)
 from parbench.layout import Layout
 from parbench.options import Options
 
@@ -127,6 +128,61 @@ def test_grids_refuse_shapes_that_do_not_fit():
     assert G.cube_grid(27) == 3
     with pytest.raises(ValueError, match="micro_batch_size"):
         G.check_summa(shape(), 3, 2, 2)
+
+
+#: the LLaMA blocks (issue 21): 8 query heads over 2 K/V heads, SwiGLU, RMSNorm, no biases
+LLAMA = dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False,
+             position_embeddings=False)
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA, {**LLAMA, "tie_embeddings": True}])
+@pytest.mark.parametrize("q", [1, 2])
+def test_grid_rank_parameters_sum_to_the_parameter_table(kw, q):
+    """Every weight block is one rank's of q^2 (2D) / q^3 (3D); every other parameter is
+    split into q hidden blocks, each held by q (2D: the grid rows) / q^2 (3D) ranks, so the
+    ranks' replicated elements sum to q / q^2 copies of them: the reference model's count
+    (``params.total_params``, the independent table) from the per-rank closed forms."""
+    shp = shape(**kw)
+    want = total_params(shp)
+    s, c = G.summa_params(shp, q), G.cube_params(shp, q)
+    assert q * q * (s.numel - s.replicated) + s.replicated * q * q // q == want
+    assert q ** 3 * (c.numel - c.replicated) + c.replicated * q ** 3 // (q * q) == want
+
+
+def test_llama_linears_are_the_gqa_qkv_and_swiglu_fc1():
+    """QKV h -> h + 2 g d (64 -> 64 + 2 x 2 x 8), fc1 h -> 2f ([gate; up], 64 -> 512)."""
+    whats = {t.what.split(":")[0] for t in G.summa_step_traffic(shape(**LLAMA), 4, 2)}
+    assert {"SUMMA 64->96", "SUMMA 64->64", "SUMMA 64->512", "SUMMA 256->64"} <= whats
+    assert "SUMMA 64->192" in {t.what.split(":")[0] for t in G.summa_step_traffic(shape(), 4, 2)}
+
+
+@pytest.mark.parametrize("traffic", [lambda s: G.summa_step_traffic(s, 4, 2, 2, 3),
+                                     lambda s: G.cube_step_traffic(s, 4, 2, 3)])
+def test_rmsnorm_all_reduces_one_sum_per_token_not_two(traffic):
+    """LayerNorm: mean and variance, 2 all-reduces forward and 2 backward per norm; RMSNorm:
+    the sum of squares, 1 and 1 -- for 2L + 1 norms, m = 3 micro-batches."""
+    def norm_calls(shp):
+        return sum(t.count for t in traffic(shp) if "Norm" in t.what)
+    assert norm_calls(shape()) == 4 * (2 * 3 + 1) * 3
+    assert norm_calls(shape(norm="rmsnorm")) == 2 * (2 * 3 + 1) * 3
+
+
+def test_3d_without_biases_has_no_y_feature_reduction():
+    """The y-feature parameters are QKV's and fc1's biases: without biases no all-reduce
+    over z once per step (the norms' and head's all-reduces on z, m = 3 a step, remain)."""
+    once = [t for t in G.cube_step_traffic(shape(**LLAMA), 4, 2, 3) if t.count == 1]
+    assert {t.axis for t in once} == {"tp_x", "tp_y"}
+    once = [t for t in G.cube_step_traffic(shape(), 4, 2, 3) if t.count == 1]
+    assert {t.axis for t in once} == {"tp_x", "tp_y", "tp_z"}
+
+
+def test_grids_keep_each_query_head_with_its_kv_heads():
+    """q must divide num_kv_heads: a grid column's query heads' K/V heads are its own."""
+    G.check_summa(shape(num_kv_heads=2), 4, 2, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=1 is not a multiple of the grid's q=2"):
+        G.check_summa(shape(num_kv_heads=1), 4, 2, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=2 is not a multiple of the grid's q=4"):
+        G.check_cube(shape(num_kv_heads=2, hidden_size=128), 16, 4)
 
 
 def test_reference_activation_adaptation():
