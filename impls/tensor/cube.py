@@ -17,9 +17,13 @@ its input that way, with the roles of y and z exchanged. So a layer alternates t
 L1 (tokens i/j, features l: the residual stream, LayerNorms, embedding and head, whose
 hidden group is ``tp_z``) and L2 (tokens i/l, features j: the QKV output and attention, the
 MLP's hidden activation); QKV and fc1 go L1 -> L2, the projection and fc2 L2 -> L1. Token
-blocks are whole sequences (b must divide by q^2), QKV's feature blocks whole heads.
-Biases, LayerNorms and embeddings hold one feature block and are replicated over the other
-two axes, whose gradients are summed once per step (one coalesced all-reduce per axis).
+blocks are whole sequences (b must divide by q^2), QKV's feature blocks whole heads (query
+heads with their own K/V heads: q must divide num_kv_heads). Biases, norms and embeddings
+hold one feature block and are replicated over the other two axes, whose gradients are
+summed once per step (one coalesced all-reduce per axis; none over z without biases).
+The LLaMA blocks run as in ``grid`` (``model_features``): RMSNorm over ``tp_z``, SwiGLU's
+fc1 output block j = [gate_j; up_j] (its q sub-blocks gathered over ``tp_x`` back into it),
+GQA, RoPE, no biases.
 Predictions: ``parbench.analytic.tensor_grid.cube_step_traffic``.
 """
 from __future__ import annotations

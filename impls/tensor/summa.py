@@ -18,9 +18,12 @@ the row and the partial X_il^T dY_ij reduced along the column to (l, j). Depth l
 compute the same weight's gradient from different batch blocks: every gradient is
 all-reduced over the depth group once per step (Tesseract, Sec. 3.2).
 
-QKV's output blocks are head-aligned (grid column j holds the Q, K and V rows of heads
-[j a/q, (j+1) a/q)), so attention is local; LayerNorms, embeddings and the LM head as in
-``grid``. Axes: ``tp_row``, ``tp_col``, ``tp_dep``. Predictions:
+QKV's output blocks are head-aligned (grid column j holds the Q rows of heads
+[j a/q, (j+1) a/q) and the K and V rows of their K/V heads [j g/q, (j+1) g/q): q must divide
+num_kv_heads), so attention is local; norms, embeddings and the LM head as in ``grid``.
+The model runs the GPT-2 blocks and the LLaMA blocks (``model_features``: RoPE, GQA, SwiGLU
+with fc1's column block j = [gate_j; up_j], RMSNorm over the grid row, no biases; ``grid``).
+Axes: ``tp_row``, ``tp_col``, ``tp_dep``. Predictions:
 ``parbench.analytic.tensor_grid.summa_step_traffic``.
 """
 from __future__ import annotations
