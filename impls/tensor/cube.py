@@ -38,7 +38,8 @@ from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
 from .collectives import all_gather_dim0, reduce_scatter_dim0
-from .grid import GridGPT, grid_out_rows, grid_probes, make_subgroup, reduce_grads
+from .grid import (GridGPT, activation_features, grid_out_rows, grid_probes, make_subgroup,
+                   reduce_grads)
 from .shards import Placement, blocks
 
 #: linears from layout L1 to L2 (input features on z, output on y) and back
@@ -217,7 +218,7 @@ class Cube3D(TensorParallelScheme):
         m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.cube_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
-            m.ffn)}
+            m.ffn, **activation_features(m))}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

@@ -249,6 +249,13 @@ class GridGPT(Tapped, nn.Module):
         return counted_tokens(targets)
 
 
+def activation_features(cfg) -> dict:
+    """The LLaMA blocks' keywords of ``analytic.tensor_grid``'s activation forms: K/V
+    heads, RoPE, SwiGLU (the norm and the biases keep the same bytes)."""
+    return {"kv_heads": cfg.num_kv_heads, "rope": bool(cfg.rope_theta),
+            "swiglu": cfg.mlp == "swiglu"}
+
+
 def grid_probes(model: GridGPT, layout) -> list[ModuleProbe]:
     """The reference modules as probe points of a grid rank's model (issue 20, sec. 5):
     each micro-batch's call computes the rank's batch block of it (``rows``) and its hidden

@@ -38,7 +38,8 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
-from .grid import GridGPT, grid_out_rows, grid_probes, make_subgroup, reduce_grads
+from .grid import (GridGPT, activation_features, grid_out_rows, grid_probes, make_subgroup,
+                   reduce_grads)
 from .shards import Placement, blocks
 
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -212,7 +213,7 @@ class Tesseract(TensorParallelScheme):
         m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.summa_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
-            self.grid.d, m.ffn)}
+            self.grid.d, m.ffn, **activation_features(m))}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

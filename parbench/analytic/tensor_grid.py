@@ -268,30 +268,71 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
 # activation memory per layer (Korthikanti et al. 2022, Sec. 4, adapted)
 # ---------------------------------------------------------------------------------------
 
+def _attention_saved(T, h: int, a: int, q: int, kv_heads: int, rope: bool, s: int,  # noqa: N803
+                     e: int) -> Fraction:
+    """Bytes the attention of a rank's a/q heads keeps for backward on T tokens: the fused
+    kernel's q, k, v (T h/q e each once they are their own tensors), output (T h/q e, the
+    projection's input a view of it) and log-sum-exp (T a/q fp32). q and k are their own
+    tensors when RoPE rotates them, k and v when grouped-query attention repeats its g < a
+    K/V heads over their query groups (Ainslie et al. 2023); any other of them is a view of
+    QKV's output, whose T (h + 2 g h/a)/q elements are then kept once. RoPE (Su et al. 2021,
+    Eq. 34) keeps its cos and sin tables of s x h/a fp32 for q and for k."""
+    g = kv_heads or a
+    views = [not rope, not rope and g == a, g == a]  # q, k, v
+    qkv_out = Fraction(T * (h + 2 * g * h // a), q) if any(views) else 0
+    own = sum(1 for v in views if not v)
+    tables = 4 * s * (h // a) * 4 if rope else 0
+    return (qkv_out + own * Fraction(T * h, q) + Fraction(T * h, q)) * e \
+        + 4 * Fraction(T * a, q) + tables
+
+
+def _mlp_saved(T, f: int, q: int, swiglu: bool, fc2_input_kept: bool,  # noqa: N803
+               e: int) -> Fraction:
+    """Bytes the MLP's activation keeps on T tokens of f/q features: GELU its input (fc1's
+    output) and, where fc2 keeps its input ungathered (2D / 2.5D), GELU's output; SwiGLU
+    (Shazeer 2020, Eq. 6) fc1's [gate; up] output (2 T f/q), silu(gate) (T f/q) and, where
+    fc2 keeps it, the product (T f/q)."""
+    kept = (3 if swiglu else 1) + int(fc2_input_kept)
+    return Fraction(T * f * kept * e, q)
+
+
 def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int = 1,
-                                 ffn_hidden: int | None = None, e: int = 4) -> float:
+                                 ffn_hidden: int | None = None, e: int = 4, *,
+                                 kv_heads: int = 0, rope: bool = False,
+                                 swiglu: bool = False) -> float:
     """Bytes one layer of a 2D / 2.5D rank keeps for backward: Korthikanti et al.'s count
     (Sec. 4.1) for T = b s / (d q) tokens and hidden / q features, with the grid's own
-    LayerNorm (elementwise ops around two all-reduces: it keeps the centred input and the
+    norm (elementwise ops around its all-reduces: LayerNorm keeps the centred input and the
     normalised output, T h/q e each, and 1/sigma, T fp32 values -- not torch's fused kernel's
-    input, mean and 1/sigma). Per layer: two LayerNorms; the inputs of QKV and fc1 (T h/q each);
-    Q, K, V (3 T h/q) and the fused attention kernel's output (T h/q, the projection's input
-    is a view of it) and log-sum-exp (T a/q fp32); fc1's output and GeLU's output
-    (2 T f/q). Total T e (10 h + 2 f)/q + 8 T + 4 T a/q."""
+    input, mean and 1/sigma; RMSNorm the input, the normalised output and 1/rms, the same
+    count). Per layer: two norms; the inputs of QKV and fc1 (T h/q each); the attention
+    (:func:`_attention_saved`: GPT-2's Q, K, V are views of QKV's output, 3 T h/q); the MLP
+    (:func:`_mlp_saved`: GELU 2 T f/q, SwiGLU 4 T f/q). GPT-2 blocks: T e (10 h + 2 f)/q +
+    8 T + 4 T a/q. Unpacked sequences (RoPE's tables shared by the batch)."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, d * q)  # noqa: N806
-    return float(T * e * (10 * h + 2 * f) / q + 8 * T + 4 * T * a / q)
+    norms_and_inputs = T * e * 6 * h / q + 8 * T
+    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+                 + _mlp_saved(T, f, q, swiglu, True, e))
 
 
 def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
-                                ffn_hidden: int | None = None, e: int = 4) -> float:
+                                ffn_hidden: int | None = None, e: int = 4, *,
+                                kv_heads: int = 0, rope: bool = False,
+                                swiglu: bool = False) -> float:
     """Bytes one layer of a 3D rank keeps for backward, T = b s / q^2 tokens per rank: the
-    grid LayerNorm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
+    grid norm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
     tokens: T h e for QKV, the projection and fc1, T f e for fc2) and its gathered weight
-    block (out/q x in/q, as Colossal-AI's ``linear_3d`` keeps them); Q, K, V (3 T h/q e), the
-    attention output (T h/q e) and log-sum-exp (T a/q fp32); fc1's output (GeLU's input,
-    T f/q e). Total T e (8 h/q + 3 h + f/q + f) + 8 T + 4 T a/q + e (4 h^2 + 2 h f)/q^2."""
+    block (out/q x in/q, as Colossal-AI's ``linear_3d`` keeps them: QKV h + 2 g h/a outputs,
+    fc1 2f under SwiGLU); the attention (:func:`_attention_saved`); the MLP's activation
+    (:func:`_mlp_saved`, fc2 keeping the gathered product, not the rank's own). GPT-2
+    blocks: T e (8 h/q + 3 h + f/q + f) + 8 T + 4 T a/q + e (4 h^2 + 2 h f)/q^2."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, q * q)  # noqa: N806
-    return float(T * e * (Fraction(8 * h + f, q) + 3 * h + f) + 8 * T + 4 * T * a / q
-                 + Fraction(e * (4 * h * h + 2 * h * f), q * q))
+    g = kv_heads or a
+    outs = {"qkv": h + 2 * g * h // a, "proj": h, "fc1": 2 * f if swiglu else f, "fc2": h}
+    weights = Fraction(e * (h * (outs["qkv"] + outs["proj"] + outs["fc1"]) + f * h), q * q)
+    gathered = T * e * (3 * h + f)
+    norms = T * e * 4 * h / q + 8 * T
+    return float(norms + gathered + weights + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+                 + _mlp_saved(T, f, q, swiglu, False, e))

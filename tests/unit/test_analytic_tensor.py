@@ -213,6 +213,22 @@ def test_grid_activation_forms_give_the_measured_bytes():
     assert G.cube_layer_activation_bytes(16, 4, 64, 8, 2, 256) == 102784
 
 
+def test_grid_activation_forms_of_the_llama_blocks_give_the_measured_bytes():
+    """Measured on the ranks (llama-tiny rows; test_tensor_llama asserts equality per
+    case). 2D, T = 16 tokens, h/q = 16, f/q = 32, 2 of 4 query heads over 1 of 2 K/V heads:
+    two RMSNorms 2 (2 T h/q e + 4 T) = 4224; QKV and fc1 inputs 2 T h/q e = 2048; rotated q,
+    repeated k and v, the output 4 T h/q e = 4096, log-sum-exp 4 T a/q = 128, RoPE's cos and
+    sin for q and k 4 s d 4 = 2048; SwiGLU's [gate; up], silu(gate), product 4 T f/q e =
+    8192: 20736."""
+    llama = {"kv_heads": 2, "rope": True, "swiglu": True}
+    assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, **llama) == 20736
+    assert G.summa_layer_activation_bytes(16, 4, 64, 8, 2, 2, 64, **llama) == 31104
+    assert G.cube_layer_activation_bytes(16, 4, 64, 8, 2, 64, **llama) == 63872
+    # RoPE on multi-head attention: v stays a view of QKV's output, kept whole
+    assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, kv_heads=4, rope=True,
+                                          swiglu=True) == 22784
+
+
 def test_estimate_prints_per_layer_traffic_and_activations():
     est = estimate(shape(seq_length=64), Layout(tp=4, cp=2, micro_batch_size=1),
                    Options().with_values(sp=True, recompute="selective"))
