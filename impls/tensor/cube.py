@@ -17,9 +17,13 @@ its input that way, with the roles of y and z exchanged. So a layer alternates t
 L1 (tokens i/j, features l: the residual stream, LayerNorms, embedding and head, whose
 hidden group is ``tp_z``) and L2 (tokens i/l, features j: the QKV output and attention, the
 MLP's hidden activation); QKV and fc1 go L1 -> L2, the projection and fc2 L2 -> L1. Token
-blocks are whole sequences (b must divide by q^2), QKV's feature blocks whole heads.
-Biases, LayerNorms and embeddings hold one feature block and are replicated over the other
-two axes, whose gradients are summed once per step (one coalesced all-reduce per axis).
+blocks are whole sequences (b must divide by q^2), QKV's feature blocks whole heads (query
+heads with their own K/V heads: q must divide num_kv_heads). Biases, norms and embeddings
+hold one feature block and are replicated over the other two axes, whose gradients are
+summed once per step (one coalesced all-reduce per axis; none over z without biases).
+The LLaMA blocks run as in ``grid`` (``model_features``): RMSNorm over ``tp_z``, SwiGLU's
+fc1 output block j = [gate_j; up_j] (its q sub-blocks gathered over ``tp_x`` back into it),
+GQA, RoPE, no biases.
 Predictions: ``parbench.analytic.tensor_grid.cube_step_traffic``.
 """
 from __future__ import annotations
@@ -29,13 +33,13 @@ import torch
 from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
 from parbench.analytic import tensor_grid as grid_model
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
 from .collectives import all_gather_dim0, reduce_scatter_dim0
-from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
-from .megatron_model import MegatronLayout
+from .grid import (GridGPT, activation_features, grid_out_rows, grid_probes, make_subgroup,
+                   reduce_grads)
 from .shards import Placement, blocks
 
 #: linears from layout L1 to L2 (input features on z, output on y) and back
@@ -90,7 +94,6 @@ class CubeGPT(GridGPT):
         self.grid, self.q = grid, grid.q
         super().__init__(cfg, seed, tp_index)
         self.hidden_group = grid.z
-        self.heads = cfg.num_heads // grid.q
 
     def rows(self, batch: int) -> slice:
         n = batch // (self.q * self.q)
@@ -107,13 +110,12 @@ class CubeGPT(GridGPT):
 
     def placement(self, name: str, shape: tuple) -> Placement:
         q = self.q
-        qkv = MegatronLayout(self.cfg, q)
 
         def block_of(n, b):
             return blocks(b * (n // q), n // q)
 
         def out_block(b):
-            return qkv.qkv_rows(b) if ".attn.qkv." in name else block_of(shape[0], b)
+            return grid_out_rows(self.cfg, q, name, shape[0], b)
 
         def out_sub(b, i):
             rows = out_block(b)
@@ -142,16 +144,17 @@ class CubeGPT(GridGPT):
         else:
             groups = (g.z, g.x, g.y)
         y = CubeLinear.apply(x, self.p(f"{prefix}.weight"), *groups, self.q)
-        return y + self.p(f"{prefix}.bias")
+        return self.add_bias(y, f"{prefix}.bias")
 
     def weights(self) -> list:
         return [self.p(f"blocks.{i}.{lin}.weight") for i in range(self.cfg.num_layers)
                 for lin in L1_TO_L2 + L2_TO_L1]
 
     def y_feature_params(self) -> list:
-        """Biases whose features run along y (outputs of the L1 -> L2 linears)."""
+        """Biases whose features run along y (outputs of the L1 -> L2 linears; none
+        without biases)."""
         return [self.p(f"blocks.{i}.{lin}.bias") for i in range(self.cfg.num_layers)
-                for lin in L1_TO_L2]
+                for lin in L1_TO_L2 if self.cfg.bias]
 
 
 @register
@@ -171,6 +174,9 @@ class Cube3D(TensorParallelScheme):
     #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
     #: --reset-position-ids)
     supports_packing = True
+    #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
+    #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
+    model_features = MODEL_FEATURES
 
     def build_model(self):
         ctx = self.ctx
@@ -212,7 +218,7 @@ class Cube3D(TensorParallelScheme):
         m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.cube_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
-            m.ffn)}
+            m.ffn, **activation_features(m))}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

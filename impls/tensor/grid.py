@@ -8,7 +8,18 @@ parallel linears the model is handled as the papers' layers handle it:
 - LayerNorm over a hidden dimension split across the *hidden group* (the ranks holding the
   other hidden blocks of the same tokens): the mean and the variance are all-reduced over it
   (2 all-reduces of one fp32 value per token forward, their conjugates backward; Optimus'
-  ``LayerNorm2D``); gamma and beta hold the rank's hidden block;
+  ``LayerNorm2D``); gamma and beta hold the rank's hidden block. RMSNorm (Zhang & Sennrich
+  2019, Eq. 4: no mean, no bias) all-reduces the per-token sum of squares only (one
+  all-reduce forward, its conjugate backward);
+- the LLaMA blocks (Touvron et al. 2023): the linears without biases when ``bias=false``;
+  SwiGLU (Shazeer 2020, Eq. 6) with fc1's output block j holding the gate rows and the up
+  rows of the same f/q columns (``MegatronLayout.fc1_rows`` with the grid's q), so silu(gate)
+  * up is local; grouped-query attention (Ainslie et al. 2023) with QKV's column block j
+  holding query heads [j a/q, (j+1) a/q) and K/V heads [j g/q, (j+1) g/q) -- the K/V heads
+  of exactly those query heads' groups, which needs q to divide g (checked by
+  ``analytic.tensor_grid.check_grid_heads``); RoPE (Su et al. 2021) on the rank's q / k
+  heads at positions 0..s-1 (a rank holds whole sequences, so local positions are global),
+  within each document when packed;
 - the token and position embeddings hold the rank's hidden block of every row (no
   vocabulary split, so no padding); a lookup is local;
 - the LM head uses the same block of the (possibly tied) embedding: each rank's partial
@@ -33,13 +44,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parbench.model import build_model, counted_tokens
+from parbench.model.blocks import NORM_EPS, mlp_activation, split_heads
 from parbench.model.packing import documents_of, self_mask
 from parbench.probes import ModuleProbe
 
 from .taps import Tapped, reference_parts
 
 from .collectives import AllReduceSum, ReduceFromRegion
-from .shards import Placement, take
+from .megatron_model import MegatronLayout
+from .shards import Placement, blocks, take
 
 
 def make_subgroup(mesh, name: str, members_of) -> tuple[object, list[int]]:
@@ -52,8 +65,21 @@ def make_subgroup(mesh, name: str, members_of) -> tuple[object, list[int]]:
     return pg, mine
 
 
+def grid_out_rows(cfg, q: int, name: str, rows: int, j: int) -> torch.Tensor:
+    """The full output rows of linear weight / bias ``name`` (``rows`` of them) in output
+    block j of q: QKV's head-aligned block (query heads j a/q.., K/V heads j g/q..), fc1's
+    [gate_j; up_j] under SwiGLU (``MegatronLayout`` with the grid's q as its t), else the
+    contiguous 1/q."""
+    layout = MegatronLayout(cfg, q)
+    if ".attn.qkv." in name:
+        return layout.qkv_rows(j)
+    if ".mlp.fc1." in name:
+        return layout.fc1_rows(j)
+    return blocks(j * (rows // q), rows // q)
+
+
 def grid_layer_norm(x: torch.Tensor, weight, bias, group, hidden: int,
-                    eps: float = 1e-5) -> torch.Tensor:
+                    eps: float = NORM_EPS) -> torch.Tensor:
     """LayerNorm of ``x`` whose last dimension is one block of ``hidden`` split over
     ``group`` (two all-reduces of per-token sums)."""
     mean = AllReduceSum.apply(x.sum(-1, keepdim=True), group) / hidden
@@ -62,27 +88,45 @@ def grid_layer_norm(x: torch.Tensor, weight, bias, group, hidden: int,
     return xc * torch.rsqrt(var + eps) * weight + bias
 
 
-def local_attention(qkv: torch.Tensor, heads: int, head_dim: int, docs=None) -> torch.Tensor:
-    """Causal attention of local heads: [b, s, 3 heads hd] (Q, K, V blocks) -> [b, s, heads hd];
-    within the documents of the rank's rows when packed (``docs``: Megatron's
-    --reset-attention-mask)."""
+def grid_rms_norm(x: torch.Tensor, weight, group, hidden: int,
+                  eps: float = NORM_EPS) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019, Eq. 4) of ``x`` whose last dimension is one block of
+    ``hidden`` split over ``group``: x / sqrt(sum_all x^2 / hidden + eps) * weight, the
+    per-token sum of squares all-reduced once (no mean)."""
+    ms = AllReduceSum.apply((x * x).sum(-1, keepdim=True), group) / hidden
+    return x * torch.rsqrt(ms + eps) * weight
+
+
+def local_attention(qkv: torch.Tensor, cfg, heads: int, kv_heads: int,
+                    docs=None) -> torch.Tensor:
+    """Causal attention of local heads: [b, s, (heads + 2 kv_heads) hd] (Q, K, V blocks) ->
+    [b, s, heads hd]; K/V heads shared by their query groups, RoPE at the positions of whole
+    sequences (``split_heads``); within the documents of the rank's rows when packed
+    (``docs``: Megatron's --reset-attention-mask / --reset-position-ids)."""
     b, s, _ = qkv.shape
-    q, k, v = qkv.view(b, s, 3, heads, head_dim).unbind(2)
+    q, k, v = split_heads(qkv, heads, kv_heads, cfg.head_dim, cfg.rope_theta, docs)
     mask = None if docs is None else self_mask(docs)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                       v.transpose(1, 2), attn_mask=mask,
-                                       is_causal=mask is None)
-    return y.transpose(1, 2).reshape(b, s, heads * head_dim)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return y.transpose(1, 2).reshape(b, s, heads * cfg.head_dim)
 
 
 class GridGPT(Tapped, nn.Module):
     """Parameters of one grid rank, named as in the reference model. Subclasses give
     ``placement(name, shape)``, ``linear(x, name)``, ``rows`` (this rank's batch block:
     a slice of sequences), the hidden group and ``head_dim``/``heads``. The reference
-    modules run through ``tap`` (probe points when a failure is localised: ``grid_probes``)."""
+    modules run through ``tap`` (probe points when a failure is localised: ``grid_probes``).
+    A grid column holds ``heads`` = a/q query heads and ``kv_heads`` = g/q K/V heads."""
 
     hidden_group = None
     q: int = 1
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_heads // self.q
+
+    @property
+    def kv_heads(self) -> int:
+        return (self.cfg.num_kv_heads or self.cfg.num_heads) // self.q
 
     def coords(self, t: int) -> tuple[int, int, int]:
         """The (slowest, middle, fastest) grid coordinates of tp index ``t`` on q x q x .."""
@@ -118,14 +162,26 @@ class GridGPT(Tapped, nn.Module):
     def p(self, name: str) -> nn.Parameter:
         return self._params[name.replace(".", "__")]
 
+    def bias(self, name: str):
+        """Parameter ``name``, or None when the model has no such bias (``bias=false``)."""
+        key = name.replace(".", "__")
+        return self._params[key] if key in self._params else None
+
+    def add_bias(self, y: torch.Tensor, name: str) -> torch.Tensor:
+        b = self.bias(name)
+        return y if b is None else y + b
+
     def shards(self):
         return {n: (self.p(n), pl) for n, pl in self.placements.items()}
 
     # ---- forward -----------------------------------------------------------------------
     def layer_norm(self, x, prefix: str, group=None):
+        """The block's norm over the hidden group: LayerNorm, or RMSNorm (a weight only)."""
+        group = group if group is not None else self.hidden_group
+        if self.cfg.norm == "rmsnorm":
+            return grid_rms_norm(x, self.p(f"{prefix}.weight"), group, self.cfg.hidden_size)
         return grid_layer_norm(x, self.p(f"{prefix}.weight"), self.p(f"{prefix}.bias"),
-                               group if group is not None else self.hidden_group,
-                               self.cfg.hidden_size)
+                               group, self.cfg.hidden_size)
 
     def embed(self, tokens, docs=None):
         """The rank's hidden block of the token and position embeddings of its rows; with
@@ -147,12 +203,13 @@ class GridGPT(Tapped, nn.Module):
     def attention(self, x, pre: str, docs=None):
         """The attention of block ``pre`` on its normalised input (the rank's heads)."""
         qkv = self.linear(x, f"{pre}.attn.qkv")
-        attn = local_attention(qkv, self.heads, self.cfg.hidden_size // self.cfg.num_heads,
-                               docs)
+        attn = local_attention(qkv, self.cfg, self.heads, self.kv_heads, docs)
         return self.linear(attn, f"{pre}.attn.proj")
 
     def mlp(self, x, pre: str):
-        return self.linear(F.gelu(self.linear(x, f"{pre}.mlp.fc1")), f"{pre}.mlp.fc2")
+        """GELU, or SwiGLU on the rank's [gate_j; up_j] block of fc1's output."""
+        u = mlp_activation(self.linear(x, f"{pre}.mlp.fc1"), self.cfg.mlp)
+        return self.linear(u, f"{pre}.mlp.fc2")
 
     def head(self, x, targets):
         """Partial logits over the whole vocabulary from this hidden block, summed over the
@@ -190,6 +247,13 @@ class GridGPT(Tapped, nn.Module):
         own (Megatron-LM's ``--calculate-per-token-loss`` divides by the count all-reduced
         over the ranks that split the batch)."""
         return counted_tokens(targets)
+
+
+def activation_features(cfg) -> dict:
+    """The LLaMA blocks' keywords of ``analytic.tensor_grid``'s activation forms: K/V
+    heads, RoPE, SwiGLU (the norm and the biases keep the same bytes)."""
+    return {"kv_heads": cfg.num_kv_heads, "rope": bool(cfg.rope_theta),
+            "swiglu": cfg.mlp == "swiglu"}
 
 
 def grid_probes(model: GridGPT, layout) -> list[ModuleProbe]:

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parbench.model import IGNORE_INDEX, GPTStage
-from parbench.model.blocks import NORM_EPS, rotate
+from parbench.model.blocks import NORM_EPS, mlp_activation, rotate
 from parbench.model.mla import latent_attention
 from parbench.model.packing import documents_of, self_mask
 
@@ -294,11 +294,7 @@ class MegatronGPT(Tapped, nn.Module):
         on the rank's [gate_r; up_r] rows."""
         pre = f"blocks.{i}.mlp"
         u = self.column(x, self.p(f"{pre}.fc1.weight"), self.bias(f"{pre}.fc1.bias"))
-        if self.cfg.mlp == "swiglu":
-            gate, up = u.chunk(2, dim=-1)
-            u = F.silu(gate) * up
-        else:
-            u = F.gelu(u)
+        u = mlp_activation(u, self.cfg.mlp)
         return self.row(u, self.p(f"{pre}.fc2.weight"), self.bias(f"{pre}.fc2.bias"))
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

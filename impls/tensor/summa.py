@@ -18,9 +18,12 @@ the row and the partial X_il^T dY_ij reduced along the column to (l, j). Depth l
 compute the same weight's gradient from different batch blocks: every gradient is
 all-reduced over the depth group once per step (Tesseract, Sec. 3.2).
 
-QKV's output blocks are head-aligned (grid column j holds the Q, K and V rows of heads
-[j a/q, (j+1) a/q)), so attention is local; LayerNorms, embeddings and the LM head as in
-``grid``. Axes: ``tp_row``, ``tp_col``, ``tp_dep``. Predictions:
+QKV's output blocks are head-aligned (grid column j holds the Q rows of heads
+[j a/q, (j+1) a/q) and the K and V rows of their K/V heads [j g/q, (j+1) g/q): q must divide
+num_kv_heads), so attention is local; norms, embeddings and the LM head as in ``grid``.
+The model runs the GPT-2 blocks and the LLaMA blocks (``model_features``: RoPE, GQA, SwiGLU
+with fc1's column block j = [gate_j; up_j], RMSNorm over the grid row, no biases; ``grid``).
+Axes: ``tp_row``, ``tp_col``, ``tp_dep``. Predictions:
 ``parbench.analytic.tensor_grid.summa_step_traffic``.
 """
 from __future__ import annotations
@@ -31,12 +34,12 @@ import torch.distributed as dist
 from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
 from parbench.analytic import tensor_grid as grid_model
-from parbench.config import CaseConfig, ConfigError
+from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.scheme import Prediction, register
 
 from .base import TensorParallelScheme
-from .grid import GridGPT, grid_probes, make_subgroup, reduce_grads
-from .megatron_model import MegatronLayout
+from .grid import (GridGPT, activation_features, grid_out_rows, grid_probes, make_subgroup,
+                   reduce_grads)
 from .shards import Placement, blocks
 
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -114,7 +117,6 @@ class SummaGPT(GridGPT):
         self.q, self.d = grid.q, grid.d
         super().__init__(cfg, seed, tp_index)
         self.hidden_group = grid.row
-        self.heads = cfg.num_heads // grid.q
 
     def rows(self, batch: int) -> slice:
         n = batch // (self.d * self.q)
@@ -123,13 +125,12 @@ class SummaGPT(GridGPT):
 
     def placement(self, name: str, shape: tuple) -> Placement:
         q = self.q
-        qkv = MegatronLayout(self.cfg, q)
 
         def block_of(n, j):
             return blocks(j * (n // q), n // q)
 
         def out_rows(j):
-            return qkv.qkv_rows(j) if ".attn.qkv." in name else block_of(shape[0], j)
+            return grid_out_rows(self.cfg, q, name, shape[0], j)
         if name.endswith(".weight") and any(f".{lin}." in name for lin in LINEARS):
             return Placement(name, shape, lambda t: (out_rows(self.coords(t)[2]),
                                                      block_of(shape[1], self.coords(t)[1])))
@@ -143,7 +144,7 @@ class SummaGPT(GridGPT):
 
     def linear(self, x, prefix: str):
         y = SummaLinear.apply(x, self.p(f"{prefix}.weight"), self.grid)
-        return y + self.p(f"{prefix}.bias")
+        return self.add_bias(y, f"{prefix}.bias")
 
     def weights(self) -> list:
         return [self.p(f"blocks.{i}.{lin}.weight") for i in range(self.cfg.num_layers)
@@ -167,6 +168,9 @@ class Tesseract(TensorParallelScheme):
     #: documents in its tokens (``GridGPT.forward``; Megatron's --reset-attention-mask /
     #: --reset-position-ids)
     supports_packing = True
+    #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
+    #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
+    model_features = MODEL_FEATURES
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
@@ -209,7 +213,7 @@ class Tesseract(TensorParallelScheme):
         m, p = self.ctx.model, self.ctx.layout
         return {"act_layer_formula": grid_model.summa_layer_activation_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, self.grid.q,
-            self.grid.d, m.ffn)}
+            self.grid.d, m.ffn, **activation_features(m))}
 
     @classmethod
     def predict(cls, case: CaseConfig) -> Prediction:

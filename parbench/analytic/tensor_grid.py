@@ -8,6 +8,15 @@ the traffic of one step, and activation memory per layer, for the reference GPT.
 
 The stated rules are those of ``parbench.analytic.tensor`` (fp32, AdamW, m micro-batches).
 Pure functions of the model shape and the degrees; nothing from ``impls``.
+
+The LLaMA blocks (Touvron et al. 2023) change the counts by the papers' rules, not the
+communication pattern: RMSNorm (Zhang & Sennrich 2019, Eq. 4) has no mean, so a norm over the
+split hidden dimension all-reduces one per-token sum (of squares) instead of LayerNorm's two,
+and holds a weight only (h, not 2h); ``bias=false`` drops every linear's bias (and its share
+of the replicated gradients' all-reduces); SwiGLU (Shazeer 2020, Eq. 6) makes fc1 h -> 2f
+([gate; up]); grouped-query attention (Ainslie et al. 2023) makes QKV h -> h + 2 g d. The
+grid's head split keeps each query head with its K/V head only when q divides g
+(:func:`check_grid_heads`).
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from fractions import Fraction
 
 from .clip import norm_transfers
 from .comm import Transfer
+from .params import dense_block_tensor_sizes, norm_tensor_sizes
 from .shape import Shape, divides, require_positive_int
 from .tensor import (RankParams, RootedCycle)
 
@@ -53,42 +63,61 @@ def cube_grid(tp: int) -> int:
     raise ValueError(f"tp={tp} is not a cube q^3 (3D tensor parallelism)")
 
 
-def check_summa(shape: Shape, b: int, q: int, d: int) -> None:
-    """The divisibility a 2.5D case needs: heads, hidden and ffn by q (head-aligned column
-    blocks); the micro-batch by d q (whole sequences per batch block)."""
+def check_grid_heads(shape: Shape, q: int) -> None:
+    """Grouped-query attention on a grid whose QKV output is split into q head-aligned
+    column blocks: block j holds query heads [j a/q, (j+1) a/q), which belong to K/V groups
+    [j g/q, (j+1) g/q) -- whole K/V heads only when q divides g (no all-gather of a shared
+    K/V head, unlike Megatron-Core's 1D split: ``analytic.gqa``)."""
     divides("q", q, "num_heads", shape.num_heads)
+    g = shape.kv_heads
+    if g % q:
+        raise ValueError(f"num_kv_heads={g} is not a multiple of the grid's q={q}: each grid "
+                         f"column holds num_heads/q query heads and must hold their K/V heads "
+                         f"whole (q must divide num_kv_heads)")
+
+
+def check_summa(shape: Shape, b: int, q: int, d: int) -> None:
+    """The divisibility a 2.5D case needs: heads, K/V heads, hidden and ffn by q
+    (head-aligned column blocks); the micro-batch by d q (whole sequences per batch block)."""
+    check_grid_heads(shape, q)
     divides("q", q, "hidden_size", shape.h)
     divides("q", q, "ffn_hidden_size", shape.f)
     divides("d*q", d * q, "micro_batch_size", b)
 
 
 def check_cube(shape: Shape, b: int, q: int) -> None:
-    """The divisibility a 3D case needs: heads and hidden by q, every linear's output by q^2
-    (the weight's sub-blocks), the micro-batch by q^2."""
-    divides("q", q, "num_heads", shape.num_heads)
+    """The divisibility a 3D case needs: heads and K/V heads by q, every linear's output by
+    q^2 (the weight's sub-blocks), the micro-batch by q^2."""
+    check_grid_heads(shape, q)
     divides("q^2", q * q, "hidden_size", shape.h)
     divides("q^2", q * q, "ffn_hidden_size", shape.f)
+    divides("q^2", q * q, "QKV width (num_heads + 2 num_kv_heads) head_dim",
+            shape.h + 2 * shape.kv_hidden)
     divides("q^2", q * q, "micro_batch_size", b)
 
 
 def _linears(shape: Shape) -> list[tuple[int, int]]:
-    """(in, out) features of a layer's four linears: QKV, projection, fc1, fc2."""
+    """(in, out) features of a layer's four linears: QKV (h -> h + 2 g d: 3h without GQA),
+    projection, fc1 (h -> f, or 2f under SwiGLU's [gate; up]), fc2."""
     h, f = shape.h, shape.f
-    return [(h, 3 * h), (h, h), (h, f), (f, h)]
+    return [(h, h + 2 * shape.kv_hidden), (h, h), (h, 2 * f if shape.gated else f), (f, h)]
 
 
 def _grid_params(shape: Shape, q: int, weight_div: int) -> RankParams:
     """Parameters of one rank when every non-weight parameter holds one of q hidden blocks
     and each linear weight 1/weight_div of its elements; ``replicated`` counts the
-    non-weight elements (replicated across the grid's other axes)."""
-    h, f, L = shape.h, shape.f, shape.l
+    non-weight elements (replicated across the grid's other axes): each linear's bias (its
+    output features / q; none without biases), 2L + 1 norms (2h or h each, / q), the
+    embeddings. Tensors are the reference model's (``params.dense_block_tensor_sizes``)."""
+    h, L = shape.h, shape.l
     weights = L * sum(i * o for i, o in _linears(shape)) // weight_div
-    biases = L * (3 * h + h + f + h) // q
-    lns = (4 * L + 2) * h // q
+    biases = L * sum(o for _, o in _linears(shape)) // q if shape.bias else 0
+    lns = (2 * L + 1) * shape.norm_params // q
     emb = shape.V * h // q * (1 if shape.tie_embeddings else 2)
     pos = shape.s * h // q if shape.position_embeddings else 0
     replicated = biases + lns + emb + pos
-    tensors = 1 + int(shape.position_embeddings) + 12 * L + 2 + int(not shape.tie_embeddings)
+    tensors = (1 + int(shape.position_embeddings) + L * len(dense_block_tensor_sizes(shape))
+               + len(norm_tensor_sizes(shape)) + int(not shape.tie_embeddings))
     return RankParams(weights + replicated, tensors, replicated)
 
 
@@ -106,13 +135,15 @@ def cube_params(shape: Shape, q: int) -> RankParams:
 
 def _grid_shared_terms(shape: Shape, tokens: int, q: int, hidden_axis: str, m: int,
                  e: int) -> list[Transfer]:
-    """LayerNorm statistics and the LM head's partial logits, per step: each LayerNorm
+    """Norm statistics and the LM head's partial logits, per step: each LayerNorm
     all-reduces the per-token sum and the sum of squares over the hidden group (2 all-reduces
-    of ``tokens`` fp32 values forward, 2 backward); the partial logits (tokens x V) are
-    all-reduced forward."""
-    lns = 2 * shape.l + 1
-    return [Transfer(hidden_axis, "all_reduce", q, tokens * 4, 4 * lns * m,
-                     "LayerNorm mean and variance (fwd, bwd)"),
+    of ``tokens`` fp32 values forward, 2 backward), each RMSNorm the sum of squares only
+    (1 forward, 1 backward); the partial logits (tokens x V) are all-reduced forward."""
+    norms = 2 * shape.l + 1
+    per_norm = 2 if shape.norm == "rmsnorm" else 4
+    what = "RMSNorm sum of squares" if shape.norm == "rmsnorm" else "LayerNorm mean and variance"
+    return [Transfer(hidden_axis, "all_reduce", q, tokens * 4, per_norm * norms * m,
+                     f"{what} (fwd, bwd)"),
             Transfer(hidden_axis, "all_reduce", q, tokens * shape.V * e, m,
                      "LM head partial logits (fwd)")]
 
@@ -200,7 +231,8 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
     terms of :func:`_grid_shared_terms` on ``tp_z`` (the residual stream's hidden axis), and once
     per step the replicated parameters' gradients summed over their replica axes: all over
     ``tp_x``; those with features along z (LayerNorms, embeddings, projection and fc2 biases)
-    over ``tp_y``; those along y (QKV and fc1 biases) over ``tp_z``. With ``clip_grad``,
+    over ``tp_y``; those along y (QKV and fc1 biases) over ``tp_z`` (no such call without
+    biases). With ``clip_grad``,
     the norm's all-reduce over tp (:func:`grid_norm_transfers`).
     """
     require_positive_int("micro_batch", b)
@@ -221,14 +253,14 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
                 Transfer(ax_out, "reduce_scatter", q, Y, L * m, f"{what}: Y (fwd)"),
                 Transfer(ax_out, "all_gather", q, Y, L * m, f"{what}: dY (bwd)")]
     out += _grid_shared_terms(shape, T, q, "tp_z", m, e)
-    h, f = shape.h, shape.f
     rep = cube_params(shape, q).replicated
-    on_y = L * (3 * h + f) // q
+    on_y = L * (_linears(shape)[0][1] + _linears(shape)[2][1]) // q if shape.bias else 0
     out += [Transfer("tp_x", "all_reduce", q, rep * e, 1, "replicated gradients over x"),
             Transfer("tp_y", "all_reduce", q, (rep - on_y) * e, 1,
-                     "gradients of z-feature parameters over y"),
-            Transfer("tp_z", "all_reduce", q, on_y * e, 1,
-                     "gradients of y-feature biases over z")]
+                     "gradients of z-feature parameters over y")]
+    if on_y:  # without biases nothing has its features along y
+        out.append(Transfer("tp_z", "all_reduce", q, on_y * e, 1,
+                            "gradients of y-feature biases over z"))
     return out + grid_norm_transfers(q ** 3, clip_grad)
 
 
@@ -236,30 +268,71 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
 # activation memory per layer (Korthikanti et al. 2022, Sec. 4, adapted)
 # ---------------------------------------------------------------------------------------
 
+def _attention_saved(T, h: int, a: int, q: int, kv_heads: int, rope: bool, s: int,  # noqa: N803
+                     e: int) -> Fraction:
+    """Bytes the attention of a rank's a/q heads keeps for backward on T tokens: the fused
+    kernel's q, k, v (T h/q e each once they are their own tensors), output (T h/q e, the
+    projection's input a view of it) and log-sum-exp (T a/q fp32). q and k are their own
+    tensors when RoPE rotates them, k and v when grouped-query attention repeats its g < a
+    K/V heads over their query groups (Ainslie et al. 2023); any other of them is a view of
+    QKV's output, whose T (h + 2 g h/a)/q elements are then kept once. RoPE (Su et al. 2021,
+    Eq. 34) keeps its cos and sin tables of s x h/a fp32 for q and for k."""
+    g = kv_heads or a
+    views = [not rope, not rope and g == a, g == a]  # q, k, v
+    qkv_out = Fraction(T * (h + 2 * g * h // a), q) if any(views) else 0
+    own = sum(1 for v in views if not v)
+    tables = 4 * s * (h // a) * 4 if rope else 0
+    return (qkv_out + own * Fraction(T * h, q) + Fraction(T * h, q)) * e \
+        + 4 * Fraction(T * a, q) + tables
+
+
+def _mlp_saved(T, f: int, q: int, swiglu: bool, fc2_input_kept: bool,  # noqa: N803
+               e: int) -> Fraction:
+    """Bytes the MLP's activation keeps on T tokens of f/q features: GELU its input (fc1's
+    output) and, where fc2 keeps its input ungathered (2D / 2.5D), GELU's output; SwiGLU
+    (Shazeer 2020, Eq. 6) fc1's [gate; up] output (2 T f/q), silu(gate) (T f/q) and, where
+    fc2 keeps it, the product (T f/q)."""
+    kept = (3 if swiglu else 1) + int(fc2_input_kept)
+    return Fraction(T * f * kept * e, q)
+
+
 def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int = 1,
-                                 ffn_hidden: int | None = None, e: int = 4) -> float:
+                                 ffn_hidden: int | None = None, e: int = 4, *,
+                                 kv_heads: int = 0, rope: bool = False,
+                                 swiglu: bool = False) -> float:
     """Bytes one layer of a 2D / 2.5D rank keeps for backward: Korthikanti et al.'s count
     (Sec. 4.1) for T = b s / (d q) tokens and hidden / q features, with the grid's own
-    LayerNorm (elementwise ops around two all-reduces: it keeps the centred input and the
+    norm (elementwise ops around its all-reduces: LayerNorm keeps the centred input and the
     normalised output, T h/q e each, and 1/sigma, T fp32 values -- not torch's fused kernel's
-    input, mean and 1/sigma). Per layer: two LayerNorms; the inputs of QKV and fc1 (T h/q each);
-    Q, K, V (3 T h/q) and the fused attention kernel's output (T h/q, the projection's input
-    is a view of it) and log-sum-exp (T a/q fp32); fc1's output and GeLU's output
-    (2 T f/q). Total T e (10 h + 2 f)/q + 8 T + 4 T a/q."""
+    input, mean and 1/sigma; RMSNorm the input, the normalised output and 1/rms, the same
+    count). Per layer: two norms; the inputs of QKV and fc1 (T h/q each); the attention
+    (:func:`_attention_saved`: GPT-2's Q, K, V are views of QKV's output, 3 T h/q); the MLP
+    (:func:`_mlp_saved`: GELU 2 T f/q, SwiGLU 4 T f/q). GPT-2 blocks: T e (10 h + 2 f)/q +
+    8 T + 4 T a/q. Unpacked sequences (RoPE's tables shared by the batch)."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, d * q)  # noqa: N806
-    return float(T * e * (10 * h + 2 * f) / q + 8 * T + 4 * T * a / q)
+    norms_and_inputs = T * e * 6 * h / q + 8 * T
+    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+                 + _mlp_saved(T, f, q, swiglu, True, e))
 
 
 def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
-                                ffn_hidden: int | None = None, e: int = 4) -> float:
+                                ffn_hidden: int | None = None, e: int = 4, *,
+                                kv_heads: int = 0, rope: bool = False,
+                                swiglu: bool = False) -> float:
     """Bytes one layer of a 3D rank keeps for backward, T = b s / q^2 tokens per rank: the
-    grid LayerNorm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
+    grid norm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
     tokens: T h e for QKV, the projection and fc1, T f e for fc2) and its gathered weight
-    block (out/q x in/q, as Colossal-AI's ``linear_3d`` keeps them); Q, K, V (3 T h/q e), the
-    attention output (T h/q e) and log-sum-exp (T a/q fp32); fc1's output (GeLU's input,
-    T f/q e). Total T e (8 h/q + 3 h + f/q + f) + 8 T + 4 T a/q + e (4 h^2 + 2 h f)/q^2."""
+    block (out/q x in/q, as Colossal-AI's ``linear_3d`` keeps them: QKV h + 2 g h/a outputs,
+    fc1 2f under SwiGLU); the attention (:func:`_attention_saved`); the MLP's activation
+    (:func:`_mlp_saved`, fc2 keeping the gathered product, not the rank's own). GPT-2
+    blocks: T e (8 h/q + 3 h + f/q + f) + 8 T + 4 T a/q + e (4 h^2 + 2 h f)/q^2."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, q * q)  # noqa: N806
-    return float(T * e * (Fraction(8 * h + f, q) + 3 * h + f) + 8 * T + 4 * T * a / q
-                 + Fraction(e * (4 * h * h + 2 * h * f), q * q))
+    g = kv_heads or a
+    outs = {"qkv": h + 2 * g * h // a, "proj": h, "fc1": 2 * f if swiglu else f, "fc2": h}
+    weights = Fraction(e * (h * (outs["qkv"] + outs["proj"] + outs["fc1"]) + f * h), q * q)
+    gathered = T * e * (3 * h + f)
+    norms = T * e * 4 * h / q + 8 * T
+    return float(norms + gathered + weights + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+                 + _mlp_saved(T, f, q, swiglu, False, e))

@@ -86,19 +86,36 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
     def heads(self, qkv: torch.Tensor, docs: Documents | None = None, expand: bool = True):
-        """q, k, v as [b, num_heads, s, d] from the fused projection [b, s, width]: K/V heads
-        repeated over their query group (``expand=False``: k, v keep their num_kv_heads, as
-        a context-parallel core moves them), RoPE applied to q and k."""
-        b, s, _ = qkv.shape
-        nq, nkv, d = self.num_heads, self.kv_heads, self.head_dim
-        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q, k, v = (t.reshape(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
-        if self.rope_theta:
-            pos = torch.arange(s, device=qkv.device) if docs is None else docs.pos
-            q, k = rotate(q, pos, self.rope_theta), rotate(k, pos, self.rope_theta)
-        if nkv != nq and expand:
-            k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
-        return q, k, v
+        """q, k, v as [b, num_heads, s, d] from the fused projection [b, s, width]
+        (:func:`split_heads`)."""
+        return split_heads(qkv, self.num_heads, self.kv_heads, self.head_dim,
+                           self.rope_theta, docs, expand)
+
+
+def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rope_theta: float = 0.0,
+                docs: Documents | None = None, expand: bool = True):
+    """q, k, v as [b, nq, s, d] from a fused projection [b, s, (nq + 2 nkv) d] laid out
+    [Q; K; V]: K/V heads repeated over their query group of nq / nkv heads (``expand=False``:
+    k, v keep their nkv heads, as a context-parallel core moves them), RoPE applied to q and
+    k at the positions 0..s-1 of whole sequences, or within each packed document (``docs``)."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = (t.reshape(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+    if rope_theta:
+        pos = torch.arange(s, device=qkv.device) if docs is None else docs.pos
+        q, k = rotate(q, pos, rope_theta), rotate(k, pos, rope_theta)
+    if nkv != nq and expand:
+        k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
+    return q, k, v
+
+
+def mlp_activation(u: torch.Tensor, mlp: str) -> torch.Tensor:
+    """fc1's output -> fc2's input: GELU, or SwiGLU (Shazeer 2020, Eq. 6) on [gate; up],
+    silu(gate) * up. A tensor-parallel shard passes its own [gate_r; up_r] columns."""
+    if mlp == "swiglu":
+        gate, up = u.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(u)
 
 
 class MLP(nn.Module):
@@ -113,11 +130,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(f, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = self.fc1(x)
-        if self.swiglu:
-            gate, up = u.chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(u))
+        return self.fc2(mlp_activation(self.fc1(x), "swiglu" if self.swiglu else "gelu"))
 
 
 class Head(nn.Module):

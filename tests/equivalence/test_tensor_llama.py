@@ -4,7 +4,11 @@ no biases) and on packed sequences, against the golden run; every step's bytes a
 the closed forms (``analytic.tensor.megatron_params`` counts the LLaMA tensors). A padded
 vocabulary (61 over tp=2) and selective recompute (the attention core recomputed with the
 documents' mask) are covered; tp > num_kv_heads runs as Megatron-Core runs it (the QKV output
-gathered), a tp that neither divides nor is a multiple of num_kv_heads is refused."""
+gathered), a tp that neither divides nor is a multiple of num_kv_heads is refused. The 2D,
+2.5D and 3D grids run the same blocks (RMSNorm over the hidden group, SwiGLU's [gate_j; up_j]
+column blocks, K/V heads with their query heads' column), bytes, calls and model states equal
+to ``analytic.tensor_grid``'s closed forms; a grid whose q does not divide num_kv_heads is
+refused."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +62,33 @@ def test_tp_above_the_kv_heads_runs_as_megatron_core_does(pools, scheme, extra):
 def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
     with pytest.raises(ConfigError, match="num_kv_heads=3"):
         case_for("tensor.megatron", hidden_size="48", num_heads="6", num_kv_heads="3")
+
+
+#: the grids' shapes (suites/tensor.yaml): tp = 8 needs 8 query heads (still 2 K/V heads)
+GRID8 = {"tp": "8", "micro_batch_size": "4", "num_heads": "8", "hidden_size": "64"}
+
+
+@pytest.mark.parametrize("scheme,extra,unpacked", [
+    ("tensor.2d", {"tp": "4"}, True),
+    ("tensor.2.5d", {**GRID8, "tp_depth": "2", "pack_docs": "3"}, False),
+    ("tensor.3d", GRID8, True)])
+def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra, unpacked):
+    """q = 2 columns over 2 K/V heads; 2.5D with packed documents (RoPE restarted with
+    them). Equal to the golden run; every rank's bytes, calls and model states per step are
+    the closed forms'; unpacked, a layer's saved activations are the grid's activation form
+    (``analytic.tensor_grid``: it counts no packed attention mask)."""
+    case = case_for(scheme, steps="2", timed_steps="0", **extra)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    pred = get_scheme(scheme).predict(case)
+    assert_wire_and_calls_per_step(pred, per_rank)
+    for r in per_rank:
+        assert all(s == pred.model_state_bytes[r.rank] for s in r.model_states_per_step)
+        if unpacked:
+            assert r.metrics["act_layer_bytes"] == r.metrics["act_layer_formula"], r.metrics
+
+
+@pytest.mark.parametrize("scheme,extra", [("tensor.2d", {"tp": "4"}), ("tensor.3d", GRID8)])
+def test_grids_refuse_kv_heads_their_columns_cannot_hold(scheme, extra):
+    with pytest.raises(ConfigError, match="num_kv_heads=1 is not a multiple of the grid's q=2"):
+        case_for(scheme, num_kv_heads="1", **extra)

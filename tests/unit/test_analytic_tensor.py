@@ -12,7 +12,8 @@ from parbench.analytic import tensor_grid as G
 from parbench.analytic.activations import (korthikanti_layer_bytes, layer_activation_bytes,
                                            reference_layer_activation_bytes)
 from parbench.analytic.comm import tp_traffic
-from parbench.analytic.params import embedding_params, head_params, layer_params
+from parbench.analytic.params import (embedding_params, head_params, layer_params,
+                                      total_params)
 from parbench.layout import Layout
 from parbench.options import Options
 
@@ -129,6 +130,61 @@ def test_grids_refuse_shapes_that_do_not_fit():
         G.check_summa(shape(), 3, 2, 2)
 
 
+#: the LLaMA blocks (issue 21): 8 query heads over 2 K/V heads, SwiGLU, RMSNorm, no biases
+LLAMA = dict(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False,
+             position_embeddings=False)
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA, {**LLAMA, "tie_embeddings": True}])
+@pytest.mark.parametrize("q", [1, 2])
+def test_grid_rank_parameters_sum_to_the_parameter_table(kw, q):
+    """Every weight block is one rank's of q^2 (2D) / q^3 (3D); every other parameter is
+    split into q hidden blocks, each held by q (2D: the grid rows) / q^2 (3D) ranks, so the
+    ranks' replicated elements sum to q / q^2 copies of them: the reference model's count
+    (``params.total_params``, the independent table) from the per-rank closed forms."""
+    shp = shape(**kw)
+    want = total_params(shp)
+    s, c = G.summa_params(shp, q), G.cube_params(shp, q)
+    assert q * q * (s.numel - s.replicated) + s.replicated * q * q // q == want
+    assert q ** 3 * (c.numel - c.replicated) + c.replicated * q ** 3 // (q * q) == want
+
+
+def test_llama_linears_are_the_gqa_qkv_and_swiglu_fc1():
+    """QKV h -> h + 2 g d (64 -> 64 + 2 x 2 x 8), fc1 h -> 2f ([gate; up], 64 -> 512)."""
+    whats = {t.what.split(":")[0] for t in G.summa_step_traffic(shape(**LLAMA), 4, 2)}
+    assert {"SUMMA 64->96", "SUMMA 64->64", "SUMMA 64->512", "SUMMA 256->64"} <= whats
+    assert "SUMMA 64->192" in {t.what.split(":")[0] for t in G.summa_step_traffic(shape(), 4, 2)}
+
+
+@pytest.mark.parametrize("traffic", [lambda s: G.summa_step_traffic(s, 4, 2, 2, 3),
+                                     lambda s: G.cube_step_traffic(s, 4, 2, 3)])
+def test_rmsnorm_all_reduces_one_sum_per_token_not_two(traffic):
+    """LayerNorm: mean and variance, 2 all-reduces forward and 2 backward per norm; RMSNorm:
+    the sum of squares, 1 and 1 -- for 2L + 1 norms, m = 3 micro-batches."""
+    def norm_calls(shp):
+        return sum(t.count for t in traffic(shp) if "Norm" in t.what)
+    assert norm_calls(shape()) == 4 * (2 * 3 + 1) * 3
+    assert norm_calls(shape(norm="rmsnorm")) == 2 * (2 * 3 + 1) * 3
+
+
+def test_3d_without_biases_has_no_y_feature_reduction():
+    """The y-feature parameters are QKV's and fc1's biases: without biases no all-reduce
+    over z once per step (the norms' and head's all-reduces on z, m = 3 a step, remain)."""
+    once = [t for t in G.cube_step_traffic(shape(**LLAMA), 4, 2, 3) if t.count == 1]
+    assert {t.axis for t in once} == {"tp_x", "tp_y"}
+    once = [t for t in G.cube_step_traffic(shape(), 4, 2, 3) if t.count == 1]
+    assert {t.axis for t in once} == {"tp_x", "tp_y", "tp_z"}
+
+
+def test_grids_keep_each_query_head_with_its_kv_heads():
+    """q must divide num_kv_heads: a grid column's query heads' K/V heads are its own."""
+    G.check_summa(shape(num_kv_heads=2), 4, 2, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=1 is not a multiple of the grid's q=2"):
+        G.check_summa(shape(num_kv_heads=1), 4, 2, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=2 is not a multiple of the grid's q=4"):
+        G.check_cube(shape(num_kv_heads=2, hidden_size=128), 16, 4)
+
+
 def test_reference_activation_adaptation():
     """The projection input is a view of the attention kernel's output (no selective
     recomputation): one sbh/t e tensor fewer than the count with a copy; Table 2 verbatim is
@@ -155,6 +211,22 @@ def test_grid_activation_forms_give_the_measured_bytes():
     assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 128) == 18688
     assert G.summa_layer_activation_bytes(16, 4, 64, 8, 2, 2, 256) == 37248
     assert G.cube_layer_activation_bytes(16, 4, 64, 8, 2, 256) == 102784
+
+
+def test_grid_activation_forms_of_the_llama_blocks_give_the_measured_bytes():
+    """Measured on the ranks (llama-tiny rows; test_tensor_llama asserts equality per
+    case). 2D, T = 16 tokens, h/q = 16, f/q = 32, 2 of 4 query heads over 1 of 2 K/V heads:
+    two RMSNorms 2 (2 T h/q e + 4 T) = 4224; QKV and fc1 inputs 2 T h/q e = 2048; rotated q,
+    repeated k and v, the output 4 T h/q e = 4096, log-sum-exp 4 T a/q = 128, RoPE's cos and
+    sin for q and k 4 s d 4 = 2048; SwiGLU's [gate; up], silu(gate), product 4 T f/q e =
+    8192: 20736."""
+    llama = {"kv_heads": 2, "rope": True, "swiglu": True}
+    assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, **llama) == 20736
+    assert G.summa_layer_activation_bytes(16, 4, 64, 8, 2, 2, 64, **llama) == 31104
+    assert G.cube_layer_activation_bytes(16, 4, 64, 8, 2, 64, **llama) == 63872
+    # RoPE on multi-head attention: v stays a view of QKV's output, kept whole
+    assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, kv_heads=4, rope=True,
+                                          swiglu=True) == 22784
 
 
 def test_estimate_prints_per_layer_traffic_and_activations():
