@@ -65,8 +65,6 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
     """Gu et al. 2024: head-parallel x context-parallel, double ring, head-first placement."""
 
     name = "context.loongtrain"
-    #: grouped-query attention not yet: its head and ring groups' K/V closed forms count h
-    model_features = ContextParallelScheme.MHA_FEATURES
     kind = "loongtrain"
     balanced = True
     head_first = True
@@ -140,7 +138,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         p, m, o = case.layout, case.model, case.options
         return loong.versus_usp(p.micro_batch_size, m.seq_length, m.hidden_size, p.cp,
                                 o.context.cp_ulysses, o.context.cp_window, m.num_layers,
-                                p.num_microbatches, 4, o.recompute != "none")
+                                p.num_microbatches, 4, o.recompute != "none",
+                                h_kv=shape_from(m).kv_hidden)
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):

@@ -13,7 +13,8 @@ samples, e bytes per element, n = s/cp tokens per rank):
   reference implementation, ColossalAI's ``RingQK`` / ``RingAV``): forward sends the K block
   (b n h) N-1 times around the ring to form the score rows, then the V block N-1 times;
   backward sends V again (N-1) to form dP and K again (N-1) to form dQ, and all-reduces the
-  full-sequence partial dV and dK (b s h each) over the cp group.
+  full-sequence partial dV and dK (b s h each) over the cp group; under grouped-query
+  attention every K/V figure is at the K/V width h_kv = num_kv_heads head_dim.
   :func:`ring_self_attention_traffic`.
 - **Ring Attention** (Liu et al. 2023, Sec. 3): one message of K and V (2 b n h) N-1 times
   forward; K, V again and the dK, dV accumulators N-1 times each in backward
@@ -61,7 +62,10 @@ def ring_self_attention_traffic(b: int, s: int, h: int, cp: int, layers: int = 1
     """Ring Self-Attention (Li et al. 2021, Sec. 3.2), per layer per micro-batch: forward
     passes K (b (s/N) h) N-1 times, then V N-1 times; backward passes V N-1 times (dP), K N-1
     times (dQ) and all-reduces the partial gradients of the whole sequence's V and K (b s h
-    each) -- the authors' ``RingAV`` / ``RingQK``. Recomputation repeats the forward passes."""
+    each) -- the authors' ``RingAV`` / ``RingQK``. Recomputation repeats the forward passes.
+    ``h`` is K and V's width: under grouped-query attention num_kv_heads x head_dim (the ring
+    moves K and V as they are projected; each K/V head's gradient, summed over its query
+    group, is what the all-reduce sums)."""
     if cp == 1:
         return []
     if s % cp:
@@ -88,7 +92,7 @@ def attention_traffic(kind: str, b: int, s: int, h: int, cp: int, cp_ulysses: in
         raise ValueError(f"kind={kind!r} must be one of {', '.join(KINDS)}")
     e, L, m, kv = bytes_per_element, layers, num_microbatches, h_kv or h
     if kind == "ring-self-attention":
-        return ring_self_attention_traffic(b, s, h, cp, L, m, e, recompute)
+        return ring_self_attention_traffic(b, s, kv, cp, L, m, e, recompute)
     if kind == "ring-attention":
         return comm.ring_attention_traffic(b, s, kv, cp, L, m, e, recompute=recompute)
     if kind == "ulysses":
