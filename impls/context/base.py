@@ -82,7 +82,8 @@ class ContextParallelScheme(Scheme):
     #: heads (``kernels``: each K/V head serves its query group; the closed forms count
     #: num_kv_heads x head_dim); a core that computes its own scores says it has no "gqa"
     model_features: ClassVar[frozenset] = MODEL_FEATURES
-    #: the LLaMA features without grouped-query attention (cores with their own scores)
+    #: the LLaMA features without grouped-query attention (a core whose kernels move every
+    #: head: DistFlashAttn)
     MHA_FEATURES: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
     #: reference module name -> probe point (``module_probes``; None: not localising)
     taps: dict | None = None

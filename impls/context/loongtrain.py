@@ -18,6 +18,13 @@ Device placement (Sec. 4, compared in the paper; no config field, one scheme eac
 
 The ledger knows the groups as ``cp_ulysses`` (head), ``cp_inner`` and ``cp_outer``; bytes and
 calls per group are placement-independent (``analytic.context_loongtrain``).
+
+Model: the LLaMA blocks (RoPE at the tokens' global positions, SwiGLU, RMSNorm, no biases)
+and grouped-query attention (Ainslie et al. 2023): the head all-to-all deals the query heads
+and the num_kv_heads K/V heads to the head group in contiguous blocks (``ulysses.seq_to_heads``
+on each), so a rank's a/u query heads are exactly the query groups of its g/u K/V heads (u
+must divide g, Ulysses' rule; refused otherwise), and the double ring passes K/V blocks of
+those g/u heads; the block kernels serve each K/V head's query group (``kernels``).
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from .ulysses import UlyssesRingCore
 
 @register
 class RingSelfAttentionScheme(ContextParallelScheme):
-    """Li et al. 2021: K, then V around the ring; full score rows per rank."""
+    """Li et al. 2021: K, then V around the ring; full score rows per rank (every query
+    head's against its K/V head under grouped-query attention, ``rsa``)."""
 
     name = "context.ring-self-attention"
     kind = "ring-self-attention"

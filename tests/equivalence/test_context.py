@@ -39,9 +39,11 @@ def make_case(scheme: str, **ov) -> CaseConfig:
     return case
 
 
-def assert_exact(case, per_rank) -> None:
+def assert_exact(case, per_rank, activations: bool = True) -> None:
     """Every rank's model states, wire bytes and calls per axis equal the closed form's on
-    every checked step; the layer's saved activations equal the formula's."""
+    every checked step; the layer's saved activations equal the formula's (``activations``:
+    the formula counts GPT-2 blocks; the LLaMA blocks' RoPE, SwiGLU and RMSNorm tensors are
+    not in it, so a LLaMA case leaves that figure out)."""
     pred = get_scheme(case.run.scheme).predict(case)
     for r in per_rank:
         for step, states in enumerate(r.model_states_per_step):
@@ -53,7 +55,8 @@ def assert_exact(case, per_rank) -> None:
                 assert wire.get(axis, 0.0) == want_w.get(axis, 0.0), (r.rank, step, axis, wire)
             assert {a: c for a, c in calls.items() if c} == want_c, (r.rank, step, calls)
     m = per_rank[0].metrics
-    assert m["activation_bytes_per_layer"] == m["activation_bytes_per_layer_predicted"], m
+    assert not activations or \
+        m["activation_bytes_per_layer"] == m["activation_bytes_per_layer_predicted"], m
 
 
 @st.composite
@@ -96,6 +99,18 @@ def test_ring_attention_clips_by_the_global_norm(pools):
     assert not merged.uncovered
     assert_exact(case, per_rank)
     assert merged.clipped_steps and merged.clipped_steps > 0, merged.clip_coef_min
+
+
+def test_ring_self_attention_runs_grouped_query_attention(pools):
+    """LLaMA blocks with 8 query heads over 2 K/V heads (each K/V head serves 4 consecutive
+    query heads), packed documents: K and V travel the ring at the K/V heads' width and dK,
+    dV are all-reduced at it, bytes and calls equal to the closed form's."""
+    case = make_case("context.ring-self-attention", cp=4, model="llama-tiny", num_heads=8,
+                     num_kv_heads=2, pack_docs=3, micro_batch_size=1, num_microbatches=2)
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    assert not merged.uncovered
+    assert_exact(case, per_rank, activations=False)
 
 
 def test_bad_input_fails_before_spawning_with_one_line():
