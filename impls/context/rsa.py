@@ -32,7 +32,7 @@ import torch
 
 from parbench.model.packing import allowed
 
-from .kernels import _fold, _group
+from .kernels import fold_group, query_group
 from .ring import RingPeers
 
 TAG_K = 11
@@ -59,7 +59,7 @@ def _grouped(a: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``a @ kv`` per query group: ``a`` (b, heads, x, y) of the query heads, ``kv``
     (b, kv heads, y, z) of the K/V heads (GQA: kv heads divide heads, query head i against
     K/V head i // (heads / kv heads)) -> (b, heads, x, z); a plain matmul without groups."""
-    g = _group(a, kv)
+    g = query_group(a, kv)
     if g == 1:
         return a @ kv
     return (a.unflatten(1, (kv.shape[1], g)) @ kv.unsqueeze(2)).flatten(1, 2)
@@ -113,13 +113,13 @@ class RingSelfAttention(torch.autograd.Function):
         q, k, v, p = ctx.saved_tensors
         ring = ctx.ring
         size, rank, n = ring.size, ring.rank, q.shape[2]
-        g = _group(q, k)
+        g = query_group(q, k)
         scale = 1.0 / math.sqrt(q.shape[-1])
         dout = dout.contiguous()
         # dV: this rank's queries' share for the whole sequence (each K/V head's summed over
         # its query group), summed over the ring
         with ring.clock.span("bwd"):
-            dv_all = _fold(p.transpose(-1, -2) @ dout, g)
+            dv_all = fold_group(p.transpose(-1, -2) @ dout, g)
         dv = ring.sum_over_ring(dv_all)[:, :, rank * n:(rank + 1) * n].clone()
         del dv_all
         dp = torch.empty_like(p)
@@ -133,7 +133,7 @@ class RingSelfAttention(torch.autograd.Function):
         with ring.clock.span("bwd"):
             ds = p * (dp - (dp * p).sum(-1, keepdim=True))
             ds.mul_(scale)
-            dk_all = _fold(ds.transpose(-1, -2) @ q, g)
+            dk_all = fold_group(ds.transpose(-1, -2) @ q, g)
         dp = dcols = None
         dk = ring.sum_over_ring(dk_all)[:, :, rank * n:(rank + 1) * n].clone()
         del dk_all

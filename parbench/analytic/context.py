@@ -197,7 +197,8 @@ def imbalance(work: list[float]) -> float:
 
 def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int,
                               recompute: str = "none", ffn_hidden: int | None = None,
-                              bytes_per_element: int = 4) -> float:
+                              bytes_per_element: int = 4, kv_hidden: int | None = None
+                              ) -> float:
     """Bytes one layer keeps for backward on one cp rank: Korthikanti et al. 2022 (Eq. 1 and
     Table 2) adapted to the reference model (``reference_layer_activation_bytes``: no dropout,
     fp32, a fused attention kernel saving its output and log-sum-exp, LayerNorm statistics)
@@ -210,16 +211,19 @@ def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int
     (Eq. 1's 5as/h term without dropout, one row block of it) replaces the kernel's output
     and log-sum-exp. Full recomputation keeps the layer input (2sbh in Table 2; here e bytes
     per element of the s/cp shard); selective keeps everything but the attention core's
-    saved output."""
+    saved output. ``kv_hidden``: K and V's width under grouped-query attention (the saved K
+    and V are s b h_kv each, ``activations`` module doc); RSA's score rows stay one per
+    query head."""
     require_positive_int("cp", cp)
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     n = s // cp
+    kw = {"bytes_per_element": bytes_per_element, "kv_hidden": kv_hidden}
     if kind != "ring-self-attention" or recompute != "none":
         return reference_layer_activation_bytes(n, b, h, a, 1, False, recompute, ffn_hidden,
-                                                bytes_per_element)
+                                                **kw)
     base = reference_layer_activation_bytes(n, b, h, a, 1, False, "selective", ffn_hidden,
-                                            bytes_per_element)
+                                            **kw)
     return base + a * n * s * b * bytes_per_element
 
 

@@ -3,9 +3,10 @@ layouts), Ulysses, USP and all-gather CP against the golden run, with every rank
 calls and model states equal to ``analytic.context`` on every checked step, and the measured
 activation bytes of a layer equal to the formula on the sequence shard.
 
-Hypothesis draws the scheme, the model shape (heads, head size, layers, an odd vocabulary),
-the sequence length, cp (2 or 4), dp x cp, the layout, USP's Ulysses degree, recomputation and
-micro-batching. Every example runs on the session's pool for its world size.
+Hypothesis draws the scheme, the model shape (heads, K/V heads, head size, layers, an odd
+vocabulary), the sequence length, cp (2 or 4), dp x cp, the layout, USP's Ulysses degree,
+recomputation and micro-batching. Every example runs on the session's pool for its world
+size.
 """
 from __future__ import annotations
 
@@ -70,9 +71,12 @@ def cases(draw):
         heads = max(heads, cp)
     if scheme == "context.usp":
         u = draw(st.sampled_from([d for d in (1, 2, 4) if cp % d == 0 and heads % d == 0]))
+    # grouped-query attention: K/V heads dividing the query heads (and Ulysses' degree)
+    shards = cp if scheme == "context.ulysses" else u
+    kv = draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0 and g % shards == 0]))
     head_dim = draw(st.sampled_from([4, 8]))
     return make_case(
-        scheme, cp=cp, dp=dp, num_heads=heads, hidden_size=heads * head_dim,
+        scheme, cp=cp, dp=dp, num_heads=heads, num_kv_heads=kv, hidden_size=heads * head_dim,
         num_layers=draw(st.integers(1, 2)), vocab_size=draw(st.sampled_from([61, 96])),
         seq_length=2 * cp * draw(st.integers(1, 3)), cp_ulysses=u,
         cp_balance=draw(st.sampled_from(["none", "zigzag", "striped"])),

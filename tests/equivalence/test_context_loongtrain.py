@@ -4,7 +4,8 @@ run, with every rank's wire bytes and calls per group (head ``cp_ulysses``, ``cp
 a window of 1 or of the whole ring is the single ring, bit for bit the USP run on the same grid.
 
 The fixed cases cover both placements, both kinds of hop, zig-zag and dp x cp; Hypothesis
-(``thorough`` profile only) draws more grids, layouts, recomputation and shapes.
+(``thorough`` profile only) draws more grids, layouts, recomputation and shapes (K/V heads
+too: grouped-query attention).
 """
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ def cases(draw):
     u = draw(st.sampled_from([d for d in (1, 2, 4) if cp % d == 0 and heads % d == 0]))
     c = cp // u
     w = draw(st.sampled_from([d for d in (1, 2, 4) if c % d == 0]))
+    kv = draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0 and g % u == 0]))
     head_dim = draw(st.sampled_from([4, 8]))
     return make_case(
         draw(st.sampled_from(["context.loongtrain", "context.loongtrain-cf"])),
-        cp=cp, dp=dp, cp_ulysses=u, cp_window=w, num_heads=heads,
+        cp=cp, dp=dp, cp_ulysses=u, cp_window=w, num_heads=heads, num_kv_heads=kv,
         hidden_size=heads * head_dim, num_layers=draw(st.integers(1, 2)),
         vocab_size=draw(st.sampled_from([61, 96])), seq_length=2 * cp * draw(st.integers(1, 3)),
         cp_balance=draw(st.sampled_from(["none", "zigzag", "striped"])),

@@ -177,6 +177,12 @@ def test_activations_on_the_sequence_shard():
     assert rsa - flash == a * n * s * b * 4 - (n * b * h * 4 + a * n * b * 4)
     # full recomputation: the layer input only
     assert cp_layer_activation_bytes("ulysses", s, b, h, a, cp, "full") == 4 * n * b * h
+    # grouped-query attention: K and V kept at h_kv = 8 instead of 32 (2 (h - h_kv) n b
+    # elements fewer); RSA's score rows are one per query head either way
+    for kind in ("ring-attention", "ring-self-attention"):
+        mha = cp_layer_activation_bytes(kind, s, b, h, a, cp)
+        gqa = cp_layer_activation_bytes(kind, s, b, h, a, cp, kv_hidden=8)
+        assert mha - gqa == 2 * (32 - 8) * n * b * 4
     # Korthikanti et al. 2022, Eq. 1, on the shard: GPT-3 175B's layer (s 2048, h 12288,
     # a 96, b 1) is sbh (34 + 5as/h) = 2048 * 12288 * 114 bytes; with cp the query rows
     # shrink, so the s^2 term falls by cp^2
