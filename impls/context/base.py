@@ -82,7 +82,8 @@ class ContextParallelScheme(Scheme):
     #: heads (``kernels``: each K/V head serves its query group; the closed forms count
     #: num_kv_heads x head_dim); a core that computes its own scores says it has no "gqa"
     model_features: ClassVar[frozenset] = MODEL_FEATURES
-    #: the LLaMA features without grouped-query attention (cores with their own scores)
+    #: the LLaMA features without grouped-query attention (a core whose kernels move every
+    #: head: DistFlashAttn)
     MHA_FEATURES: ClassVar[frozenset] = frozenset({"rope", "swiglu", "rmsnorm", "no-bias"})
     #: reference module name -> probe point (``module_probes``; None: not localising)
     taps: dict | None = None
@@ -291,7 +292,7 @@ class ContextParallelScheme(Scheme):
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
             cls.kind, mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp,
-            case.options.recompute, mdl.ffn)
+            case.options.recompute, mdl.ffn, kv_hidden=shape.kv_hidden)
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,

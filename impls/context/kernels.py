@@ -40,7 +40,7 @@ def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
     return out.masked_fill_(~mask, float("-inf"))
 
 
-def _group(q, k) -> int:
+def query_group(q, k) -> int:
     """Query heads per K/V head (grouped-query attention, Ainslie et al. 2023): K and V of
     ``k.shape[1]`` heads each serve that many consecutive query heads."""
     g, rest = divmod(q.shape[1], k.shape[1])
@@ -53,7 +53,7 @@ def _expand(t: torch.Tensor, g: int) -> torch.Tensor:
     return t if g == 1 else t.repeat_interleave(g, dim=1)
 
 
-def _fold(dt: torch.Tensor, g: int) -> torch.Tensor:
+def fold_group(dt: torch.Tensor, g: int) -> torch.Tensor:
     """The gradient of ``_expand``: each K/V head's copies summed."""
     if g == 1:
         return dt
@@ -65,7 +65,7 @@ def attn_forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None
     """(output, log-sum-exp) of softmax(q k^T / sqrt(d)) v over one block; K and V may hold
     fewer heads than Q (grouped-query attention: each serves its group of query heads), so
     that the cores move K/V blocks of the K/V heads only."""
-    g = _group(q, k)
+    g = query_group(q, k)
     k, v = _expand(k, g), _expand(v, g)
     if q.device.type == "cpu":
         add = None if mask is None else _additive(mask, q.dtype)
@@ -88,7 +88,7 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = False,
                   mask: torch.Tensor | None = None):
     """(dq, dk, dv) of one block given the rows' final output and log-sum-exp; dk and dv of
     grouped K/V heads summed over each head's query group."""
-    g = _group(q, k)
+    g = query_group(q, k)
     k, v = _expand(k, g), _expand(v, g)
     if q.device.type == "cpu":
         add = None if mask is None else _additive(mask, q.dtype)
@@ -97,7 +97,7 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = False,
             out.contiguous(), lse.contiguous(), 0.0, causal, attn_mask=add, scale=_scale(q))
     else:
         dq, dk, dv = math_backward(dout, q, k, v, out, lse, causal, mask)
-    return dq, _fold(dk, g), _fold(dv, g)
+    return dq, fold_group(dk, g), fold_group(dv, g)
 
 
 def _allowed(nq: int, nk: int, causal: bool, mask, device):

@@ -18,6 +18,13 @@ Device placement (Sec. 4, compared in the paper; no config field, one scheme eac
 
 The ledger knows the groups as ``cp_ulysses`` (head), ``cp_inner`` and ``cp_outer``; bytes and
 calls per group are placement-independent (``analytic.context_loongtrain``).
+
+Model: the LLaMA blocks (RoPE at the tokens' global positions, SwiGLU, RMSNorm, no biases)
+and grouped-query attention (Ainslie et al. 2023): the head all-to-all deals the query heads
+and the num_kv_heads K/V heads to the head group in contiguous blocks (``ulysses.seq_to_heads``
+on each), so a rank's a/u query heads are exactly the query groups of its g/u K/V heads (u
+must divide g, Ulysses' rule; refused otherwise), and the double ring passes K/V blocks of
+those g/u heads; the block kernels serve each K/V head's query group (``kernels``).
 """
 from __future__ import annotations
 
@@ -65,8 +72,6 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
     """Gu et al. 2024: head-parallel x context-parallel, double ring, head-first placement."""
 
     name = "context.loongtrain"
-    #: grouped-query attention not yet: its head and ring groups' K/V closed forms count h
-    model_features = ContextParallelScheme.MHA_FEATURES
     kind = "loongtrain"
     balanced = True
     head_first = True
@@ -128,7 +133,7 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
             cls.kind, mdl.seq_length, p.micro_batch_size, mdl.hidden_size, mdl.num_heads,
-            p.cp, case.options.recompute, mdl.ffn)
+            p.cp, case.options.recompute, mdl.ffn, kv_hidden=shape_from(mdl).kv_hidden)
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         figures["versus_usp"] = cls.versus_usp(case)
@@ -140,7 +145,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         p, m, o = case.layout, case.model, case.options
         return loong.versus_usp(p.micro_batch_size, m.seq_length, m.hidden_size, p.cp,
                                 o.context.cp_ulysses, o.context.cp_window, m.num_layers,
-                                p.num_microbatches, 4, o.recompute != "none")
+                                p.num_microbatches, 4, o.recompute != "none",
+                                h_kv=shape_from(m).kv_hidden)
 
     @classmethod
     def predicted_work(cls, case: CaseConfig):

@@ -12,6 +12,14 @@ this rank's queries) is all-reduced over the ring and each rank keeps its block;
 every V block again (N - 1 sends); dK of the whole sequence (dS^T Q) is all-reduced likewise;
 dQ needs every K block again (N - 1 sends).
 
+Grouped-query attention (Ainslie et al. 2023): K and V hold g = num_kv_heads heads, each
+serving a/g consecutive query heads (query head i reads K/V head i // (a/g)). The K and V
+blocks travel the ring at those g heads (b n h_kv, h_kv = g head_dim); each query head's
+score rows are formed against its group's K block and its output from the group's V blocks
+(``_grouped``). In backward a K/V head's gradient is the sum over its query group, taken on
+the rank before the all-reduce, so dV and dK of the whole sequence are all-reduced at the
+K/V heads' width (b s h_kv each).
+
 Packed documents (``RingPeers.docs``): the score rows are masked "causal and same document"
 on global positions (``parbench.model.packing.allowed``) before the softmax; every row keeps
 its own token, and the backward works on the saved probabilities, which hold the mask.
@@ -24,6 +32,7 @@ import torch
 
 from parbench.model.packing import allowed
 
+from .kernels import fold_group, query_group
 from .ring import RingPeers
 
 TAG_K = 11
@@ -46,6 +55,16 @@ def _ring(ring: RingPeers, local: torch.Tensor, tag: int, use) -> None:
             cur = pending.wait()
 
 
+def _grouped(a: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``a @ kv`` per query group: ``a`` (b, heads, x, y) of the query heads, ``kv``
+    (b, kv heads, y, z) of the K/V heads (GQA: kv heads divide heads, query head i against
+    K/V head i // (heads / kv heads)) -> (b, heads, x, z); a plain matmul without groups."""
+    g = query_group(a, kv)
+    if g == 1:
+        return a @ kv
+    return (a.unflatten(1, (kv.shape[1], g)) @ kv.unsqueeze(2)).flatten(1, 2)
+
+
 def _may_attend(docs, rank: int, n: int, size: int, device) -> torch.Tensor:
     """(n, size n) "key not later", or with packed ``docs`` (b, 1, n, size n) "and in the
     same document", for rank ``rank``'s contiguous rows."""
@@ -58,7 +77,8 @@ def _may_attend(docs, rank: int, n: int, size: int, device) -> torch.Tensor:
 
 
 class RingSelfAttention(torch.autograd.Function):
-    """Causal attention of this rank's contiguous (b, h, n, d) queries over the ring."""
+    """Causal attention of this rank's contiguous (b, heads, n, d) queries over the ring's
+    (b, kv heads, n, d) keys and values (kv heads dividing heads: grouped-query attention)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: RingPeers):
@@ -70,7 +90,7 @@ class RingSelfAttention(torch.autograd.Function):
 
         def qk(src, kb):
             with ring.clock.span("fwd"):
-                cols[src].copy_(q @ kb.transpose(-1, -2)).mul_(scale)
+                cols[src].copy_(_grouped(q, kb.transpose(-1, -2))).mul_(scale)
 
         _ring(ring, k, TAG_K, qk)
         scores.masked_fill_(~_may_attend(ring.docs, rank, n, size, q.device), float("-inf"))
@@ -81,7 +101,7 @@ class RingSelfAttention(torch.autograd.Function):
 
         def av(src, vb):
             with ring.clock.span("fwd"):
-                out.add_(probs[src] @ vb)
+                out.add_(_grouped(probs[src], vb))
 
         _ring(ring, v, TAG_V, av)
         ctx.save_for_backward(q, k, v, p)
@@ -93,11 +113,13 @@ class RingSelfAttention(torch.autograd.Function):
         q, k, v, p = ctx.saved_tensors
         ring = ctx.ring
         size, rank, n = ring.size, ring.rank, q.shape[2]
+        g = query_group(q, k)
         scale = 1.0 / math.sqrt(q.shape[-1])
         dout = dout.contiguous()
-        # dV: this rank's queries' share for the whole sequence, summed over the ring
+        # dV: this rank's queries' share for the whole sequence (each K/V head's summed over
+        # its query group), summed over the ring
         with ring.clock.span("bwd"):
-            dv_all = p.transpose(-1, -2) @ dout
+            dv_all = fold_group(p.transpose(-1, -2) @ dout, g)
         dv = ring.sum_over_ring(dv_all)[:, :, rank * n:(rank + 1) * n].clone()
         del dv_all
         dp = torch.empty_like(p)
@@ -105,13 +127,13 @@ class RingSelfAttention(torch.autograd.Function):
 
         def dpv(src, vb):
             with ring.clock.span("bwd"):
-                dcols[src].copy_(dout @ vb.transpose(-1, -2))
+                dcols[src].copy_(_grouped(dout, vb.transpose(-1, -2)))
 
         _ring(ring, v, TAG_V, dpv)
         with ring.clock.span("bwd"):
             ds = p * (dp - (dp * p).sum(-1, keepdim=True))
             ds.mul_(scale)
-            dk_all = ds.transpose(-1, -2) @ q
+            dk_all = fold_group(ds.transpose(-1, -2) @ q, g)
         dp = dcols = None
         dk = ring.sum_over_ring(dk_all)[:, :, rank * n:(rank + 1) * n].clone()
         del dk_all
@@ -120,14 +142,15 @@ class RingSelfAttention(torch.autograd.Function):
 
         def dqk(src, kb):
             with ring.clock.span("bwd"):
-                dq.add_(dsb[src] @ kb)
+                dq.add_(_grouped(dsb[src], kb))
 
         _ring(ring, k, TAG_K, dqk)
         return dq, dk, dv, None
 
 
 class RSACore:
-    """q, k, v (b, n, heads, d) of this rank's contiguous tokens -> (b, n, h)."""
+    """q (b, n, heads, d), k, v (b, n, kv heads, d) of this rank's contiguous tokens ->
+    (b, n, h)."""
 
     attention = RingSelfAttention
     #: masks packed documents (``ring.docs``: the micro-batch's over the whole sequence)

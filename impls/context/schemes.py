@@ -15,15 +15,14 @@ from .ulysses import UlyssesRingCore
 
 @register
 class RingSelfAttentionScheme(ContextParallelScheme):
-    """Li et al. 2021: K, then V around the ring; full score rows per rank."""
+    """Li et al. 2021: K, then V around the ring; full score rows per rank (every query
+    head's against its K/V head under grouped-query attention, ``rsa``)."""
 
     name = "context.ring-self-attention"
     kind = "ring-self-attention"
     description = "Ring Self-Attention (Li et al. 2021): K then V around the ring"
     #: the score rows masked "causal and same document" (``rsa``)
     supports_packing = True
-    #: its core computes the score rows itself, for num_heads K/V heads
-    model_features = ContextParallelScheme.MHA_FEATURES
 
     core_class = RSACore
 
@@ -133,10 +132,13 @@ class UlyssesRingGrid:
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         m, u = case.model, case.options.context.cp_ulysses
-        for what, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
-            if n and n % u:
-                raise ConfigError(f"cp_ulysses={u} does not divide {what}={n} "
-                                  f"({cls.head_sharder} shards the heads)")
+        if m.num_heads % u:
+            raise ConfigError(f"cp_ulysses={u} does not divide num_heads={m.num_heads} "
+                              f"({cls.head_sharder} shards the heads)")
+        if m.num_kv_heads and m.num_kv_heads % u:
+            raise ConfigError(f"cp_ulysses={u} does not divide num_kv_heads={m.num_kv_heads} "
+                              f"({cls.head_sharder} shards the K/V heads with their query "
+                              "groups)")
         super().check(case)
 
     @classmethod

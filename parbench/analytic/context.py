@@ -13,7 +13,8 @@ samples, e bytes per element, n = s/cp tokens per rank):
   reference implementation, ColossalAI's ``RingQK`` / ``RingAV``): forward sends the K block
   (b n h) N-1 times around the ring to form the score rows, then the V block N-1 times;
   backward sends V again (N-1) to form dP and K again (N-1) to form dQ, and all-reduces the
-  full-sequence partial dV and dK (b s h each) over the cp group.
+  full-sequence partial dV and dK (b s h each) over the cp group; under grouped-query
+  attention every K/V figure is at the K/V width h_kv = num_kv_heads head_dim.
   :func:`ring_self_attention_traffic`.
 - **Ring Attention** (Liu et al. 2023, Sec. 3): one message of K and V (2 b n h) N-1 times
   forward; K, V again and the dK, dV accumulators N-1 times each in backward
@@ -61,7 +62,10 @@ def ring_self_attention_traffic(b: int, s: int, h: int, cp: int, layers: int = 1
     """Ring Self-Attention (Li et al. 2021, Sec. 3.2), per layer per micro-batch: forward
     passes K (b (s/N) h) N-1 times, then V N-1 times; backward passes V N-1 times (dP), K N-1
     times (dQ) and all-reduces the partial gradients of the whole sequence's V and K (b s h
-    each) -- the authors' ``RingAV`` / ``RingQK``. Recomputation repeats the forward passes."""
+    each) -- the authors' ``RingAV`` / ``RingQK``. Recomputation repeats the forward passes.
+    ``h`` is K and V's width: under grouped-query attention num_kv_heads x head_dim (the ring
+    moves K and V as they are projected; each K/V head's gradient, summed over its query
+    group, is what the all-reduce sums)."""
     if cp == 1:
         return []
     if s % cp:
@@ -88,7 +92,7 @@ def attention_traffic(kind: str, b: int, s: int, h: int, cp: int, cp_ulysses: in
         raise ValueError(f"kind={kind!r} must be one of {', '.join(KINDS)}")
     e, L, m, kv = bytes_per_element, layers, num_microbatches, h_kv or h
     if kind == "ring-self-attention":
-        return ring_self_attention_traffic(b, s, h, cp, L, m, e, recompute)
+        return ring_self_attention_traffic(b, s, kv, cp, L, m, e, recompute)
     if kind == "ring-attention":
         return comm.ring_attention_traffic(b, s, kv, cp, L, m, e, recompute=recompute)
     if kind == "ulysses":
@@ -193,7 +197,8 @@ def imbalance(work: list[float]) -> float:
 
 def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int,
                               recompute: str = "none", ffn_hidden: int | None = None,
-                              bytes_per_element: int = 4) -> float:
+                              bytes_per_element: int = 4, kv_hidden: int | None = None
+                              ) -> float:
     """Bytes one layer keeps for backward on one cp rank: Korthikanti et al. 2022 (Eq. 1 and
     Table 2) adapted to the reference model (``reference_layer_activation_bytes``: no dropout,
     fp32, a fused attention kernel saving its output and log-sum-exp, LayerNorm statistics)
@@ -206,16 +211,19 @@ def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int
     (Eq. 1's 5as/h term without dropout, one row block of it) replaces the kernel's output
     and log-sum-exp. Full recomputation keeps the layer input (2sbh in Table 2; here e bytes
     per element of the s/cp shard); selective keeps everything but the attention core's
-    saved output."""
+    saved output. ``kv_hidden``: K and V's width under grouped-query attention (the saved K
+    and V are s b h_kv each, ``activations`` module doc); RSA's score rows stay one per
+    query head."""
     require_positive_int("cp", cp)
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     n = s // cp
+    kw = {"bytes_per_element": bytes_per_element, "kv_hidden": kv_hidden}
     if kind != "ring-self-attention" or recompute != "none":
         return reference_layer_activation_bytes(n, b, h, a, 1, False, recompute, ffn_hidden,
-                                                bytes_per_element)
+                                                **kw)
     base = reference_layer_activation_bytes(n, b, h, a, 1, False, "selective", ffn_hidden,
-                                            bytes_per_element)
+                                            **kw)
     return base + a * n * s * b * bytes_per_element
 
 

@@ -15,6 +15,11 @@ written from the pattern, per layer and micro-batch (b samples, e bytes per elem
   2023, Sec. 3.2); recomputation adds the forward's 4;
 - **K/V block** of a context rank: 2 b (s/c) (h/u) e bytes (the u-group's gathered s/c
   tokens, h/u of the width);
+- **grouped-query attention** (Ainslie et al. 2023; g = num_kv_heads K/V heads of
+  head_dim, h_kv = g head_dim): K and V are g heads wide from the projection on, so the head
+  group's K and V all-to-alls move b (s/cp) h_kv each (Q and the output keep h), and the K/V
+  block is 2 b (s/c) (h_kv/u) e -- a rank's g/u K/V heads, the ones its a/u query heads read
+  (u must divide g, the Ulysses rule for K/V heads);
 - **inner ring**, axis ``cp_inner``: w - 1 K/V sends per outer step, c/w outer steps, in
   forward and again in backward, plus as many dK/dV sends in backward: (c/w)(w - 1) each;
 - **outer ring**, axis ``cp_outer``: c/w - 1 K/V sends forward, again backward, and c/w - 1
@@ -59,16 +64,18 @@ def check_grid(cp: int, cp_ulysses: int, cp_window: int) -> tuple[int, int, int]
 
 def loongtrain_traffic(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1,
                        cp_window: int = 1, layers: int = 1, num_microbatches: int = 1,
-                       bytes_per_element: int = 4, recompute: bool = False
-                       ) -> list[Transfer]:
-    """One rank's attention traffic per step (module doc), per group."""
+                       bytes_per_element: int = 4, recompute: bool = False,
+                       h_kv: int | None = None) -> list[Transfer]:
+    """One rank's attention traffic per step (module doc), per group; ``h_kv``: K and V's
+    width under grouped-query attention (default h)."""
     u, c, w = check_grid(cp, cp_ulysses, cp_window)
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
+    hk = h_kv or h
     e, lm = bytes_per_element, layers * num_microbatches
     out = comm.ulysses_traffic(b, s * u // cp, h, u, layers, num_microbatches, e,
-                               recompute=recompute, axis=HEAD_AXIS)
-    kv = 2 * b * (s // c) * (h // u) * e
+                               recompute=recompute, axis=HEAD_AXIS, h_kv=hk)
+    kv = 2 * b * (s // c) * (hk // u) * e
     fwd = 1 + int(recompute)
     windows = c // w
     for axis, size, hops in ((INNER_AXIS, w, windows * (w - 1)),
@@ -88,7 +95,8 @@ def loongtrain_prediction(shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int
     gradient all-reduce over dp x cp and a whole replica's model states (as every native
     context-parallel scheme, ``analytic.context``)."""
     tr = loongtrain_traffic(micro_batch_size, shape.s, shape.h, cp, cp_ulysses, cp_window,
-                            shape.l, num_microbatches, elem_bytes, recompute != "none")
+                            shape.l, num_microbatches, elem_bytes, recompute != "none",
+                            h_kv=shape.kv_hidden)
     tr += gradient_allreduce(shape, cp, dp, elem_bytes)
     tr = [t for t in tr if t.count]
     return RankPrediction(tr, replica_states(shape, optimizer, elem_bytes),
@@ -97,18 +105,18 @@ def loongtrain_prediction(shape: Shape, *, cp: int, dp: int = 1, cp_ulysses: int
 
 def versus_usp(b: int, s: int, h: int, cp: int, cp_ulysses: int = 1, cp_window: int = 1,
                layers: int = 1, num_microbatches: int = 1, bytes_per_element: int = 4,
-               recompute: bool = False) -> dict:
+               recompute: bool = False, h_kv: int | None = None) -> dict:
     """LoongTrain's per-group wire bytes beside USP's on the same grid: the head group
     carries the same all-to-alls as USP's Ulysses group; the inner and outer rings together
     carry exactly USP's ring bytes (c - 1 hops either way); ``outer_hop_share`` is the
     fraction of ring hops that cross windows, (c/w - 1)/(c - 1), and ``steps_hiding_outer_hop``
     the inner steps each outer transfer overlaps (w; a single ring hides each hop behind one
-    step)."""
+    step); ``h_kv``: K and V's width under grouped-query attention, for both."""
     u, c, w = check_grid(cp, cp_ulysses, cp_window)
     mine = summarize(loongtrain_traffic(b, s, h, cp, u, w, layers, num_microbatches,
-                                        bytes_per_element, recompute))
+                                        bytes_per_element, recompute, h_kv=h_kv))
     usp = summarize(attention_traffic("usp", b, s, h, cp, u, layers, num_microbatches,
-                                      bytes_per_element, recompute))
+                                      bytes_per_element, recompute, h_kv=h_kv))
 
     def wire(tab, axis):
         return Fraction(tab[axis]["wire_bytes"]) if axis in tab else Fraction(0)

@@ -111,7 +111,7 @@ def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
 
 
-@pytest.mark.parametrize("scheme", ["baseline.dtensor.tp", "context.ring-self-attention",
+@pytest.mark.parametrize("scheme", ["baseline.dtensor.tp", "context.distflashattn",
                                     "baseline.megatron.moe"])
 def test_schemes_without_the_features_refuse_before_spawning(scheme):
     case = apply_overrides(CaseConfig(), {**BASE, "dp": "1", "scheme": scheme})

@@ -52,6 +52,16 @@ def test_ring_self_attention_traffic_by_hand():
     assert again["count"] == 6 + 6 + 6 + 2  # the forward's K and V rings once more
 
 
+def test_ring_self_attention_moves_k_and_v_at_the_kv_width():
+    # grouped-query attention, 8 wide queries over K/V 4 wide (b=1, s=16, N=4, fp32): K and V
+    # blocks of 4 tokens x 4 x 4 B = 64 B, 3 hops each, 4 rings; dV, dK of the whole sequence
+    # 16 x 4 x 4 = 256 B all-reduced
+    tr = attention_traffic("ring-self-attention", 1, 16, 8, 4, bytes_per_element=4, h_kv=4)
+    assert [(t.op, t.message_bytes, t.count) for t in tr] == [
+        ("send", 64, 3), ("send", 64, 3), ("send", 64, 3), ("send", 64, 3),
+        ("all_reduce", 256, 2)]
+
+
 def test_attention_traffic_per_kind_counts():
     b, s, h, cp, L, m, e = 2, 32, 16, 4, 3, 2, 4
     per = {k: summarize(attention_traffic(k, b, s, h, cp, 2, L, m, e)) for k in
@@ -167,6 +177,12 @@ def test_activations_on_the_sequence_shard():
     assert rsa - flash == a * n * s * b * 4 - (n * b * h * 4 + a * n * b * 4)
     # full recomputation: the layer input only
     assert cp_layer_activation_bytes("ulysses", s, b, h, a, cp, "full") == 4 * n * b * h
+    # grouped-query attention: K and V kept at h_kv = 8 instead of 32 (2 (h - h_kv) n b
+    # elements fewer); RSA's score rows are one per query head either way
+    for kind in ("ring-attention", "ring-self-attention"):
+        mha = cp_layer_activation_bytes(kind, s, b, h, a, cp)
+        gqa = cp_layer_activation_bytes(kind, s, b, h, a, cp, kv_hidden=8)
+        assert mha - gqa == 2 * (32 - 8) * n * b * 4
     # Korthikanti et al. 2022, Eq. 1, on the shard: GPT-3 175B's layer (s 2048, h 12288,
     # a 96, b 1) is sbh (34 + 5as/h) = 2048 * 12288 * 114 bytes; with cp the query rows
     # shrink, so the s^2 term falls by cp^2

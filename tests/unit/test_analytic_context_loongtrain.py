@@ -32,6 +32,20 @@ def test_double_ring_traffic_by_hand():
     assert "cp_outer" not in tr
 
 
+def test_grouped_query_attention_moves_kv_at_the_kv_width():
+    # 8 wide queries over K/V 4 wide (2 K/V heads of 2 for 4 query heads), b=1, s=16, a 2 x 2
+    # grid, fp32: the head group's all-to-alls of the rank's 4 tokens move Q and the output at
+    # 4 x 8 x 4 B = 128 B, K and V at 4 x 4 x 4 B = 64 B (each twice per layer: forward and
+    # backward); the 2-ring's block is 2 x 8 tokens x (4/2) x 4 B = 128 B
+    tr = loongtrain_traffic(1, 16, 8, 4, 2, 2, bytes_per_element=4, h_kv=4)
+    uly = sorted((t.message_bytes, t.count) for t in tr if t.axis == "cp_ulysses")
+    assert uly == [(64, 4), (128, 4)]
+    ring = summarize(tr)["cp_inner"]
+    assert ring == {"count": 3, "message_bytes": 3 * 128, "wire_bytes": 3 * 128}
+    v = versus_usp(1, 16, 8, 4, 2, 2, bytes_per_element=4, h_kv=4)
+    assert v["same_total_as_usp"] and v["inner_bytes"] == 3 * 128
+
+
 def test_recomputation_repeats_the_forward_hops_only():
     plain = summarize(loongtrain_traffic(1, 16, 8, 4, 1, 2, bytes_per_element=4))
     again = summarize(loongtrain_traffic(1, 16, 8, 4, 1, 2, bytes_per_element=4,
