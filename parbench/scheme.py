@@ -168,6 +168,10 @@ class Scheme(ABC):
     #: the LLaMA-style model features it runs (``ModelConfig.features``: rope, gqa, swiglu,
     #: rmsnorm, no-bias); a case using another is rejected before spawning
     model_features: ClassVar[frozenset] = frozenset()
+    #: fields set on every case of its family's default set (``parbench verify scheme=...``
+    #: with no case field; ``parbench.testing.defaults``): the degrees and shape its layout
+    #: needs where the family's own cases (tp = 2, ...) cannot run it -- a q x q grid's tp = 4
+    default_fields: ClassVar[dict] = {}
     #: the DeepSeek-style MoE features it runs (``ModelConfig.moe_features``: fine-grained,
     #: shared-expert, first-dense, sigmoid-router, expert-bias, group-limited); a case using
     #: another is rejected before spawning

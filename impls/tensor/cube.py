@@ -177,6 +177,10 @@ class Cube3D(TensorParallelScheme):
     #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
     #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
     model_features = MODEL_FEATURES
+    #: the default cases (``parbench verify scheme=tensor.3d``): a 2 x 2 x 2 cube, the batch
+    #: split q^2 ways, tp = 8 dividing the heads
+    default_fields = {"tp": 8, "micro_batch_size": 4, "num_heads": 8, "hidden_size": 64,
+                      "ffn_hidden_size": 104}
 
     def build_model(self):
         ctx = self.ctx

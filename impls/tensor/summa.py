@@ -171,6 +171,11 @@ class Tesseract(TensorParallelScheme):
     #: the LLaMA blocks (``grid``): RMSNorm over the hidden group, no biases, SwiGLU's
     #: [gate_j; up_j] blocks, GQA with q dividing num_kv_heads, RoPE
     model_features = MODEL_FEATURES
+    #: the default cases (``parbench verify scheme=tensor.2.5d``): a 2 x 2 grid two layers
+    #: deep, whole sequences per batch block (b a multiple of q d), and tp = 8 dividing the
+    #: heads (the layout rule every tensor scheme keeps)
+    default_fields = {"tp": 8, "tp_depth": 2, "micro_batch_size": 4, "num_heads": 8,
+                      "hidden_size": 64, "ffn_hidden_size": 104}
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:
@@ -240,6 +245,8 @@ class Optimus(Tesseract):
     name = "tensor.2d"
     description = "2D tensor parallelism (SUMMA / Optimus) on a q x q grid, tp = q^2"
     options = ()
+    #: the default cases: a 2 x 2 grid, two sequences per micro-batch (one per batch block)
+    default_fields = {"tp": 4, "micro_batch_size": 2}
 
     @classmethod
     def grid_shape(cls, case: CaseConfig) -> tuple[int, int]:

@@ -248,7 +248,9 @@ def default_cases(scheme_cls, spec: str, family: str | None = None
                           "fields")
     skipped: list[str] = []
     bases = []
+    own = dict(getattr(scheme_cls, "default_fields", {}))  # the scheme's degrees and shape
     for fields_ in base_fields(fam) + feature_cases(scheme_cls, fam):
+        fields_ = {**fields_, **own}
         why = _rejection(scheme_cls, spec, fields_)
         if why:
             skipped.append(f"{_describe(fields_, {})}: {why}")

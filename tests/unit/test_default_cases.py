@@ -201,3 +201,15 @@ def test_the_features_a_scheme_declares_get_a_case():
         supports_packing = False
     got, _ = default_cases(GPT2Only, "x:GPT2Only")
     assert not any(c.model.name == "llama-tiny" or c.model.pack_docs for c in got)
+
+
+@pytest.mark.parametrize("name, tp", [("tensor.2d", 4), ("tensor.2.5d", 8), ("tensor.3d", 8)])
+def test_a_grid_scheme_gets_default_cases_on_its_own_grid(name, tp):
+    """The tensor family's default cases run tp = 2, which no q x q (x d) grid is; a grid
+    scheme's ``default_fields`` put them on its grid, so ``parbench verify scheme=tensor.2d``
+    with no field runs (the structural cases, the features case and the LLaMA blocks)."""
+    cls = get_scheme(name)
+    built, skipped = default_cases(cls, name)
+    assert len(built) >= 3 and not skipped, skipped
+    assert {c.layout.tp for c in built} == {tp}
+    assert any(c.model.rope_theta > 0 for c in built)  # the LLaMA blocks' case
