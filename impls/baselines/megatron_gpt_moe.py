@@ -42,15 +42,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parbench import comm
 from parbench.config import CaseConfig, ConfigError
 from parbench.scheme import register
 
 from impls.baselines import megatron_moe
-from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel, mcore_name,
-                                          no_cuda_rng_fork)
+from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
+                                          check_query_groups, mcore_name, no_cuda_rng_fork,
+                                          sequence_parallel_spec)
 from impls.baselines.megatron_moe import MegatronMoE
 from impls.baselines.megatron_tp import _set_parallel_state
-from impls.tensor.shards import Placement
+from impls.tensor.collectives import all_reduce_flat
+from impls.tensor.shards import Placement, gather_full
 
 #: the MoE fields of ``megatron_moe.transformer_config`` taken into the GPTModel's config
 MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
@@ -74,27 +77,44 @@ def unshard(local: torch.Tensor, index: tuple, shape: tuple) -> torch.Tensor:
 
 
 class MoELayout(GPTModelLayout):
-    """tp = 1: an expert's weights are whole on its ep rank (the dense MLP's row placement
-    would read a fine-grained expert's rows at the dense width)."""
+    """A routed or shared expert's MLP placed as the dense MLP is (fc1 column-, fc2
+    row-parallel, SwiGLU's [gate; up] per rank) at its own hidden size: the routed experts'
+    ``moe_ffn_hidden_size`` over expert-tp (= tp, Megatron-Core's default), the shared
+    expert's ``moe_shared_expert_size`` over tp (Megatron-Core's ``SharedExpertMLP`` is an
+    ``MLP`` of ``moe_shared_expert_intermediate_size``). Placed at the dense width, a
+    fine-grained or shared expert's fc1 would read rows past its own (zero padding)."""
 
     def placement(self, name: str, shape: tuple) -> Placement:
+        width = self.expert_width(name)
+        if width is None:
+            return super().placement(name, shape)
+        own = type(self)(dataclasses.replace(self.cfg, ffn_hidden_size=width), self.tp)
+        return super(MoELayout, own).placement(name, shape)
+
+    def expert_width(self, name: str) -> int | None:
+        """The hidden size of the expert MLP ``name`` belongs to (None: not an expert's)."""
         if ".mlp.experts." in name:
-            return Placement(name, shape)
-        return super().placement(name, shape)
+            return self.cfg.moe_ffn_hidden_size or self.cfg.ffn
+        if ".mlp.shared_expert." in name:
+            return self.cfg.moe_shared_expert_size
+        return None
 
 
 class MegatronCoreMoEGPT(MegatronCoreGPTModel):
-    """GPTModel with every MLP an ``MoELayer``; this rank's experts of every layer."""
+    """GPTModel with every MLP an ``MoELayer``; this rank's experts of every layer (their
+    expert-tp shard: expert-tp = tp, the same ranks as the tp group)."""
 
     layout_cls = MoELayout
 
-    def __init__(self, cfg, seed: int, mesh, ep: int, ep_rank: int):
+    def __init__(self, cfg, seed: int, mesh, ep: int, ep_rank: int, sp: bool = False):
         self.ep, self.first = ep, ep_rank * (cfg.num_experts // ep)
         self.local = cfg.num_experts // ep
         pg = megatron_moe.process_groups(mesh)
         one = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
         pg.pp = pg.embd = pg.pos_embd = one
-        super().__init__(cfg, seed, mesh.group("tp"), 1, 0, False, pg=pg)
+        self.tp_group = mesh.group("tp")
+        super().__init__(cfg, seed, mesh.group("tp"), mesh.size("tp"), mesh.index("tp"), sp,
+                         pg=pg)
 
     def build_config(self, cfg, tp: int, sp: bool):
         moe = megatron_moe.transformer_config(cfg, self.ep)
@@ -106,9 +126,10 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
 
     def layer_spec(self, conf):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        return get_gpt_layer_local_spec(num_experts=conf.num_moe_experts,
-                                        moe_grouped_gemm=False,
-                                        normalization=conf.normalization)
+        moe = {"num_experts": conf.num_moe_experts, "moe_grouped_gemm": False}
+        if conf.sequence_parallel:  # shim 5: the norms marked sequence_parallel
+            return sequence_parallel_spec(conf, **moe)
+        return get_gpt_layer_local_spec(normalization=conf.normalization, **moe)
 
     def adapt(self) -> None:
         for layer in self.gpt.decoder.layers:
@@ -131,21 +152,36 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
                 f"{int(e) - self.first}.{mine}.{leaf}")
 
     def reference_named(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The rank's parameters (or gradients) under the reference's names and row order."""
-        out = {}
-        for name, (p, pl) in self.shards().items():
-            t = (p.grad if grads else p).detach()
-            out[name] = t if pl.replicated else unshard(t, pl.index(0), pl.full_shape)
-        return out
+        """The rank's parameters (or gradients) under the reference's names and row order,
+        whole: its tp shards gathered over tp (collective, outside the ledger; the experts'
+        expert-tp group has the tp group's ranks)."""
+        named = {n: ((p.grad if grads else p).detach(), pl)
+                 for n, (p, pl) in self.shards().items()}
+        if self.tp == 1:  # one rank holds every row: Megatron's row order put back
+            return {n: t if pl.replicated else unshard(t, pl.index(0), pl.full_shape)
+                    for n, (t, pl) in named.items()}
+        with comm.unrecorded():
+            return gather_full(named, self.tp_group, dist.get_process_group_ranks(
+                self.tp_group), self.tp_group.rank())
+
+    def sequence_parallel_grads(self) -> list[torch.Tensor]:
+        """The gradients of the parameters Megatron marks ``sequence_parallel`` (the norms,
+        shim 5, and every router): partial sums over the tp ranks' sequence shards."""
+        return [p.grad for p in self.gpt.parameters()
+                if getattr(p, "sequence_parallel", False) and p.grad is not None]
 
 
 @register
 class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
     #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
-    moe_features = frozenset({"fine-grained", "llama-experts"})
+    moe_features = frozenset({"fine-grained", "llama-experts", "shared-expert"})
     #: the LLaMA blocks and Mixtral's experts (SwiGLU, no biases), Megatron's own MLPs
     model_features = frozenset({"rope", "gqa", "rmsnorm", "swiglu", "no-bias"})
+    #: tp x ep: Megatron's expert-tp default (= tp) with sequence parallelism (shim 5)
+    uses = ("tp", "ep", "dp")
+    options = (*MegatronMoE.options, "sp")
+    experts_split_over_tp = True
     model_cls = MegatronCoreMoEGPT
     description = ("Megatron-Core 0.16 GPTModel with MoELayer (local spec, alltoall "
                    "dispatcher, capacity mode) with the reference weights")
@@ -153,11 +189,10 @@ class MegatronCoreGPTMoE(MegatronMoE):
     @classmethod
     def check(cls, case: CaseConfig) -> None:
         m = case.model
-        if m.moe_shared_expert_size:
-            raise ConfigError(f"moe_shared_expert_size={m.moe_shared_expert_size}: Megatron-Core "
-                              "0.16.1's SharedExpertMLP asserts 'bias is not supported in the "
-                              "shared experts' (with biases), and without them its shared "
-                              "expert's fc1 is not yet mapped (a size mismatch)")
+        if m.moe_shared_expert_size and m.bias:
+            raise ConfigError(f"moe_shared_expert_size={m.moe_shared_expert_size} with "
+                              "bias=true: Megatron-Core 0.16.1's SharedExpertMLP asserts 'bias "
+                              "is not supported in the shared experts'; set bias=false")
         super().check(case)
         if m.moe_every != 1 or m.moe_first_dense:
             raise ConfigError(f"moe_every={m.moe_every}, moe_first_dense="
@@ -166,13 +201,39 @@ class MegatronCoreGPTMoE(MegatronMoE):
         if m.num_experts % case.layout.ep:
             raise ConfigError(f"ep={case.layout.ep} does not divide "
                               f"num_experts={m.num_experts}")
+        cls.check_tensor_parallel(case)
+
+    @classmethod
+    def check_tensor_parallel(cls, case: CaseConfig) -> None:
+        """tp > 1: Megatron-Core's ``MoELayer`` raises in training without sequence
+        parallelism (moe_layer.py), which splits the sequence over tp; its attention splits
+        the query groups."""
+        t = case.layout.tp
+        if t == 1:
+            return
+        if not case.options.tensor.sp:
+            raise ConfigError(f"tp={t} with sp=false: Megatron-Core 0.16.1's MoELayer "
+                              "requires sequence parallelism when tp > 1; set sp=true")
+        if case.model.seq_length % t:
+            raise ConfigError(f"tp={t} must divide seq_length={case.model.seq_length} "
+                              "(sequence parallelism)")
+        check_query_groups(case)
 
     def build_local_model(self) -> nn.Module:
         megatron_moe.install_cpu_shims()
         ctx = self.ctx
         _set_parallel_state(ctx.mesh.group("tp"), ctx.device)
         no_cuda_rng_fork()
-        return self.model_cls(ctx.model, ctx.run.seed, ctx.mesh, self.ep, self.ep_rank)
+        return self.model_cls(ctx.model, ctx.run.seed, ctx.mesh, self.ep, self.ep_rank,
+                              ctx.options.tensor.sp)
+
+    def reduce_dense_gradients(self) -> None:
+        """With sequence parallelism first the ``sequence_parallel`` parameters' gradients
+        summed over tp in one all-reduce (as Megatron-Core's ``finalize_model_grads``), then
+        the dense mean over dp."""
+        if self.ctx.mesh.size("tp") > 1:
+            all_reduce_flat(self.model.sequence_parallel_grads(), self.ctx.mesh.group("tp"))
+        super().reduce_dense_gradients()
 
     def named_parameters(self):
         return [(n, p) for n, (p, _) in self.model.shards().items()]

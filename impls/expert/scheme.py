@@ -103,6 +103,9 @@ class ExpertAllToAll(Scheme):
     dispatch_class: ClassVar[type] = ExpertDispatch
     #: which parameters are sharded over ep (the rest, the shared expert included, is dense)
     expert_param = staticmethod(is_expert_param)
+    #: experts whole on their rank (expert-tp 1); a framework baseline that splits them over
+    #: tp as Megatron-Core's default (expert-tp = tp) says so
+    experts_split_over_tp: ClassVar[bool] = False
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -111,7 +114,10 @@ class ExpertAllToAll(Scheme):
         if not m.num_experts:
             raise ConfigError(f"num_experts=0: {cls.name} needs an MoE model "
                               "(set num_experts > 0)")
-        if p.expert_tp != 1:
+        if cls.experts_split_over_tp and p.expert_tp != p.tp:
+            raise ConfigError(f"etp={p.etp}: {cls.name} splits the experts over tp "
+                              f"(expert-tp = tp = {p.tp}); set etp=0")
+        if not cls.experts_split_over_tp and p.expert_tp != 1:
             raise ConfigError(f"etp={p.etp} is not used by {cls.name} (experts are whole on "
                               "their rank); set etp=0 or 1")
         if case.run.dtype != "fp32":

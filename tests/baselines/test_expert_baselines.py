@@ -135,6 +135,51 @@ def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
         case_for(cls.name, moe_shared_expert_size=16)
 
 
+#: deepseek-tiny as Megatron-Core's local spec builds it comparably: its fine-grained routed
+#: experts and shared expert, SwiGLU without biases (SharedExpertMLP refuses biases), softmax
+#: top-2 routing over every layer (no sigmoid router, balancing bias, group-limited routing or
+#: first dense layer: not set up for this baseline)
+DEEPSEEK_EXPRESSIBLE = {"model": "deepseek-tiny", "num_layers": 2, "num_experts": 8, "bias": "false",
+                        "mlp": "swiglu", "moe_router": "softmax", "moe_bias_update_rate": 0,
+                        "moe_router_groups": 0, "moe_router_topk_groups": 0,
+                        "moe_first_dense": 0}
+
+
+def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
+    """Issue 21: DeepSeek's shared expert (Megatron-Core's SharedExpertMLP, split over tp)
+    beside fine-grained routed experts split over expert-tp = tp (Megatron's default), with
+    sequence parallelism (its MoELayer's rule for tp > 1), tp = ep = dp = 2: equal to the
+    golden run. Each rank routes its s/tp tokens, so its all-to-alls are 1/tp of the tp = 1
+    ones; the expert-tp group all-gathers the tokens and probabilities after the ep
+    all-to-all and reduce-scatters the outputs before it returns (each way per MoE layer
+    and micro-batch: ``etp_wire``)."""
+    cls = get_scheme("baseline.megatron.gpt-moe")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    case = case_for(cls.name, tp=2, sp="true", **DEEPSEEK_EXPRESSIBLE)
+    theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
+    assert theirs.equivalent, theirs
+    pred = get_scheme("expert.alltoall").predict(case)  # its closed form, tp = 1
+    f, t = pred.figures, case.layout.tp
+    per = f["moe_layers"] * case.layout.num_microbatches
+    tokens, probs = f["a2a_message_bytes"], f["a2a_message_bytes"] // case.model.hidden_size
+    for r in per_rank:
+        wire, calls = r.wire_by_axis_per_step[-1], r.calls_by_axis_per_step[-1]
+        assert wire["ep"] == (pred.wire_bytes[r.rank]["ep"] + per * probs) / t  # ep = 2
+        assert calls["ep"] == pred.calls[r.rank]["ep"] + 2 * per
+        assert wire["etp"] == etp_wire(per, t, tokens, probs) and calls["etp"] == 6 * per
+    with pytest.raises(ConfigError, match="requires sequence parallelism"):
+        case_for(cls.name, tp=2, **DEEPSEEK_EXPRESSIBLE)
+
+
+def etp_wire(per: int, t: int, tokens: float, probs: float) -> float:
+    """Wire bytes per rank and step on the expert-tp group (size t): per MoE layer and
+    micro-batch an all-gather of the t ranks' E C/t x h tokens and E C/t probabilities
+    forward (their reduce-scatters backward) and a reduce-scatter of the outputs forward
+    (an all-gather backward); each moves (t-1)/t of t E C/t elements per rank."""
+    return 2 * per * (t - 1) * (2 * tokens + probs) / t
+
+
 def test_megatron_moe_rejects_what_it_cannot_compare():
     if get_scheme("baseline.megatron.moe").unavailable():
         pytest.skip("megatron-core missing")
