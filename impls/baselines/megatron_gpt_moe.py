@@ -62,6 +62,16 @@ MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
               "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
               "expert_model_parallel_size", "bias_activation_fusion")
 
+#: deepseek-tiny as Megatron-Core's local spec builds it comparably (overrides): its
+#: fine-grained routed experts and shared expert, SwiGLU without biases (SharedExpertMLP
+#: refuses biases), softmax top-2 routing in every layer -- 2 layers, so the same 2 MoE
+#: layers as the preset's 3 with its first dense. Not set up here: its sigmoid router,
+#: balancing bias, group-limited routing and first dense layer.
+DEEPSEEK_TINY = {"model": "deepseek-tiny", "num_layers": "2", "num_experts": "8",
+                 "bias": "false", "mlp": "swiglu", "moe_router": "softmax",
+                 "moe_bias_update_rate": "0", "moe_router_groups": "0",
+                 "moe_router_topk_groups": "0", "moe_first_dense": "0"}
+
 
 def unshard(local: torch.Tensor, index: tuple, shape: tuple) -> torch.Tensor:
     """The full tensor of which ``local`` is ``shards.take(full, index)`` (one rank holds
@@ -88,8 +98,12 @@ class MoELayout(GPTModelLayout):
         width = self.expert_width(name)
         if width is None:
             return super().placement(name, shape)
-        own = type(self)(dataclasses.replace(self.cfg, ffn_hidden_size=width), self.tp)
-        return super(MoELayout, own).placement(name, shape)
+        return self.width_layout(name, width).placement(name, shape)
+
+    def width_layout(self, name: str, width: int) -> GPTModelLayout:
+        """The dense placement of a model whose MLP is ``width`` wide (a self-test mutant
+        swaps it for one expert MLP)."""
+        return GPTModelLayout(dataclasses.replace(self.cfg, ffn_hidden_size=width), self.tp)
 
     def expert_width(self, name: str) -> int | None:
         """The hidden size of the expert MLP ``name`` belongs to (None: not an expert's)."""

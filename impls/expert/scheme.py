@@ -131,7 +131,8 @@ class ExpertAllToAll(Scheme):
             raise ConfigError(f"clip_grad={case.run.clip_grad:g}: baseline {cls.name} does "
                               "not clip with its framework's own clipping; set clip_grad=0")
         used = case.model.moe_features()
-        if used and cls.baseline_of and "moe_features" not in vars(cls):
+        # a baseline (or a mutant of one) runs the features its own class declares
+        if used and cls.baseline_of and cls.moe_features is ExpertAllToAll.moe_features:
             raise ConfigError(f"{next(iter(used.values()))}: baseline {cls.name} routes with "
                               "its framework's own MoE layer, which parbench does not set up "
                               "with DeepSeek-style experts or routing (run expert.alltoall)")

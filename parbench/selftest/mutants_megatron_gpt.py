@@ -27,6 +27,7 @@ unavailable and ``parbench selftest`` skips them, saying why.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +35,8 @@ from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
                                           MegatronCoreGPTScheme, SequenceParallelTorchNorm,
                                           mcore_name, no_cuda_rng_fork,
                                           sequence_parallel_spec)
-from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
+from impls.baselines.megatron_gpt_moe import (DEEPSEEK_TINY, MegatronCoreGPTMoE,
+                                              MegatronCoreMoEGPT, MoELayout)
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
 from impls.tensor.megatron_model import MegatronLayout
@@ -87,6 +89,42 @@ class _StridedExperts(MegatronCoreMoEGPT):
         j = int(e) // self.ep  # the bug: expert e on ep rank e mod ep, not e // (E/ep)
         return (f"decoder.layers.{head[len('blocks.'):]}.mlp.experts.local_experts.{j}."
                 + rest.replace("fc1", "linear_fc1").replace("fc2", "linear_fc2"))
+
+
+class _SharedSwappedLayout(MoELayout):
+    def width_layout(self, name: str, width: int):
+        if ".mlp.shared_expert." not in name:
+            return super().width_layout(name, width)
+        # the bug: the shared expert's linear_fc1 as [up; gate] (the routed experts' right)
+        return _SwappedFc1Layout(replace(self.cfg, ffn_hidden_size=width), self.tp)
+
+
+class _SharedSwapped(MegatronCoreMoEGPT):
+    layout_cls = _SharedSwappedLayout
+
+
+@mutant("mcore-gpt-moe-shared-fc1-swapped", base="baseline.megatron.gpt-moe",
+        overrides=DEEPSEEK_TINY,
+        bug="the shared expert's SwiGLU linear_fc1 loaded as [up; gate] (a converter that "
+            "orders DeepSeek's shared_experts gate/up projections apart from the routed ones)")
+class MCoreGPTMoESharedSwapped(with_model(MegatronCoreGPTMoE, _SharedSwapped)):
+    pass
+
+
+class _RoutersNotReduced(MegatronCoreMoEGPT):
+    def sequence_parallel_grads(self):
+        # the bug: the norms' gradients only (the dense SP list), not the routers' that
+        # Megatron's TopKRouter also marks sequence_parallel
+        return [p.grad for n, p in self.gpt.named_parameters()
+                if getattr(p, "sequence_parallel", False) and ".router." not in n]
+
+
+@mutant("mcore-gpt-moe-tp-router-not-reduced", base="baseline.megatron.gpt-moe",
+        overrides={**DEEPSEEK_TINY, "tp": "2", "sp": "true"},
+        bug="under tp x ep with sequence parallelism the routers' gradients are not "
+            "all-reduced over tp: each tp rank steps its router on its sequence shard's part")
+class MCoreGPTMoERoutersNotReduced(with_model(MegatronCoreGPTMoE, _RoutersNotReduced)):
+    pass
 
 
 @mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY
 from parbench.config import CaseConfig, ConfigError
 from parbench.model.moe import route
 from parbench.overrides import apply_overrides
@@ -135,14 +136,6 @@ def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
         case_for(cls.name, moe_shared_expert_size=16)
 
 
-#: deepseek-tiny as Megatron-Core's local spec builds it comparably: its fine-grained routed
-#: experts and shared expert, SwiGLU without biases (SharedExpertMLP refuses biases), softmax
-#: top-2 routing over every layer (no sigmoid router, balancing bias, group-limited routing or
-#: first dense layer: not set up for this baseline)
-DEEPSEEK_EXPRESSIBLE = {"model": "deepseek-tiny", "num_layers": 2, "num_experts": 8, "bias": "false",
-                        "mlp": "swiglu", "moe_router": "softmax", "moe_bias_update_rate": 0,
-                        "moe_router_groups": 0, "moe_router_topk_groups": 0,
-                        "moe_first_dense": 0}
 
 
 def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
@@ -156,7 +149,7 @@ def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
     cls = get_scheme("baseline.megatron.gpt-moe")
     if cls.unavailable():
         pytest.skip(cls.unavailable())
-    case = case_for(cls.name, tp=2, sp="true", **DEEPSEEK_EXPRESSIBLE)
+    case = case_for(cls.name, tp=2, sp="true", **DEEPSEEK_TINY)
     theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
     assert theirs.equivalent, theirs
     pred = get_scheme("expert.alltoall").predict(case)  # its closed form, tp = 1
@@ -169,7 +162,7 @@ def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
         assert calls["ep"] == pred.calls[r.rank]["ep"] + 2 * per
         assert wire["etp"] == etp_wire(per, t, tokens, probs) and calls["etp"] == 6 * per
     with pytest.raises(ConfigError, match="requires sequence parallelism"):
-        case_for(cls.name, tp=2, **DEEPSEEK_EXPRESSIBLE)
+        case_for(cls.name, tp=2, **DEEPSEEK_TINY)
 
 
 def etp_wire(per: int, t: int, tokens: float, probs: float) -> float:
