@@ -10,19 +10,44 @@ and the comparable cases are ``baseline.megatron.moe``'s (``megatron_moe``: capa
 dropless split sizes break gloo --, router without bias, top-1 pre-softmax, the Switch and
 z-losses through ``MoEAuxLossAutoScaler`` at 1/m, ep >= 2, nothing dropped); here Megatron
 also runs the attention, norms, embedding, rotary and vocab-parallel cross-entropy around
-them (tp = 1: ``expert.alltoall``'s degrees are ep and dp; tp x ep cannot run here, since
-Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence parallelism,
-which the local spec's norm refuses). Fine-grained experts
-(``moe_ffn_hidden_size``) run; a shared expert does not (its ``SharedExpertMLP`` refuses
-biases, which the expert family's experts have: refused in ``check``). Expert e of E sits
-on ep rank e // (E/ep) as local expert e mod (E/ep) (Megatron-Core's ``SequentialMLP``: the
+them. Fine-grained experts (``moe_ffn_hidden_size``) run. Expert e of E sits on ep rank
+e // (E/ep) as local expert e mod (E/ep) (Megatron-Core's ``SequentialMLP``: the
 ``local_expert_indices`` of its ep rank are contiguous).
+
+Shared expert (DeepSeekMoE, Dai et al. 2024 Sec. 3.2; DeepSeek-V3 Eq. 12): Megatron-Core's
+``SharedExpertMLP`` (shared_experts.py) is an ``MLP`` whose ``ffn_hidden_size`` is
+``moe_shared_expert_intermediate_size`` (the reference's ``moe_shared_expert_size``: the
+shared experts' total width), ungated, its output added to the routed one, split over tp as
+the dense MLP; it asserts ``add_bias_linear`` off, so shared-expert cases are bias-free
+(``check``). Every expert MLP is placed at its own width (``MoELayout``): placed at the dense
+width, a narrower expert's fc1 index read rows past its own (zero padding) -- the "64 vs
+128" size mismatch of the first attempt was parbench's placement, not Megatron's arithmetic.
+deepseek-tiny as the local spec builds it comparably (``DEEPSEEK_TINY``): its 8
+fine-grained routed experts of 16 and one shared expert of 16, SwiGLU without biases,
+softmax top-2, 2 layers (the preset's 2 MoE layers without its first dense one); its sigmoid
+router, balancing bias, group-limited routing and first dense layer are not set up here.
+
+tp x ep: Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence
+parallelism, so tp > 1 needs ``sp=true`` and runs with CPU shim 5
+(``megatron_gpt.SequenceParallelTorchNorm``, the local spec's norms marked
+``sequence_parallel``). The experts are split over expert-tp = tp (Megatron's default;
+``etp`` 0), whose group has the tp group's ranks (the expert order etp-ep-edp puts etp
+fastest, as the dense order tp): fc1 column- and fc2 row-parallel at the expert's width.
+Its ``tp_ep`` group (the etp x ep ranks) is the mesh's subgroup of that name
+(``megatron_moe.tensor_and_expert_group``). Each rank routes its s/tp tokens, so the
+capacity and the all-to-all buffers are 1/tp of tp = 1's; after the ep all-to-all the
+expert-tp group all-gathers the tokens and probabilities and reduce-scatters the outputs
+before the combine. The parameters Megatron marks ``sequence_parallel`` (the norms and every
+router's weight) have partial gradients per tp rank: summed over tp in one all-reduce
+before the dense dp reduction, as ``finalize_model_grads`` does. Megatron-Core's DDP is not
+used here either.
 
 Process groups: the mesh's (``megatron_moe.process_groups``: tp, cp, dp, ep and the expert
 groups), one-rank groups for pp and the embedding groups (no pipeline). Gradients are reduced
-as ``expert.alltoall`` does (dense over dp, experts over edp; Megatron's DDP is not used),
-as by ``baseline.megatron.moe``. The verdict sees the reference's names and row order: the
-linear_qkv rows are Megatron's group-interleaved order, put back (``unshard``).
+as ``expert.alltoall`` does (dense over dp, experts over edp), as by
+``baseline.megatron.moe``. The verdict sees the reference's names and row order: tp shards
+gathered over tp, and at tp = 1 the linear_qkv rows put back from Megatron's
+group-interleaved order (``unshard``).
 
 Measured (tiny, E = 4, top-1, ep = dp = 2, m = 2; the same as ``baseline.megatron.moe``):
 equivalent to the golden run; 24 all-to-alls per rank and step where ``expert.alltoall``'s
@@ -30,6 +55,23 @@ closed form has 16, ep wire bytes 133,120 against 131,072 (+2,048 = 2 L m (ep-1)
 L = 2 MoE layers, C = 32: the gate probabilities each way), the dp all-reduce exactly the
 closed form (70,912 B); its cross-entropy's all-reduces on the one-rank tp group (6 calls,
 no wire bytes); 3,520 B of ``other`` model state (the dispatcher's routing tensors).
+deepseek-tiny (``DEEPSEEK_TINY``), ep = dp = 2: equivalent; dp 80,512 B and the
+parameter, gradient and optimizer states exactly the closed form; ep 266,240 B against
+262,144 (+4,096, the probabilities, E = 8). The same at tp = 2 (sp, ep = dp = 2, 4 ranks):
+equivalent; ep 133,120 B = (262,144 + 4,096) / tp; etp 266,240 B in 24 calls = 2 L m
+(t-1)(2 E C h + E C) 4 / t B (the all-gathers and reduce-scatters above); tp 105,856 B in
+57 calls: sequence parallelism's 30 all-gathers and 20 reduce-scatters of 4,096 B (15 and
+10 per micro-batch: the column-parallel inputs -- qkv, the shared expert's fc1, the output
+layer -- gathered forward and again backward for their weight gradients), the
+cross-entropy's 6 all-reduces, and one all-reduce of the ``sequence_parallel`` gradients
+(2,688 B: 5 norms and 2 routers); tp_cp 256 B in 4 calls (the router's token counts for
+the balancing loss, summed over the sequence shards); dp 41,600 B. Beside
+``expert.alltoall``'s closed form, which is tp = 1's (no native scheme splits experts over
+tp: ``hybrid`` keeps them whole, etp = 1), these are '≠', a framework's difference shown.
+
+Megatron-LM issue 7452 (silent composition bugs, reproduced on CPU / gloo): its GPTModel
+MoE reproduction is a router ``padding_mask`` on the wrong tp group; no case here passes a
+padding mask (``loss_mask`` is refused), so it does not apply.
 
 Optional: ``pip install -e ".[megatron]"``; without megatron-core the scheme reports itself
 unavailable. Each case runs in fresh processes (``isolated``).

@@ -12,6 +12,12 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 
 - the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
   Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- its shared expert's SwiGLU ``linear_fc1`` alone loaded as [up; gate] (deepseek-tiny as
+  ``baseline.megatron.gpt-moe`` runs it: ``DEEPSEEK_TINY``);
+- under tp x ep with sequence parallelism, the routers' gradients left out of the tp
+  all-reduce of the ``sequence_parallel`` gradients (only the norms'): Megatron-Core's
+  ``TopKRouter`` marks its weight ``sequence_parallel``, each tp rank routes its own
+  sequence shard, so each steps its router on a partial gradient;
 - a pipeline stage's GPTModel loaded with reference layers 0..L/p-1 on every stage: the
   layer offset (Megatron-Core's ``get_transformer_layer_offset``, r L/p) forgotten.
 - the head tied across the stages, but the stage wrapper tells ``finalize_model_grads`` it is
