@@ -3,9 +3,12 @@
 
 The model is ``baseline.megatron.gpt``'s (``megatron_gpt.MegatronCoreGPTModel``: the local
 layer spec, the case's model as a ``TransformerConfig``, the reference weights mapped by
-name) with ``num_moe_experts`` set, so that ``get_gpt_layer_local_spec(num_experts=E,
-moe_grouped_gemm=False)`` makes every layer's MLP Megatron-Core's ``MoELayer`` (``TopKRouter``,
-``MoEAlltoAllTokenDispatcher``, ``SequentialMLP`` experts). The MoE settings, their CPU shims
+name) with ``num_moe_experts`` set and Megatron-Core's decoder block spec
+(``get_gpt_decoder_block_spec``, no TransformerEngine): its ``moe_layer_freq`` is the
+reference's MoE layers (``model.moe.is_moe_layer``: the first ``moe_first_dense`` dense,
+then every ``moe_every``-th), each MoE layer's MLP Megatron-Core's ``MoELayer``
+(``TopKRouter``, ``MoEAlltoAllTokenDispatcher``, ``SequentialMLP`` experts), the others its
+dense ``MLP`` (the local specs). The MoE settings, their CPU shims
 and the comparable cases are ``baseline.megatron.moe``'s (``megatron_moe``: capacity mode --
 dropless split sizes break gloo --, router without bias, top-1 pre-softmax, the Switch and
 z-losses through ``MoEAuxLossAutoScaler`` at 1/m, ep >= 2, nothing dropped); here Megatron
@@ -22,10 +25,11 @@ the dense MLP; it asserts ``add_bias_linear`` off, so shared-expert cases are bi
 (``check``). Every expert MLP is placed at its own width (``MoELayout``): placed at the dense
 width, a narrower expert's fc1 index read rows past its own (zero padding) -- the "64 vs
 128" size mismatch of the first attempt was parbench's placement, not Megatron's arithmetic.
-deepseek-tiny as the local spec builds it comparably (``DEEPSEEK_TINY``): its 8
-fine-grained routed experts of 16 and one shared expert of 16, SwiGLU without biases,
-softmax top-2, 2 layers (the preset's 2 MoE layers without its first dense one); its sigmoid
-router, balancing bias, group-limited routing and first dense layer are not set up here.
+deepseek-tiny as the local specs build it comparably (``DEEPSEEK_TINY``): its first dense
+layer, then 8 fine-grained routed experts of 16 and one shared expert of 16, SwiGLU without
+biases, softmax top-2; its sigmoid router, balancing bias and group-limited routing are not
+set up here (Megatron-Core has them: ``moe_router_score_function``,
+``moe_router_enable_expert_bias``, ``moe_router_num_groups``; not compared yet).
 
 tp x ep: Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence
 parallelism, so tp > 1 needs ``sp=true`` and runs with CPU shim 5
@@ -55,19 +59,22 @@ closed form has 16, ep wire bytes 133,120 against 131,072 (+2,048 = 2 L m (ep-1)
 L = 2 MoE layers, C = 32: the gate probabilities each way), the dp all-reduce exactly the
 closed form (70,912 B); its cross-entropy's all-reduces on the one-rank tp group (6 calls,
 no wire bytes); 3,520 B of ``other`` model state (the dispatcher's routing tensors).
-deepseek-tiny (``DEEPSEEK_TINY``), ep = dp = 2: equivalent; dp 80,512 B and the
-parameter, gradient and optimizer states exactly the closed form; ep 266,240 B against
-262,144 (+4,096, the probabilities, E = 8). The same at tp = 2 (sp, ep = dp = 2, 4 ranks):
-equivalent; ep 133,120 B = (262,144 + 4,096) / tp; etp 266,240 B in 24 calls = 2 L m
-(t-1)(2 E C h + E C) 4 / t B (the all-gathers and reduce-scatters above); tp 105,856 B in
-57 calls: sequence parallelism's 30 all-gathers and 20 reduce-scatters of 4,096 B (15 and
-10 per micro-batch: the column-parallel inputs -- qkv, the shared expert's fc1, the output
-layer -- gathered forward and again backward for their weight gradients), the
+deepseek-tiny (``DEEPSEEK_TINY``: 3 layers, the first dense), ep = dp = 2: equivalent;
+dp 121,728 B and the parameter, gradient and optimizer states exactly the closed form; ep
+266,240 B against 262,144 (+4,096, the probabilities, E = 8). The same at tp = 2 (sp,
+ep = dp = 2, 4 ranks): equivalent; ep 133,120 B = (262,144 + 4,096) / tp; etp 266,240 B in
+24 calls = 2 L m (t-1)(2 E C h + E C) 4 / t B (the all-gathers and reduce-scatters above);
+tp 147,072 B in 77 calls: sequence parallelism's 42 all-gathers and 28 reduce-scatters of
+4,096 B (21 and 14 per micro-batch: the 7 column-parallel inputs -- qkv of 3 layers, the
+dense fc1, the shared experts' fc1, the output layer -- gathered forward and again backward
+for their weight gradients, the 7 row-parallel outputs and the embedding scattered), the
 cross-entropy's 6 all-reduces, and one all-reduce of the ``sequence_parallel`` gradients
-(2,688 B: 5 norms and 2 routers); tp_cp 256 B in 4 calls (the router's token counts for
-the balancing loss, summed over the sequence shards); dp 41,600 B. Beside
-``expert.alltoall``'s closed form, which is tp = 1's (no native scheme splits experts over
-tp: ``hybrid`` keeps them whole, etp = 1), these are '≠', a framework's difference shown.
+(2,944 B: 7 norms and 2 routers); tp_cp 256 B in 4 calls (the router's token counts for
+the balancing loss, summed over the sequence shards); dp 62,336 B; 86,912 B of parameters
+per rank where tp = 1 holds 170,880. Beside ``expert.alltoall``'s closed form, which is
+tp = 1's (no native scheme splits experts over tp: ``hybrid`` keeps them whole, etp = 1),
+these are '≠', a framework's difference shown. tiny-4l with an MoE layer every other
+layer (ep = dp = 2): equivalent, dp exactly the closed form.
 
 Megatron-LM issue 7452 (silent composition bugs, reproduced on CPU / gloo): its GPTModel
 MoE reproduction is a router ``padding_mask`` on the wrong tp group; no case here passes a
@@ -86,12 +93,13 @@ import torch.nn as nn
 
 from parbench import comm
 from parbench.config import CaseConfig, ConfigError
+from parbench.model.moe import is_moe_layer
 from parbench.scheme import register
 
 from impls.baselines import megatron_moe
 from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
-                                          check_query_groups, mcore_name, no_cuda_rng_fork,
-                                          sequence_parallel_spec)
+                                          SequenceParallelTorchNorm, check_query_groups,
+                                          mcore_name, no_cuda_rng_fork, with_norm)
 from impls.baselines.megatron_moe import MegatronMoE
 from impls.baselines.megatron_tp import _set_parallel_state
 from impls.tensor.collectives import all_reduce_flat
@@ -104,15 +112,13 @@ MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
               "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
               "expert_model_parallel_size", "bias_activation_fusion")
 
-#: deepseek-tiny as Megatron-Core's local spec builds it comparably (overrides): its
-#: fine-grained routed experts and shared expert, SwiGLU without biases (SharedExpertMLP
-#: refuses biases), softmax top-2 routing in every layer -- 2 layers, so the same 2 MoE
-#: layers as the preset's 3 with its first dense. Not set up here: its sigmoid router,
-#: balancing bias, group-limited routing and first dense layer.
-DEEPSEEK_TINY = {"model": "deepseek-tiny", "num_layers": "2", "num_experts": "8",
-                 "bias": "false", "mlp": "swiglu", "moe_router": "softmax",
-                 "moe_bias_update_rate": "0", "moe_router_groups": "0",
-                 "moe_router_topk_groups": "0", "moe_first_dense": "0"}
+#: deepseek-tiny as Megatron-Core's local specs build it comparably (overrides): its first
+#: dense layer (``moe_layer_freq``), fine-grained routed experts and shared expert, SwiGLU
+#: without biases (SharedExpertMLP refuses biases), softmax top-2 routing. Not set up here:
+#: its sigmoid router, balancing bias and group-limited routing.
+DEEPSEEK_TINY = {"model": "deepseek-tiny", "num_experts": "8", "bias": "false",
+                 "mlp": "swiglu", "moe_router": "softmax", "moe_bias_update_rate": "0",
+                 "moe_router_groups": "0", "moe_router_topk_groups": "0"}
 
 
 def unshard(local: torch.Tensor, index: tuple, shape: tuple) -> torch.Tensor:
@@ -157,7 +163,7 @@ class MoELayout(GPTModelLayout):
 
 
 class MegatronCoreMoEGPT(MegatronCoreGPTModel):
-    """GPTModel with every MLP an ``MoELayer``; this rank's experts of every layer (their
+    """GPTModel with MoE layers (``MoELayer``); this rank's experts of every one (their
     expert-tp shard: expert-tp = tp, the same ranks as the tp group)."""
 
     layout_cls = MoELayout
@@ -177,19 +183,27 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
         base = super().build_config(cfg, tp, sp)
         return dataclasses.replace(
             base, **{f: getattr(moe, f) for f in MOE_FIELDS},
+            moe_layer_freq=[int(is_moe_layer(cfg, i)) for i in range(cfg.num_layers)],
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn,
             moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None)
 
     def layer_spec(self, conf):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        moe = {"num_experts": conf.num_moe_experts, "moe_grouped_gemm": False}
-        if conf.sequence_parallel:  # shim 5: the norms marked sequence_parallel
-            return sequence_parallel_spec(conf, **moe)
-        return get_gpt_layer_local_spec(normalization=conf.normalization, **moe)
+        """Megatron-Core's decoder block spec: a local MoE or dense layer spec per layer, as
+        its ``moe_layer_freq`` says (``build_config``); under sequence parallelism every norm
+        shim 5's, the final one too."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        block = get_gpt_decoder_block_spec(conf, use_transformer_engine=False,
+                                           normalization=conf.normalization, pp_rank=0)
+        if not conf.sequence_parallel:
+            return block
+        norm = SequenceParallelTorchNorm
+        return dataclasses.replace(block, layer_norm=norm,
+                                   layer_specs=[with_norm(s, norm) for s in block.layer_specs])
 
     def adapt(self) -> None:
         for layer in self.gpt.decoder.layers:
-            layer.mlp.router.bias = None  # the reference router has no bias
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.bias = None  # the reference router has no bias
 
     def mcore_name(self, ref: str) -> str | None:
         if ".mlp.router." in ref:
@@ -231,7 +245,7 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
 class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
     #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
-    moe_features = frozenset({"fine-grained", "llama-experts", "shared-expert"})
+    moe_features = frozenset({"fine-grained", "llama-experts", "shared-expert", "first-dense"})
     #: the LLaMA blocks and Mixtral's experts (SwiGLU, no biases), Megatron's own MLPs
     model_features = frozenset({"rope", "gqa", "rmsnorm", "swiglu", "no-bias"})
     #: tp x ep: Megatron's expert-tp default (= tp) with sequence parallelism (shim 5)
@@ -250,10 +264,6 @@ class MegatronCoreGPTMoE(MegatronMoE):
                               "bias=true: Megatron-Core 0.16.1's SharedExpertMLP asserts 'bias "
                               "is not supported in the shared experts'; set bias=false")
         super().check(case)
-        if m.moe_every != 1 or m.moe_first_dense:
-            raise ConfigError(f"moe_every={m.moe_every}, moe_first_dense="
-                              f"{m.moe_first_dense}: {cls.name} builds every layer as MoE "
-                              "(local spec); set moe_every=1, moe_first_dense=0")
         if m.num_experts % case.layout.ep:
             raise ConfigError(f"ep={case.layout.ep} does not divide "
                               f"num_experts={m.num_experts}")

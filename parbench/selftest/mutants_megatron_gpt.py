@@ -12,6 +12,9 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 
 - the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
   Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- with deepseek-tiny's first dense layer, a parameter filter written for all-MoE models
+  (an MLP parameter not the router's nor the shared expert's is an expert's): the dense
+  MLP's gradients reduced over edp as an expert's, never averaged over dp;
 - its shared expert's SwiGLU ``linear_fc1`` alone loaded as [up; gate] (deepseek-tiny as
   ``baseline.megatron.gpt-moe`` runs it: ``DEEPSEEK_TINY``);
 - under tp x ep with sequence parallelism, the routers' gradients left out of the tp
@@ -131,6 +134,20 @@ class _RoutersNotReduced(MegatronCoreMoEGPT):
             "all-reduced over tp: each tp rank steps its router on its sequence shard's part")
 class MCoreGPTMoERoutersNotReduced(with_model(MegatronCoreGPTMoE, _RoutersNotReduced)):
     pass
+
+
+def _all_moe_filter(name: str) -> bool:
+    # the bug: written when every layer was MoE -- an MLP parameter other than the router's
+    # and the shared expert's is an expert's
+    return ".mlp." in name and ".router." not in name and ".shared_expert." not in name
+
+
+@mutant("mcore-gpt-moe-first-dense-as-experts", base="baseline.megatron.gpt-moe",
+        overrides=DEEPSEEK_TINY,
+        bug="a filter written for all-MoE models takes the first dense layer's MLP for "
+            "experts: its gradients reduced over edp (1 here), never averaged over dp")
+class MCoreGPTMoEFirstDenseAsExperts(MegatronCoreGPTMoE):
+    expert_param = staticmethod(_all_moe_filter)
 
 
 @mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",
