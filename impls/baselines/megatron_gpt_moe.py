@@ -25,11 +25,27 @@ the dense MLP; it asserts ``add_bias_linear`` off, so shared-expert cases are bi
 (``check``). Every expert MLP is placed at its own width (``MoELayout``): placed at the dense
 width, a narrower expert's fc1 index read rows past its own (zero padding) -- the "64 vs
 128" size mismatch of the first attempt was parbench's placement, not Megatron's arithmetic.
-deepseek-tiny as the local specs build it comparably (``DEEPSEEK_TINY``): its first dense
-layer, then 8 fine-grained routed experts of 16 and one shared expert of 16, SwiGLU without
-biases, softmax top-2; its sigmoid router, balancing bias and group-limited routing are not
-set up here (Megatron-Core has them: ``moe_router_score_function``,
-``moe_router_enable_expert_bias``, ``moe_router_num_groups``; not compared yet).
+
+DeepSeek-V3's router (``parbench.model.router``) is Megatron-Core's own (``router_fields``):
+the sigmoid score function, group-limited routing (Megatron scores a group by its top
+k/topk_groups scores, the reference by its top 2: k = 2 topk_groups only), the routed
+scaling factor. Two parts compute differently (``check_router``):
+
+- the balancing loss under group-limited routing: Megatron's f_i counts each token's top-k
+  of all experts by the unbiased scores (``compute_routing_scores_for_aux_loss``, as
+  DeepSeek-V3's Eq. 18 reads), the reference's the experts the token is routed to within its
+  groups (router gradients off by 1.3e-6 at alpha 1e-4, 1.3e-4 at 1e-2): refused with a
+  balancing loss;
+- the auxiliary-loss-free bias (a finding, ``baseline.megatron.gpt-moe-bias``): Megatron
+  counts its load from the routing map after ``apply_router_token_dropping``, which in
+  capacity mode with padding is the capacity mask, so every expert counts its capacity and
+  the bias never moves (``scripts/megatron_expert_bias_capacity_repro.py``). That scheme
+  updates it with Megatron's ``_update_router_expert_bias`` (its counts all-reduced over
+  ``parallel_state``'s tp x dp x cp group, the mesh's) and compares it.
+
+deepseek-tiny as Megatron-Core compares (``DEEPSEEK_TINY``): its first dense layer, 8
+fine-grained routed experts of 16 and one shared expert of 16, the sigmoid router over 2
+groups of 4 keeping 1, top-2, SwiGLU without biases; no balancing loss and no bias.
 
 tp x ep: Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence
 parallelism, so tp > 1 needs ``sp=true`` and runs with CPU shim 5
@@ -69,9 +85,9 @@ tp 147,072 B in 77 calls: sequence parallelism's 42 all-gathers and 28 reduce-sc
 dense fc1, the shared experts' fc1, the output layer -- gathered forward and again backward
 for their weight gradients, the 7 row-parallel outputs and the embedding scattered), the
 cross-entropy's 6 all-reduces, and one all-reduce of the ``sequence_parallel`` gradients
-(2,944 B: 7 norms and 2 routers); tp_cp 256 B in 4 calls (the router's token counts for
-the balancing loss, summed over the sequence shards); dp 62,336 B; 86,912 B of parameters
-per rank where tp = 1 holds 170,880. Beside ``expert.alltoall``'s closed form, which is
+(2,944 B: 7 norms and 2 routers); dp 62,336 B; 86,912 B of parameters per rank where
+tp = 1 holds 170,880 (mixtral-tiny, with its balancing loss, adds tp_cp 256 B in 4 calls:
+the routers' token counts summed over the sequence shards). Beside ``expert.alltoall``'s closed form, which is
 tp = 1's (no native scheme splits experts over tp: ``hybrid`` keeps them whole, etp = 1),
 these are '≠', a framework's difference shown. tiny-4l with an MoE layer every other
 layer (ep = dp = 2): equivalent, dp exactly the closed form.
@@ -86,6 +102,7 @@ unavailable. Each case runs in fresh processes (``isolated``).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -112,13 +129,14 @@ MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
               "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
               "expert_model_parallel_size", "bias_activation_fusion")
 
-#: deepseek-tiny as Megatron-Core's local specs build it comparably (overrides): its first
-#: dense layer (``moe_layer_freq``), fine-grained routed experts and shared expert, SwiGLU
-#: without biases (SharedExpertMLP refuses biases), softmax top-2 routing. Not set up here:
-#: its sigmoid router, balancing bias and group-limited routing.
+#: deepseek-tiny as Megatron-Core compares with the reference (overrides): its first dense
+#: layer (``moe_layer_freq``), fine-grained routed experts and shared expert, the sigmoid
+#: router with group-limited routing (2 groups of 4, 1 kept, top-2), SwiGLU without biases
+#: (SharedExpertMLP refuses biases); without its balancing bias (Megatron-Core's never moves
+#: in capacity mode: baseline.megatron.gpt-moe-bias) and its balancing loss (Megatron-Core
+#: counts each token's top-k of all experts, not of its groups: ``check_router``).
 DEEPSEEK_TINY = {"model": "deepseek-tiny", "num_experts": "8", "bias": "false",
-                 "mlp": "swiglu", "moe_router": "softmax", "moe_bias_update_rate": "0",
-                 "moe_router_groups": "0", "moe_router_topk_groups": "0"}
+                 "mlp": "swiglu", "moe_bias_update_rate": "0", "moe_aux_loss_coef": "0"}
 
 
 def unshard(local: torch.Tensor, index: tuple, shape: tuple) -> torch.Tensor:
@@ -162,6 +180,20 @@ class MoELayout(GPTModelLayout):
         return None
 
 
+def router_fields(cfg) -> dict:
+    """DeepSeek-V3's router (``parbench.model.router``) as Megatron-Core's
+    ``TransformerConfig`` fields: the score function, the balancing bias and its rate
+    (updated by ``finalize_model_grads``' ``_update_router_expert_bias``), the groups and
+    the routed gates' scaling."""
+    return {"moe_router_score_function": cfg.moe_router,
+            "moe_router_enable_expert_bias": bool(cfg.moe_bias_update_rate),
+            "moe_router_bias_update_rate": cfg.moe_bias_update_rate,
+            "moe_router_num_groups": cfg.moe_router_groups or None,
+            "moe_router_group_topk": cfg.moe_router_topk_groups or None,
+            "moe_router_topk_scaling_factor": (cfg.moe_router_scaling
+                                               if cfg.moe_router_scaling != 1.0 else None)}
+
+
 class MegatronCoreMoEGPT(MegatronCoreGPTModel):
     """GPTModel with MoE layers (``MoELayer``); this rank's experts of every one (their
     expert-tp shard: expert-tp = tp, the same ranks as the tp group)."""
@@ -185,7 +217,8 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
             base, **{f: getattr(moe, f) for f in MOE_FIELDS},
             moe_layer_freq=[int(is_moe_layer(cfg, i)) for i in range(cfg.num_layers)],
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn,
-            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None)
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None,
+            **router_fields(cfg))
 
     def layer_spec(self, conf):
         """Megatron-Core's decoder block spec: a local MoE or dense layer spec per layer, as
@@ -245,13 +278,17 @@ class MegatronCoreMoEGPT(MegatronCoreGPTModel):
 class MegatronCoreGPTMoE(MegatronMoE):
     name = "baseline.megatron.gpt-moe"
     #: DeepSeek-style experts Megatron-Core's local spec builds comparably (issue 21)
-    moe_features = frozenset({"fine-grained", "llama-experts", "shared-expert", "first-dense"})
+    moe_features = frozenset({"fine-grained", "llama-experts", "shared-expert", "first-dense",
+                              "sigmoid-router", "expert-bias", "group-limited",
+                              "router-scaling"})
     #: the LLaMA blocks and Mixtral's experts (SwiGLU, no biases), Megatron's own MLPs
     model_features = frozenset({"rope", "gqa", "rmsnorm", "swiglu", "no-bias"})
     #: tp x ep: Megatron's expert-tp default (= tp) with sequence parallelism (shim 5)
     uses = ("tp", "ep", "dp")
     options = (*MegatronMoE.options, "sp")
     experts_split_over_tp = True
+    #: the routers' balancing bias is compared by baseline.megatron.gpt-moe-bias only
+    runs_expert_bias: ClassVar[bool] = False
     model_cls = MegatronCoreMoEGPT
     description = ("Megatron-Core 0.16 GPTModel with MoELayer (local spec, alltoall "
                    "dispatcher, capacity mode) with the reference weights")
@@ -268,6 +305,34 @@ class MegatronCoreGPTMoE(MegatronMoE):
             raise ConfigError(f"ep={case.layout.ep} does not divide "
                               f"num_experts={m.num_experts}")
         cls.check_tensor_parallel(case)
+        cls.check_router(case)
+
+    @classmethod
+    def check_router(cls, case: CaseConfig) -> None:
+        """Megatron-Core's rules for DeepSeek's router (transformer_config.py), and where its
+        group score is the reference's (``parbench.model.router``: k = 2 topk_groups)."""
+        m = case.model
+        if m.moe_bias_update_rate and not cls.runs_expert_bias:
+            raise ConfigError(f"moe_bias_update_rate={m.moe_bias_update_rate}: {cls.name} does "
+                              "not compare the balancing bias (Megatron-Core 0.16.1 counts the "
+                              "capacity-padded routing map, so the bias never moves: the "
+                              "finding of baseline.megatron.gpt-moe-bias); set "
+                              "moe_bias_update_rate=0")
+        if m.moe_router_groups and m.moe_aux_loss_coef:
+            raise ConfigError(f"moe_router_groups={m.moe_router_groups} with moe_aux_loss_coef="
+                              f"{m.moe_aux_loss_coef}: Megatron-Core's balancing loss counts "
+                              "each token's top-k of all experts (DeepSeek-V3 Eq. 18), the "
+                              "reference's the group-limited experts it routes to; set "
+                              "moe_aux_loss_coef=0")
+        if m.moe_bias_update_rate and m.moe_router != "sigmoid":
+            raise ConfigError(f"moe_bias_update_rate={m.moe_bias_update_rate} with moe_router="
+                              f"{m.moe_router}: Megatron-Core's expert bias only supports the "
+                              "sigmoid score function; set moe_router=sigmoid")
+        tg = m.moe_router_topk_groups
+        if m.moe_router_groups and m.moe_top_k != 2 * tg:
+            raise ConfigError(f"moe_top_k={m.moe_top_k}, moe_router_topk_groups={tg}: "
+                              "Megatron-Core scores a group by its top k/topk_groups scores, "
+                              "the reference by its top 2; set moe_top_k = 2 topk_groups")
 
     @classmethod
     def check_tensor_parallel(cls, case: CaseConfig) -> None:
@@ -289,6 +354,9 @@ class MegatronCoreGPTMoE(MegatronMoE):
         megatron_moe.install_cpu_shims()
         ctx = self.ctx
         _set_parallel_state(ctx.mesh.group("tp"), ctx.device)
+        from megatron.core import parallel_state as ps
+        # get_updated_expert_bias all-reduces the counts over this global group
+        ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = ctx.mesh.group("tp_dp_cp")
         no_cuda_rng_fork()
         return self.model_cls(ctx.model, ctx.run.seed, ctx.mesh, self.ep, self.ep_rank,
                               ctx.options.tensor.sp)
@@ -301,6 +369,26 @@ class MegatronCoreGPTMoE(MegatronMoE):
             all_reduce_flat(self.model.sequence_parallel_grads(), self.ctx.mesh.group("tp"))
         super().reduce_dense_gradients()
 
+    def update_bias(self, per_layer) -> None:
+        """Megatron-Core's own step-end update of the routers' balancing biases
+        (``finalize_model_grads``: the step's token counts all-reduced over tp x dp, then
+        ``get_updated_expert_bias``; the counts reset)."""
+        if not self.ctx.model.moe_bias_update_rate:
+            return
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias, reset_model_temporary_tensors)
+        gpt = self.model.gpt
+        with self.ctx.timeline.span("bias_update"):
+            _update_router_expert_bias([gpt], gpt.config)
+            reset_model_temporary_tensors(gpt.config, [gpt])
+
+    def full_state(self):
+        """The routers' balancing biases under the reference's names."""
+        if not self.ctx.model.moe_bias_update_rate:
+            return {}
+        return {n.replace("gpt.decoder.layers.", "blocks.", 1): b.detach()
+                for n, b in self.model.named_buffers() if n.endswith(".router.expert_bias")}
+
     def named_parameters(self):
         return [(n, p) for n, (p, _) in self.model.shards().items()]
 
@@ -309,3 +397,22 @@ class MegatronCoreGPTMoE(MegatronMoE):
 
     def full_grads(self):
         return self._gathered(self.model.reference_named(grads=True))
+
+
+@register
+class MegatronCoreGPTMoEBias(MegatronCoreGPTMoE):
+    """``baseline.megatron.gpt-moe`` with DeepSeek-V3's auxiliary-loss-free balancing bias
+    (Megatron-Core's ``moe_router_enable_expert_bias``, updated by its
+    ``finalize_model_grads`` functions): a known finding, kept apart so that it labels only
+    these rows."""
+
+    name = "baseline.megatron.gpt-moe-bias"
+    runs_expert_bias = True
+    known_finding = ("Megatron-Core 0.16.1 counts the expert bias's load from the routing map "
+                     "after apply_router_token_dropping; with moe_pad_expert_input_to_capacity "
+                     "that map is the capacity mask (every expert = its capacity), so the "
+                     "counts are uniform and the bias never moves: "
+                     "scripts/megatron_expert_bias_capacity_repro.py")
+    description = ("Megatron-Core 0.16 GPTModel with MoELayer and the routers' balancing bias "
+                   "(capacity mode)")
+

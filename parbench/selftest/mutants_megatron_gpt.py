@@ -12,6 +12,8 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 
 - the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
   Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- DeepSeek-V3's routed scaling factor (2.5) not passed on as Megatron-Core's
+  ``moe_router_topk_scaling_factor``;
 - with deepseek-tiny's first dense layer, a parameter filter written for all-MoE models
   (an MLP parameter not the router's nor the shared expert's is an expert's): the dense
   MLP's gradients reduced over edp as an expert's, never averaged over dp;
@@ -148,6 +150,20 @@ def _all_moe_filter(name: str) -> bool:
             "experts: its gradients reduced over edp (1 here), never averaged over dp")
 class MCoreGPTMoEFirstDenseAsExperts(MegatronCoreGPTMoE):
     expert_param = staticmethod(_all_moe_filter)
+
+
+class _ScalingForgotten(MegatronCoreMoEGPT):
+    def build_config(self, cfg, tp: int, sp: bool):
+        # the bug: DeepSeek-V3's routed_scaling_factor not passed on to Megatron-Core
+        return replace(super().build_config(cfg, tp, sp), moe_router_topk_scaling_factor=None)
+
+
+@mutant("mcore-gpt-moe-router-scaling-forgotten", base="baseline.megatron.gpt-moe",
+        overrides={**DEEPSEEK_TINY, "moe_router_scaling": "2.5"},
+        bug="the routed gates' scaling factor (DeepSeek-V3's routed_scaling_factor) not set as "
+            "Megatron-Core's moe_router_topk_scaling_factor: the gates sum to 1, not 2.5")
+class MCoreGPTMoEScalingForgotten(with_model(MegatronCoreGPTMoE, _ScalingForgotten)):
+    pass
 
 
 @mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",

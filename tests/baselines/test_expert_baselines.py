@@ -130,8 +130,12 @@ def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
     theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
     assert theirs.equivalent, theirs
     assert_ours_plus_probabilities(case, per_rank)
-    with pytest.raises(ConfigError, match="moe_router=sigmoid.*does not run"):
-        case_for(cls.name, moe_router="sigmoid")
+    for ov, rule in [({"moe_router_groups": 2, "moe_router_topk_groups": 1, "moe_top_k": 2},
+                      "top-k of all experts"),  # the balancing loss's counts differ
+                     ({"moe_router": "sigmoid", "moe_bias_update_rate": 1e-3},
+                      "gpt-moe-bias")]:  # the bias never moves in capacity mode: a finding
+        with pytest.raises(ConfigError, match=rule):
+            case_for(cls.name, **ov)
     with pytest.raises(ConfigError, match="bias is not supported in the shared experts"):
         case_for(cls.name, moe_shared_expert_size=16)
 
@@ -163,6 +167,21 @@ def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
         assert wire["etp"] == etp_wire(per, t, tokens, probs) and calls["etp"] == 6 * per
     with pytest.raises(ConfigError, match="requires sequence parallelism"):
         case_for(cls.name, tp=2, **DEEPSEEK_TINY)
+
+
+def test_megatron_expert_bias_counts_the_padded_capacity_map():
+    """The finding of ``baseline.megatron.gpt-moe-bias``: in capacity mode with padding
+    Megatron-Core counts every expert at its capacity for the balancing bias, so the bias
+    never moves (its reproducer, run here, fails once Megatron counts the routed tokens)."""
+    import runpy
+    from pathlib import Path
+    cls = get_scheme("baseline.megatron.gpt-moe-bias")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    script = "scripts/megatron_expert_bias_capacity_repro.py"
+    assert script in cls.known_finding
+    repro = runpy.run_path(str(Path(__file__).parents[2] / script))
+    assert repro["main"]() == 0  # reproduced: uniform counts with padding, not without
 
 
 def etp_wire(per: int, t: int, tokens: float, probs: float) -> float:
