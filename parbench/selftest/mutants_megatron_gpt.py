@@ -46,8 +46,8 @@ from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
                                           MegatronCoreGPTScheme, SequenceParallelTorchNorm,
                                           mcore_name, no_cuda_rng_fork,
                                           sequence_parallel_spec)
-from impls.baselines.megatron_gpt_moe import (DEEPSEEK_TINY, MegatronCoreGPTMoE,
-                                              MegatronCoreMoEGPT, MoELayout)
+from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY, MegatronCoreGPTMoE
+from impls.baselines.megatron_gpt_moe_model import MegatronCoreMoEGPT, MoELayout
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
 from impls.tensor.megatron_model import MegatronLayout
