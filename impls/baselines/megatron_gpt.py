@@ -104,16 +104,21 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def sequence_parallel_spec(conf, norm=SequenceParallelTorchNorm):
-    """The local layer spec with ``norm`` (:class:`SequenceParallelTorchNorm`) as every norm:
-    the layers' (the spec's submodules) and the final one (``transformer_block.
-    LayerNormImpl``, which it reads when it builds the decoder; this process is isolated)."""
-    import dataclasses
-
+def sequence_parallel_spec(conf, norm=SequenceParallelTorchNorm, **spec_args):
+    """The local layer spec (``get_gpt_layer_local_spec(**spec_args)``: e.g. the MoE one)
+    with ``norm`` (:class:`SequenceParallelTorchNorm`) as every norm: the layers' (the
+    spec's submodules) and the final one (``transformer_block.LayerNormImpl``, which it
+    reads when it builds the decoder; this process is isolated)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import transformer_block
     transformer_block.LayerNormImpl = norm
-    spec = get_gpt_layer_local_spec(normalization=conf.normalization)
+    return with_norm(get_gpt_layer_local_spec(normalization=conf.normalization, **spec_args),
+                     norm)
+
+
+def with_norm(spec, norm):
+    """Layer spec ``spec`` with ``norm`` as both of its norms."""
+    import dataclasses
     subs = dataclasses.replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
     return dataclasses.replace(spec, submodules=subs)
 

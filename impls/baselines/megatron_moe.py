@@ -109,15 +109,32 @@ def install_cpu_shims() -> None:
 
 
 def process_groups(mesh):
-    """Megatron-Core's ``ProcessGroupCollection`` from the mesh's groups (tp = etp = 1 here,
-    so the tensor-and-expert group is the ep group)."""
+    """Megatron-Core's ``ProcessGroupCollection`` from the mesh's groups; its
+    tensor-and-expert group (``tp_ep``) is the ep group where expert-tp is 1, else
+    :func:`tensor_and_expert_group`."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     pg = ProcessGroupCollection()
     g = mesh.group
     pg.tp, pg.cp, pg.tp_cp, pg.dp, pg.dp_cp = g("tp"), g("cp"), g("tp_cp"), g("dp"), g("dp_cp")
     pg.tp_dp_cp = g("tp_dp_cp")
-    pg.ep, pg.tp_ep, pg.expt_tp, pg.expt_dp = g("ep"), g("ep"), g("etp"), g("edp")
+    pg.ep, pg.expt_tp, pg.expt_dp = g("ep"), g("etp"), g("edp")
+    pg.tp_ep = g("ep") if mesh.size("etp") == 1 else tensor_and_expert_group(mesh)
     return pg
+
+
+def tensor_and_expert_group(mesh):
+    """Megatron-Core's tensor-and-expert-parallel group: the etp x ep ranks that share their
+    expert-dp and pipeline coordinates (``parallel_state``: the expert grid's order
+    etp-ep-edp-pp), taken from the mesh as subgroup ``tp_ep`` (its traffic's axis)."""
+    from itertools import product
+
+    from parbench.layout import EXPERT_ORDER
+    lay = mesh.layout
+    size = lay.sizes(EXPERT_ORDER)
+    parts = [[lay.rank_of(EXPERT_ORDER, etp=t, ep=e, edp=d, pp=p)
+              for e, t in product(range(lay.ep), range(lay.expert_tp))]
+             for p, d in product(range(lay.pp), range(size["edp"]))]
+    return mesh.subgroup("tp_ep", parts)
 
 
 def transformer_config(cfg, ep: int):

@@ -103,6 +103,9 @@ class ExpertAllToAll(Scheme):
     dispatch_class: ClassVar[type] = ExpertDispatch
     #: which parameters are sharded over ep (the rest, the shared expert included, is dense)
     expert_param = staticmethod(is_expert_param)
+    #: experts whole on their rank (expert-tp 1); a framework baseline that splits them over
+    #: tp as Megatron-Core's default (expert-tp = tp) says so
+    experts_split_over_tp: ClassVar[bool] = False
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -111,7 +114,10 @@ class ExpertAllToAll(Scheme):
         if not m.num_experts:
             raise ConfigError(f"num_experts=0: {cls.name} needs an MoE model "
                               "(set num_experts > 0)")
-        if p.expert_tp != 1:
+        if cls.experts_split_over_tp and p.expert_tp != p.tp:
+            raise ConfigError(f"etp={p.etp}: {cls.name} splits the experts over tp "
+                              f"(expert-tp = tp = {p.tp}); set etp=0")
+        if not cls.experts_split_over_tp and p.expert_tp != 1:
             raise ConfigError(f"etp={p.etp} is not used by {cls.name} (experts are whole on "
                               "their rank); set etp=0 or 1")
         if case.run.dtype != "fp32":
@@ -125,7 +131,8 @@ class ExpertAllToAll(Scheme):
             raise ConfigError(f"clip_grad={case.run.clip_grad:g}: baseline {cls.name} does "
                               "not clip with its framework's own clipping; set clip_grad=0")
         used = case.model.moe_features()
-        if used and cls.baseline_of and "moe_features" not in vars(cls):
+        # a baseline (or a mutant of one) runs the features its own class declares
+        if used and cls.baseline_of and cls.moe_features is ExpertAllToAll.moe_features:
             raise ConfigError(f"{next(iter(used.values()))}: baseline {cls.name} routes with "
                               "its framework's own MoE layer, which parbench does not set up "
                               "with DeepSeek-style experts or routing (run expert.alltoall)")

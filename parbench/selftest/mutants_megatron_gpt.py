@@ -12,6 +12,17 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 
 - the MoE GPTModel's experts loaded round-robin (expert e on ep rank e mod ep) instead of
   Megatron-Core's contiguous ``local_expert_indices`` (e // (E/ep));
+- DeepSeek-V3's routed scaling factor (2.5) not passed on as Megatron-Core's
+  ``moe_router_topk_scaling_factor``;
+- with deepseek-tiny's first dense layer, a parameter filter written for all-MoE models
+  (an MLP parameter not the router's nor the shared expert's is an expert's): the dense
+  MLP's gradients reduced over edp as an expert's, never averaged over dp;
+- its shared expert's SwiGLU ``linear_fc1`` alone loaded as [up; gate] (deepseek-tiny as
+  ``baseline.megatron.gpt-moe`` runs it: ``DEEPSEEK_TINY``);
+- under tp x ep with sequence parallelism, the routers' gradients left out of the tp
+  all-reduce of the ``sequence_parallel`` gradients (only the norms'): Megatron-Core's
+  ``TopKRouter`` marks its weight ``sequence_parallel``, each tp rank routes its own
+  sequence shard, so each steps its router on a partial gradient;
 - a pipeline stage's GPTModel loaded with reference layers 0..L/p-1 on every stage: the
   layer offset (Megatron-Core's ``get_transformer_layer_offset``, r L/p) forgotten.
 - the head tied across the stages, but the stage wrapper tells ``finalize_model_grads`` it is
@@ -27,6 +38,7 @@ unavailable and ``parbench selftest`` skips them, saying why.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +46,8 @@ from impls.baselines.megatron_gpt import (GPTModelLayout, MegatronCoreGPTModel,
                                           MegatronCoreGPTScheme, SequenceParallelTorchNorm,
                                           mcore_name, no_cuda_rng_fork,
                                           sequence_parallel_spec)
-from impls.baselines.megatron_gpt_moe import MegatronCoreGPTMoE, MegatronCoreMoEGPT
+from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY, MegatronCoreGPTMoE
+from impls.baselines.megatron_gpt_moe_model import MegatronCoreMoEGPT, MoELayout
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
 from impls.tensor.megatron_model import MegatronLayout
@@ -87,6 +100,70 @@ class _StridedExperts(MegatronCoreMoEGPT):
         j = int(e) // self.ep  # the bug: expert e on ep rank e mod ep, not e // (E/ep)
         return (f"decoder.layers.{head[len('blocks.'):]}.mlp.experts.local_experts.{j}."
                 + rest.replace("fc1", "linear_fc1").replace("fc2", "linear_fc2"))
+
+
+class _SharedSwappedLayout(MoELayout):
+    def width_layout(self, name: str, width: int):
+        if ".mlp.shared_expert." not in name:
+            return super().width_layout(name, width)
+        # the bug: the shared expert's linear_fc1 as [up; gate] (the routed experts' right)
+        return _SwappedFc1Layout(replace(self.cfg, ffn_hidden_size=width), self.tp)
+
+
+class _SharedSwapped(MegatronCoreMoEGPT):
+    layout_cls = _SharedSwappedLayout
+
+
+@mutant("mcore-gpt-moe-shared-fc1-swapped", base="baseline.megatron.gpt-moe",
+        overrides=DEEPSEEK_TINY,
+        bug="the shared expert's SwiGLU linear_fc1 loaded as [up; gate] (a converter that "
+            "orders DeepSeek's shared_experts gate/up projections apart from the routed ones)")
+class MCoreGPTMoESharedSwapped(with_model(MegatronCoreGPTMoE, _SharedSwapped)):
+    pass
+
+
+class _RoutersNotReduced(MegatronCoreMoEGPT):
+    def sequence_parallel_grads(self):
+        # the bug: the norms' gradients only (the dense SP list), not the routers' that
+        # Megatron's TopKRouter also marks sequence_parallel
+        return [p.grad for n, p in self.gpt.named_parameters()
+                if getattr(p, "sequence_parallel", False) and ".router." not in n]
+
+
+@mutant("mcore-gpt-moe-tp-router-not-reduced", base="baseline.megatron.gpt-moe",
+        overrides={**DEEPSEEK_TINY, "tp": "2", "sp": "true"},
+        bug="under tp x ep with sequence parallelism the routers' gradients are not "
+            "all-reduced over tp: each tp rank steps its router on its sequence shard's part")
+class MCoreGPTMoERoutersNotReduced(with_model(MegatronCoreGPTMoE, _RoutersNotReduced)):
+    pass
+
+
+def _all_moe_filter(name: str) -> bool:
+    # the bug: written when every layer was MoE -- an MLP parameter other than the router's
+    # and the shared expert's is an expert's
+    return ".mlp." in name and ".router." not in name and ".shared_expert." not in name
+
+
+@mutant("mcore-gpt-moe-first-dense-as-experts", base="baseline.megatron.gpt-moe",
+        overrides=DEEPSEEK_TINY,
+        bug="a filter written for all-MoE models takes the first dense layer's MLP for "
+            "experts: its gradients reduced over edp (1 here), never averaged over dp")
+class MCoreGPTMoEFirstDenseAsExperts(MegatronCoreGPTMoE):
+    expert_param = staticmethod(_all_moe_filter)
+
+
+class _ScalingForgotten(MegatronCoreMoEGPT):
+    def build_config(self, cfg, tp: int, sp: bool):
+        # the bug: DeepSeek-V3's routed_scaling_factor not passed on to Megatron-Core
+        return replace(super().build_config(cfg, tp, sp), moe_router_topk_scaling_factor=None)
+
+
+@mutant("mcore-gpt-moe-router-scaling-forgotten", base="baseline.megatron.gpt-moe",
+        overrides={**DEEPSEEK_TINY, "moe_router_scaling": "2.5"},
+        bug="the routed gates' scaling factor (DeepSeek-V3's routed_scaling_factor) not set as "
+            "Megatron-Core's moe_router_topk_scaling_factor: the gates sum to 1, not 2.5")
+class MCoreGPTMoEScalingForgotten(with_model(MegatronCoreGPTMoE, _ScalingForgotten)):
+    pass
 
 
 @mutant("mcore-gpt-moe-experts-strided", base="baseline.megatron.gpt-moe",

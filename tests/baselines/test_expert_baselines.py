@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY
 from parbench.config import CaseConfig, ConfigError
 from parbench.model.moe import route
 from parbench.overrides import apply_overrides
@@ -129,10 +130,66 @@ def test_megatron_gptmodel_moe_equals_golden_with_megatron_moe_traffic(pools):
     theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
     assert theirs.equivalent, theirs
     assert_ours_plus_probabilities(case, per_rank)
-    with pytest.raises(ConfigError, match="moe_every=2"):
-        case_for(cls.name, model="tiny-4l", moe_every=2)
+    for ov, rule in [({"moe_router_groups": 2, "moe_router_topk_groups": 1, "moe_top_k": 2},
+                      "top-k of all experts"),  # the balancing loss's counts differ
+                     ({"moe_router": "sigmoid", "moe_bias_update_rate": 1e-3},
+                      "gpt-moe-bias")]:  # the bias never moves in capacity mode: a finding
+        with pytest.raises(ConfigError, match=rule):
+            case_for(cls.name, **ov)
     with pytest.raises(ConfigError, match="bias is not supported in the shared experts"):
         case_for(cls.name, moe_shared_expert_size=16)
+
+
+
+
+def test_megatron_gptmodel_moe_shared_expert_under_tp_x_ep_equals_golden(pools):
+    """Issue 21: DeepSeek's shared expert (Megatron-Core's SharedExpertMLP, split over tp)
+    beside fine-grained routed experts split over expert-tp = tp (Megatron's default), with
+    sequence parallelism (its MoELayer's rule for tp > 1), tp = ep = dp = 2: equal to the
+    golden run. Each rank routes its s/tp tokens, so its all-to-alls are 1/tp of the tp = 1
+    ones; the expert-tp group all-gathers the tokens and probabilities after the ep
+    all-to-all and reduce-scatters the outputs before it returns (each way per MoE layer
+    and micro-batch: ``etp_wire``)."""
+    cls = get_scheme("baseline.megatron.gpt-moe")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    case = case_for(cls.name, tp=2, sp="true", **DEEPSEEK_TINY)
+    theirs, per_rank = run_on_pool(pools, case)  # isolated: fresh ranks
+    assert theirs.equivalent, theirs
+    pred = get_scheme("expert.alltoall").predict(case)  # its closed form, tp = 1
+    f, t = pred.figures, case.layout.tp
+    per = f["moe_layers"] * case.layout.num_microbatches
+    tokens, probs = f["a2a_message_bytes"], f["a2a_message_bytes"] // case.model.hidden_size
+    for r in per_rank:
+        wire, calls = r.wire_by_axis_per_step[-1], r.calls_by_axis_per_step[-1]
+        assert wire["ep"] == (pred.wire_bytes[r.rank]["ep"] + per * probs) / t  # ep = 2
+        assert calls["ep"] == pred.calls[r.rank]["ep"] + 2 * per
+        assert wire["etp"] == etp_wire(per, t, tokens, probs) and calls["etp"] == 6 * per
+    with pytest.raises(ConfigError, match="requires sequence parallelism"):
+        case_for(cls.name, tp=2, **DEEPSEEK_TINY)
+
+
+def test_megatron_expert_bias_counts_the_padded_capacity_map():
+    """The finding of ``baseline.megatron.gpt-moe-bias``: in capacity mode with padding
+    Megatron-Core counts every expert at its capacity for the balancing bias, so the bias
+    never moves (its reproducer, run here, fails once Megatron counts the routed tokens)."""
+    import runpy
+    from pathlib import Path
+    cls = get_scheme("baseline.megatron.gpt-moe-bias")
+    if cls.unavailable():
+        pytest.skip(cls.unavailable())
+    script = "scripts/megatron_expert_bias_capacity_repro.py"
+    assert script in cls.known_finding
+    repro = runpy.run_path(str(Path(__file__).parents[2] / script))
+    assert repro["main"]() == 0  # reproduced: uniform counts with padding, not without
+
+
+def etp_wire(per: int, t: int, tokens: float, probs: float) -> float:
+    """Wire bytes per rank and step on the expert-tp group (size t): per MoE layer and
+    micro-batch an all-gather of the t ranks' E C/t x h tokens and E C/t probabilities
+    forward (their reduce-scatters backward) and a reduce-scatter of the outputs forward
+    (an all-gather backward); each moves (t-1)/t of t E C/t elements per rank."""
+    return 2 * per * (t - 1) * (2 * tokens + probs) / t
 
 
 def test_megatron_moe_rejects_what_it_cannot_compare():
