@@ -80,10 +80,11 @@ def check_dsv3_case(case: CaseConfig) -> None:
     for field, value, ok, rule in fixed:
         if not ok:
             raise ConfigError(f"{field}={value}: baseline.torchtitan.deepseek-v3 needs {rule}")
-    if case.layout.ep > 1 and case.layout.tp > 1:
-        raise ConfigError(f"ep={case.layout.ep} with tp={case.layout.tp}: torchtitan's EP "
-                          "takes the tp ranks into its ep groups (efsdp = dp tp / ep), not "
-                          "parbench's layout; run ep with tp=1")
+    lay = case.layout
+    if lay.ep > 1 and lay.tp > 1 and lay.expert_tp != 1:
+        raise ConfigError(f"etp={lay.etp} with ep={lay.ep}, tp={lay.tp}: torchtitan's EP "
+                          "takes the tp ranks into its ep groups, experts whole (expert-tp "
+                          "1); set etp=1")
 
 
 class PreStepHooks:

@@ -118,12 +118,12 @@ def test_titan_dsv3_routed_experts_are_bf16():
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", "0"), ("moe_aux_loss_coef", "0.01"),
                                          ("moe_capacity_factor", "1.0"), ("moe_every", "2"),
-                                         ("moe_router_skew", "1"), ("ep", "2")])
+                                         ("moe_router_skew", "1"), ("etp", "2")])
 def test_what_titan_dsv3_cannot_run_is_refused(field, value):
     from impls.baselines.torchtitan_dsv3 import check_dsv3_case
-    layout = {"tp": "2", "dp": "2"}
+    layout = {"tp": "2", "dp": "2", "ep": "2"}
     case = apply_overrides(CaseConfig(), {**DSV3_BASE, **layout, "model": "deepseek-v3-tiny",
-                                          "num_layers": "4", field: value})
+                                          "num_layers": "4", "etp": "1", field: value})
     with pytest.raises(ConfigError, match=field):
         check_dsv3_case(case)
 
