@@ -32,7 +32,9 @@ MoE rows disagree with the golden run:
    top-k and the groups' top-2 sums are shift-invariant, the gates use the unbiased
    scores): a difference of state, not of the function trained.
 
-The dense rows are equal to the golden run: ``mla-tiny`` (every layer dense) under FSDP2, TP +
+With the experts' grouped matmuls in fp32 (``torchtitan_dsv3_model.fp32_experts`` held open in
+the ranks, a diagnostic) every layout's losses and gradients equal the golden run's and only
+the bias state differs. The dense rows are equal to the golden run: ``mla-tiny`` (every layer dense) under FSDP2, TP +
 SP and both. ``check_dsv3_case`` refuses what it cannot express.
 """
 from __future__ import annotations

@@ -226,13 +226,16 @@ def titan_config(cfg):
 
 def _fp32_grouped_experts(self, x_RD, num_tokens_per_expert_E):
     """``GroupedExperts.forward``'s arithmetic (SwiGLU over the expert-sorted tokens, the
-    same ``torch._grouped_mm`` with the same offsets) without its casts to bf16."""
+    same ``torch._grouped_mm`` with the same offsets, the DTensor weights' local shards)
+    without its casts to bf16."""
     import torch.nn.functional as F
     offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
+                  for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
 
     def mm(a, w):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    return mm(F.silu(mm(x_RD, self.w1_EFD)) * mm(x_RD, self.w3_EFD), self.w2_EDF)
+    return mm(F.silu(mm(x_RD, w1)) * mm(x_RD, w3), w2)
 
 
 @contextlib.contextmanager
