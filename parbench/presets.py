@@ -96,7 +96,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # routed gates normalised then scaled by 2.5 (the released routed_scaling_factor);
     # RMSNorm, no biases, untied head, no token dropped. No balancing loss: the report's
     # complementary loss is sequence-wise (Eqs. 17-20, alpha "extremely small"), not
-    # parbench's per-group loss. Runnable (the reference model combines MLA and the MoE).
+    # parbench's per-group loss. Runnable: the reference model combines MLA and the MoE
+    # (the expert family, hybrid at cp = 1, baseline.torchtitan.deepseek-v3 run it).
     "deepseek-v3-tiny": dict(vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
                              ffn_hidden_size=64, seq_length=16, position_embeddings=False,
                              rope_theta=10000.0, mlp="swiglu", norm="rmsnorm", bias=False,
