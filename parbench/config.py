@@ -264,7 +264,8 @@ def with_changes(case: CaseConfig, **sections: dict) -> CaseConfig:
 # presets
 # --------------------------------------------------------------------------------------
 
-LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny", "deepseek-tiny")
+LOCAL_PRESETS = ("tiny", "tiny-4l", "tiny-8l", "small", "bench", "llama-tiny", "deepseek-tiny",
+                 "deepseek-v3-tiny")
 
 
 def model_preset(name: str) -> ModelConfig:

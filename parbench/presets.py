@@ -86,6 +86,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                      rope_theta=10000.0, mlp="swiglu", norm="rmsnorm", bias=False,
                      kv_lora_rank=16, q_lora_rank=12, qk_head_dim=8, qk_rope_head_dim=4,
                      v_head_dim=8),
+    # DeepSeek-V3's architecture (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv
+    # 2412.19437, Sec. 2.1 and 4.2) at the size of ``mla-tiny``: multi-head latent attention
+    # (Sec. 2.1.1, Eqs. 1-11: mla-tiny's latents and heads), the first layer dense
+    # (first_k_dense_replace), then DeepSeekMoE (Sec. 2.1.2, Eqs. 12-16): 8 fine-grained
+    # SwiGLU experts of 16 (a quarter of the dense 64), top-2, one shared expert of 16, the
+    # sigmoid router with the auxiliary-loss-free bias (gamma 0.001), group-limited routing
+    # over 2 groups of 4 keeping 1 (k = 2 topk_groups, as the report's 8 of 4 groups), the
+    # routed gates normalised then scaled by 2.5 (the released routed_scaling_factor);
+    # RMSNorm, no biases, untied head, no token dropped. No balancing loss: the report's
+    # complementary loss is sequence-wise (Eqs. 17-20, alpha "extremely small"), not
+    # parbench's per-group loss. Runnable: the reference model combines MLA and the MoE
+    # (the expert family, hybrid at cp = 1, baseline.torchtitan.deepseek-v3 run it).
+    "deepseek-v3-tiny": dict(vocab_size=128, hidden_size=32, num_layers=3, num_heads=4,
+                             ffn_hidden_size=64, seq_length=16, position_embeddings=False,
+                             rope_theta=10000.0, mlp="swiglu", norm="rmsnorm", bias=False,
+                             kv_lora_rank=16, q_lora_rank=12, qk_head_dim=8,
+                             qk_rope_head_dim=4, v_head_dim=8, num_experts=8, moe_top_k=2,
+                             moe_ffn_hidden_size=16, moe_shared_expert_size=16,
+                             moe_first_dense=1, moe_router="sigmoid",
+                             moe_bias_update_rate=0.001, moe_router_groups=2,
+                             moe_router_topk_groups=1, moe_router_scaling=2.5,
+                             moe_aux_loss_coef=0.0, moe_capacity_factor=0.0),
     # Mixtral (Jiang et al. 2024, "Mixtral of Experts", Table 1; Mistral AI's released
     # config.json): 8 SwiGLU experts per layer, top-2, every layer MoE, GQA with 8 KV heads,
     # RoPE (theta 1e6), RMSNorm, no biases, untied head. 8x7B: 32 layers of 4096, experts of

@@ -51,9 +51,10 @@ def torchtitan_missing() -> str | None:
     return None
 
 
-def check_titan_case(case: CaseConfig) -> None:
-    """Refuse what torchtitan's Llama 3 block cannot express (it has RoPE, RMSNorm, SwiGLU,
-    no biases, no learned positions, an untied head) or its TP plan cannot shard evenly."""
+def check_titan_case(case: CaseConfig, model: str = "Llama 3") -> None:
+    """Refuse what torchtitan's ``model`` block cannot express (Llama 3 and DeepSeek-V3 have
+    RoPE, RMSNorm, SwiGLU, no biases, no learned positions, an untied head) or its TP plan
+    cannot shard evenly."""
     m, tp = case.model, case.layout.tp
     fixed = [("rope_theta", m.rope_theta, m.rope_theta > 0, "> 0 (torchtitan's RoPE)"),
              ("mlp", m.mlp, m.mlp == "swiglu", "swiglu"),
@@ -65,7 +66,7 @@ def check_titan_case(case: CaseConfig) -> None:
              ("dtype", case.run.dtype, case.run.dtype == "fp32", "fp32")]
     for field, value, ok, rule in fixed:
         if not ok:
-            raise ConfigError(f"{field}={value}: baseline.torchtitan's Llama 3 needs {rule}")
+            raise ConfigError(f"{field}={value}: baseline.torchtitan's {model} needs {rule}")
     kv = m.num_kv_heads or m.num_heads
     for field, value in (("num_heads", m.num_heads), ("num_kv_heads", kv),
                          ("seq_length", m.seq_length)):
@@ -78,8 +79,9 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _parallel_dims(dp: int, tp: int, device_type: str):
-    """torchtitan's meshes for dp x tp. torchtitan 0.3.0 picks the mesh device type once, at
+def _parallel_dims(dp: int, tp: int, device_type: str, ep: int = 1):
+    """torchtitan's meshes for dp x tp (ep: its expert-parallel degree, carved out of
+    dp x tp). torchtitan 0.3.0 picks the mesh device type once, at
     import (``tools.utils.device_type``: the available accelerator, else "cuda"), so on a
     CPU-only host its meshes are "cuda" meshes and the first ``distribute_tensor`` fails
     ("Torch not compiled with CUDA enabled"); the module's copy is pointed at this rank's
@@ -87,21 +89,23 @@ def _parallel_dims(dp: int, tp: int, device_type: str):
     import torchtitan.distributed.parallel_dims as titan_dims  # optional dependency
     from torchtitan.distributed import ParallelDims
     titan_dims.device_type = device_type
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1,
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep,
                         world_size=dp * tp, spmd_backend="partial_dtensor")
     dims.build_mesh()
     return dims
 
 
-def _parallelize(model, dims, tp: int):
+def titan_parallelize(parallelize_fn, model, dims):
+    """``parallelize_fn`` (torchtitan's ``parallelize_llama`` or ``parallelize_deepseekv3``)
+    on ``model`` over ``dims``, in fp32, with torchtitan's defaults otherwise."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models.llama3.parallelize import parallelize_llama
     par = ParallelismConfig(data_parallel_shard_degree=dims.dp_shard,
-                            tensor_parallel_degree=tp, spmd_backend="partial_dtensor")
-    return parallelize_llama(model, parallel_dims=dims,
-                             training=TrainingConfig(mixed_precision_param="float32"),
-                             parallelism=par, compile_config=CompileConfig(),
-                             ac_config=None, dump_folder="/tmp")
+                            tensor_parallel_degree=dims.tp, expert_parallel_degree=dims.ep,
+                            spmd_backend="partial_dtensor")
+    return parallelize_fn(model, parallel_dims=dims,
+                          training=TrainingConfig(mixed_precision_param="float32"),
+                          parallelism=par, compile_config=CompileConfig(),
+                          ac_config=None, dump_folder="/tmp")
 
 
 def _sum_over_gloo(model) -> None:
@@ -126,28 +130,40 @@ class TorchTitan(Scheme):
     model_features = MODEL_FEATURES - {"mla"}
     isolated = True  # torchtitan sets process-global state (its SPMD backend)
 
+    #: the parbench <-> torchtitan weight mapping (a subclass for another model swaps it)
+    to_titan = staticmethod(to_titan)
+    from_titan = staticmethod(from_titan)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         from torchtitan.distributed.utils import set_spmd_backend
-        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-        cfg, lay = ctx.model, ctx.layout
+        lay = ctx.layout
         set_spmd_backend("partial_dtensor")
-        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type)
+        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type, ep=lay.ep)
         self.dp_rank = self.dims.get_mesh("fsdp").get_local_rank() if lay.dp > 1 else 0
-        tcfg = titan_config(cfg)
-        set_llama3_sharding_config(tcfg, enable_sp=True)
-        model = tcfg.build()
-        ref = build_model(cfg, ctx.run.seed)
-        weights = to_titan(cfg, {n: p.detach() for n, p in ref.named_parameters()})
+        model = self.build_titan()
+        ref = build_model(ctx.model, ctx.run.seed)
+        weights = self.to_titan(ctx.model, {n: p.detach() for n, p in ref.named_parameters()})
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
-        self.model = _parallelize(model, self.dims, lay.tp)
+        self.model = self.parallelize(model)
         if ctx.device.type == "cpu":
             _sum_over_gloo(self.model)
         self.params = list(self.model.parameters())
         self.local = [_local(p).detach() for p in self.params]
         self.opt = make_optimizer(self.local, ctx.run)
+
+    def build_titan(self):
+        """torchtitan's Llama 3 for the case, with its TP + SP sharding declared."""
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+        tcfg = titan_config(self.ctx.model)
+        set_llama3_sharding_config(tcfg, enable_sp=True)
+        return tcfg.build()
+
+    def parallelize(self, model):
+        from torchtitan.models.llama3.parallelize import parallelize_llama
+        return titan_parallelize(parallelize_llama, model, self.dims)
 
     def train_step(self, inputs, targets, step):
         from torchtitan.components.loss import cross_entropy_loss
@@ -190,7 +206,7 @@ class TorchTitan(Scheme):
                 t = torch.zeros_like(p) if t is None else t
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
                 out[name] = t.detach().float().clone()
-        return from_titan(self.ctx.model, out)
+        return self.from_titan(self.ctx.model, out)
 
     def full_params(self):
         return self._full(grads=False)

@@ -85,12 +85,14 @@ class ExpertAllToAll(Scheme):
     #: a masked loss normalised by the global count (``loss_scale``)
     supports_loss_mask = True
     #: the dense parts are the reference model's, which finds each sample's packed documents
-    #: in its tokens and runs RoPE, GQA, RMSNorm, SwiGLU and no biases; the experts are the
-    #: dense MLP's kind (``moe.expert_mlp``: Mixtral's SwiGLU experts without biases, MoE
-    #: feature llama-experts)
+    #: in its tokens and runs RoPE, GQA, RMSNorm, SwiGLU, no biases and multi-head latent
+    #: attention (DeepSeek-V3's ``deepseek-v3-tiny``; replicated, averaged over dp with the
+    #: rest of the dense parameters); the experts are the dense MLP's kind
+    #: (``moe.expert_mlp``: Mixtral's SwiGLU experts without biases, MoE feature
+    #: llama-experts)
     supports_packing = True
     model_features: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm", "swiglu",
-                                                     "no-bias"})
+                                                     "no-bias", "mla"})
     #: what a framework's MoE baseline runs of them (its own GELU experts with biases)
     BASELINE_FEATURES: ClassVar[frozenset] = frozenset({"rope", "gqa", "rmsnorm"})
     #: DeepSeek-V3's MoE (``parbench.moe_rules``): the shared expert is dense (over dp), the

@@ -121,8 +121,10 @@ class HybridScheme(Scheme):
     global_load = staticmethod(global_load)
     #: the LLaMA blocks of the Megatron stage (``impls.tensor.megatron_model``), RoPE at the
     #: rank's global (or within-document) positions and K/V at their own heads in the cp
-    #: cores (``model.HybridStage.cp_heads``)
-    model_features = MODEL_FEATURES
+    #: cores (``model.HybridStage.cp_heads``); multi-head latent attention is the stage's
+    #: (``impls.tensor.megatron_mla``: down projections whole, up projections over tp), at
+    #: cp = 1 (the config refuses MLA under cp) and not under selective recomputation
+    model_features = MODEL_FEATURES | {"mla"}
 
     # ---- checks ---------------------------------------------------------------------------------
     @classmethod
@@ -138,6 +140,9 @@ class HybridScheme(Scheme):
         if m.num_experts and p.tp > 1 and p.expert_tp != 1:  # ep = 1 too (etp 0 = tp)
             raise ConfigError(f"etp={p.etp} (= tp when 0): hybrid keeps experts whole and "
                               "splits their tokens over tp; set etp=1")
+        if m.kv_lora_rank and o.recompute == "selective":
+            raise ConfigError(f"recompute=selective with kv_lora_rank={m.kv_lora_rank}: "
+                              "hybrid recomputes no MLA core (use none or full)")
         if m.pack_docs and p.cp > 1 and not core_packs(kind):
             raise ConfigError(f"pack_docs={m.pack_docs}: hybrid's cp_algorithm={kind!r} core "
                               f"does not mask packed documents, needed with cp={p.cp} > 1 "

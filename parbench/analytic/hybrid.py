@@ -67,9 +67,11 @@ from .context import attention_traffic
 from .pipeline import num_stages, stages_on_rank, tied_embedding_holder
 from .shape import Shape, expert_capacity
 from .gqa import local_kv_heads, qkv_gather_transfers
+from .mla import MLA_REPLICATED, mla_linears, mla_tp_input_width
 from .params import attention_params, norm_tensor_sizes, shape_mlp_params
 from .expert import mlp_tensor_sizes
-from .tensor import megatron_layer_traffic, padded_vocab, per_axis  # noqa: F401
+from .tensor import (megatron_layer_traffic, mla_layer_traffic,  # noqa: F401
+                     mla_sp_layer_traffic, padded_vocab, per_axis)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,10 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     attn = attention_params(shape, t)  # column-parallel QKV, row-parallel projection
     for i in range(lo, hi):
         add(2 * norm, 2 * norm_tensors, repl=True)  # ln1, ln2
-        add(attn["qkv"], 1 + bias)
+        if shape.mla:
+            _add_mla(shape, t, add)
+        else:
+            add(attn["qkv"], 1 + bias)
         add(attn["proj"] - bias * h, 1)
         add(bias * h, bias, repl=True)  # projection bias, whole
         if shape.is_moe_layer(i):
@@ -150,6 +155,16 @@ def stage_params(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     elif c.sp:
         partial += replicated
     return StageParams(dense, tensors, expert, expert_tensors, partial)
+
+
+def _add_mla(shape: Shape, t: int, add) -> None:
+    """One MLA layer's tensors but the output projection (``mla.mla_linears``: the down
+    projections and the latents' norms whole on every tp rank, the up projections split
+    over t -- Megatron-Core's MLASelfAttention, as ``impls.tensor.megatron_mla`` places them):
+    each its own tensor, the whole ones replicated over tp."""
+    for name, n in mla_linears(shape, t):
+        if name != "proj":
+            add(n, 1, repl=name in MLA_REPLICATED)
 
 
 def _shared_expert(shape: Shape) -> tuple[int, int]:
@@ -190,14 +205,8 @@ def stage_transfers(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
     out: list[Transfer] = []
     if t > 1:
         out += qkv_gather_transfers(shape, b, s_l, t, rc, e, (hi - lo) * m)  # t > g (GQA)
-        out += megatron_layer_traffic(b, s_l, shape.h, t, rc, c.sp, e, dense * m)
-        if c.sp:
-            k = 2 if rc == "full" else 1
-            out += [Transfer("tp", "all_gather", t, S, (k + 2) * moe * m, "MoE layers: QKV"),
-                    Transfer("tp", "reduce_scatter", t, S, (k + 1) * moe * m,
-                             "MoE layers: attention projection")]
-        else:
-            out += megatron_layer_traffic(b, s_l, shape.h, t, rc, False, e, moe * m)
+        layers = _mla_tp_layers if shape.mla else _mha_tp_layers
+        out += layers(shape, c, s_l, dense * m, moe * m)
         if first:
             out += ([Transfer("tp", "reduce_scatter", t, S, m, "embedding (fwd)"),
                      Transfer("tp", "all_gather", t, S, m, "embedding grad (bwd)")] if c.sp
@@ -220,6 +229,44 @@ def stage_transfers(shape: Shape, c: HybridStep, lo: int, hi: int, first: bool,
         out.append(Transfer("ep", "all_to_all", lay.ep, shape.num_experts * cap * shape.h * e,
                             n, "MoE dispatch and combine"))
     return out
+
+
+def _mha_tp_layers(shape: Shape, c: HybridStep, s_l: int, dense: int,
+                   moe: int) -> list[Transfer]:
+    """The layers' tp transfers (``dense`` and ``moe`` layer micro-batches): Megatron's
+    (``tensor.megatron_layer_traffic``); under sp an MoE layer keeps its attention's only
+    (the MoE routes the rank's sequence shard), without sp the dense MLP's f and g too."""
+    lay, rc, e = c.layout, c.options.recompute, c.e
+    t, b = lay.tp, lay.micro_batch_size
+    out = megatron_layer_traffic(b, s_l, shape.h, t, rc, c.sp, e, dense)
+    if not c.sp:
+        return out + megatron_layer_traffic(b, s_l, shape.h, t, rc, False, e, moe)
+    S, k = b * s_l * shape.h * e, 2 if rc == "full" else 1  # noqa: N806
+    return out + [Transfer("tp", "all_gather", t, S, (k + 2) * moe, "MoE layers: QKV"),
+                  Transfer("tp", "reduce_scatter", t, S, (k + 1) * moe,
+                           "MoE layers: attention projection")]
+
+
+def _mla_tp_layers(shape: Shape, c: HybridStep, s_l: int, dense: int,
+                   moe: int) -> list[Transfer]:
+    """The same for multi-head latent attention (cp = 1, s_l = s): ``tensor.
+    mla_layer_traffic`` / ``mla_sp_layer_traffic``; under sp an MoE layer's attention part
+    only: the latents, query input and rotary key (w = ``mla.mla_tp_input_width`` per token)
+    all-gathered forward (again under full recomputation) and reduce-scattered backward,
+    the projection's output reduce-scattered forward (again) and all-gathered backward."""
+    lay, full, e = c.layout, c.options.recompute == "full", c.e
+    t, b = lay.tp, lay.micro_batch_size
+    if not c.sp:
+        return mla_layer_traffic(shape, b, t, dense + moe, e, full)
+    out = mla_sp_layer_traffic(shape, b, t, dense, e, full) if dense else []
+    if not moe:
+        return out
+    S, W = b * s_l * shape.h * e, b * s_l * mla_tp_input_width(shape) * e  # noqa: N806
+    return out + [
+        Transfer("tp", "all_gather", t, W, (1 + full) * moe, "MoE layers: MLA latents"),
+        Transfer("tp", "reduce_scatter", t, W, moe, "MoE layers: MLA latents' grad"),
+        Transfer("tp", "reduce_scatter", t, S, (1 + full) * moe, "MoE layers: projection"),
+        Transfer("tp", "all_gather", t, S, moe, "MoE layers: projection grad")]
 
 
 def _grad_sync(axis: str, n: int, numel: int, c: HybridStep, what: str) -> list[Transfer]:

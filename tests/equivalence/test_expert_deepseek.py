@@ -1,8 +1,8 @@
 """DeepSeek-V3-style MoE blocks (arXiv 2412.19437, Sec. 2.1.2) in the native expert family on
 real gloo ranks: the ``deepseek-tiny`` preset (first layer dense, fine-grained routed experts,
 a shared expert, the sigmoid router with the auxiliary-loss-free balancing bias, group-limited
-routing) against the golden run -- loss, gradients, parameters and the routers' biases after
-every step (the stepwise golden's update from the global load) -- with every rank's wire
+routing; ``deepseek-v3-tiny`` adds multi-head latent attention) against the golden run --
+loss, gradients, parameters and the routers' biases after every step (the stepwise golden's update from the global load) -- with every rank's wire
 bytes, calls and model states equal to the closed forms (the loads' all-reduce over dp and
 the biases' 4 E L_moe bytes included); and the schemes that do not run these features refuse
 them before spawning.
@@ -58,6 +58,19 @@ def test_alltoall_runs_the_routed_scaling_factor(pools):
     times 2.5 after their normalisation, equal to the golden run step by step."""
     case = deepseek_case(ep=2, dp=2, moe_router_scaling=2.5)
     assert case.model.moe_router_scaling == 2.5
+    merged, per_rank = run_on_pool(pools, case)
+    assert_equivalent_with_bias(merged, per_rank)
+    assert_exact(case, per_rank)
+
+
+def test_alltoall_runs_deepseek_v3_tiny_with_mla(pools):
+    """deepseek-v3-tiny (DeepSeek-V3's blocks: multi-head latent attention in the dense part,
+    the DeepSeek MoE with SwiGLU experts, no biases, routed scaling 2.5) at ep = dp = 2: the
+    latents and the bias equal to the golden run's every step, every rank's bytes, calls
+    and states equal to the closed forms (the MLA tensors counted by analytic.mla)."""
+    case = make_case("expert.alltoall", model="deepseek-v3-tiny", num_experts=8, ep=2, dp=2,
+                     num_microbatches=2, steps=3, timed_steps=1)
+    assert case.model.kv_lora_rank and case.model.moe_router_scaling == 2.5
     merged, per_rank = run_on_pool(pools, case)
     assert_equivalent_with_bias(merged, per_rank)
     assert_exact(case, per_rank)

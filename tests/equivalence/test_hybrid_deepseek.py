@@ -2,7 +2,8 @@
 ``deepseek-tiny`` at 4 layers (the first dense), 8 fine-grained experts top-2 in 2 groups
 keeping 1, the sigmoid router, one shared expert and the balancing bias, on tp 2 x ep 2 x pp 2
 against the golden run -- parameters, gradients and the biases after every step -- with every
-rank's wire bytes, calls and model states per axis equal to ``parbench.analytic.hybrid``."""
+rank's wire bytes, calls and model states per axis equal to ``parbench.analytic.hybrid``;
+``deepseek-v3-tiny`` (multi-head latent attention around the same MoE) under sp."""
 from __future__ import annotations
 
 import pytest
@@ -43,3 +44,20 @@ def test_hybrid_runs_mixtral_experts_byte_exact(pools):
                      etp=1)
     merged, per_rank = run_on_pool(pools, case)
     assert_exact(case, merged, per_rank)
+
+
+def test_hybrid_runs_deepseek_v3_blocks_with_mla_byte_exact(pools):
+    """deepseek-v3-tiny (MLA around DeepSeek's MoE) on tp 2 x ep 2 with sequence parallelism
+    and a 8-wide query latent (so the latents' width w = 28 differs from h = 32): the down
+    projections whole on every tp rank, their outputs all-gathered and their partial
+    gradients in the once-per-step tp sum; bytes, calls and states as the closed form."""
+    case = make_case(model="deepseek-v3-tiny", num_experts=8, steps=2, timed_steps=0, tp=2,
+                     ep=2, etp=1, sp=True, q_lora_rank=8)
+    merged, per_rank = run_on_pool(pools, case)
+    assert_exact(case, merged, per_rank)
+
+
+def test_hybrid_refuses_mla_with_selective_recomputation():
+    with pytest.raises(ConfigError, match="recompute=selective with kv_lora_rank"):
+        make_case(model="deepseek-v3-tiny", num_experts=8, tp=2, ep=2, etp=1,
+                  recompute="selective")
