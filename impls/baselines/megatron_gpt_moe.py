@@ -30,13 +30,13 @@ first attempt was parbench's placement, not Megatron's arithmetic.
 DeepSeek-V3's router (``parbench.model.router``) is Megatron-Core's own (the model module's
 ``router_fields``): the sigmoid score function, group-limited routing (Megatron scores a
 group by its top k/topk_groups scores, the reference by its top 2: k = 2 topk_groups only),
-the routed scaling factor. Two parts compute differently (``check_router``):
+the routed scaling factor. Its balancing loss under group-limited routing counts each
+token's top-k of all experts by the unbiased scores (``compute_routing_scores_for_aux_loss``,
+DeepSeek-V3's Eq. 18), as the reference now does (``parbench.model.router.balance_choice``;
+the reference counted the routed experts before, which this baseline showed: router
+gradients off by 1.3e-6 at alpha 1e-4, 1.3e-4 at 1e-2). One part computes differently
+(``check_router``):
 
-- the balancing loss under group-limited routing: Megatron's f_i counts each token's top-k
-  of all experts by the unbiased scores (``compute_routing_scores_for_aux_loss``, as
-  DeepSeek-V3's Eq. 18 reads), the reference's the experts the token is routed to within its
-  groups (router gradients off by 1.3e-6 at alpha 1e-4, 1.3e-4 at 1e-2): refused with a
-  balancing loss;
 - the auxiliary-loss-free bias (a finding, ``baseline.megatron.gpt-moe-bias``): Megatron
   counts its load from the routing map after ``apply_router_token_dropping``, which in
   capacity mode with padding is the capacity mask, so every expert counts its capacity and
@@ -46,7 +46,7 @@ the routed scaling factor. Two parts compute differently (``check_router``):
 
 deepseek-tiny as Megatron-Core compares (``DEEPSEEK_TINY``): its first dense layer, 8
 fine-grained routed experts of 16 and one shared expert of 16, the sigmoid router over 2
-groups of 4 keeping 1, top-2, SwiGLU without biases; no balancing loss and no bias.
+groups of 4 keeping 1, top-2, SwiGLU without biases, its balancing loss; no bias.
 
 tp x ep: Megatron-Core's ``MoELayer`` raises in training when tp > 1 without sequence
 parallelism, so tp > 1 needs ``sp=true`` and runs with CPU shim 5
@@ -119,11 +119,10 @@ from impls.tensor.collectives import all_reduce_flat
 #: deepseek-tiny as Megatron-Core compares with the reference (overrides): its first dense
 #: layer (``moe_layer_freq``), fine-grained routed experts and shared expert, the sigmoid
 #: router with group-limited routing (2 groups of 4, 1 kept, top-2), SwiGLU without biases
-#: (SharedExpertMLP refuses biases); without its balancing bias (Megatron-Core's never moves
-#: in capacity mode: baseline.megatron.gpt-moe-bias) and its balancing loss (Megatron-Core
-#: counts each token's top-k of all experts, not of its groups: ``check_router``).
+#: (SharedExpertMLP refuses biases), its balancing loss (alpha 1e-4); without its balancing
+#: bias (Megatron-Core's never moves in capacity mode: baseline.megatron.gpt-moe-bias).
 DEEPSEEK_TINY = {"model": "deepseek-tiny", "num_experts": "8", "bias": "false",
-                 "mlp": "swiglu", "moe_bias_update_rate": "0", "moe_aux_loss_coef": "0"}
+                 "mlp": "swiglu", "moe_bias_update_rate": "0"}
 
 
 @register
@@ -170,12 +169,6 @@ class MegatronCoreGPTMoE(MegatronMoE):
                               "capacity-padded routing map, so the bias never moves: the "
                               "finding of baseline.megatron.gpt-moe-bias); set "
                               "moe_bias_update_rate=0")
-        if m.moe_router_groups and m.moe_aux_loss_coef:
-            raise ConfigError(f"moe_router_groups={m.moe_router_groups} with moe_aux_loss_coef="
-                              f"{m.moe_aux_loss_coef}: Megatron-Core's balancing loss counts "
-                              "each token's top-k of all experts (DeepSeek-V3 Eq. 18), the "
-                              "reference's the group-limited experts it routes to; set "
-                              "moe_aux_loss_coef=0")
         if m.moe_bias_update_rate and m.moe_router != "sigmoid":
             raise ConfigError(f"moe_bias_update_rate={m.moe_bias_update_rate} with moe_router="
                               f"{m.moe_router}: Megatron-Core's expert bias only supports the "

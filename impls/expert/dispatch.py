@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parbench.model.moe import AttachAux, Routing, expert_mlp, route, skew_of
-from parbench.model.router import rule_of, select
+from parbench.model.router import balance_choice, rule_of, select
 
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -75,12 +75,18 @@ class ExpertDispatch:
         cfg = self.cfg
         return route(x, router_weight, groups, cfg.moe_top_k, cfg.moe_capacity_factor,
                      cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, *skew_of(cfg),
-                     rule=rule_of(cfg), bias=bias, choose=self.select_experts)
+                     rule=rule_of(cfg), bias=bias, choose=self.select_experts,
+                     counted_by=self.balance_experts)
 
     @staticmethod
     def select_experts(scores, k, rule, bias):
         """The router's choice and gates (``parbench.model.router.select``)."""
         return select(scores, k, rule, bias)
+
+    @staticmethod
+    def balance_experts(scores, top_e, k, rule, bias):
+        """The experts the balancing loss counts (``parbench.model.router.balance_choice``)."""
+        return balance_choice(scores, top_e, k, rule, bias)
 
     # ---- 2. the dispatch buffer ------------------------------------------------------------
     @staticmethod

@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 from ..analytic.shape import expert_capacity
 from .blocks import MLP
-from .router import (RouterRule, add_bias_buffer, balance_scores, bias_of, rule_of,
-                     scores_of, select, updated_bias)
+from .router import (RouterRule, add_bias_buffer, balance_choice, balance_scores, bias_of,
+                     rule_of, scores_of, select, updated_bias)
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -133,11 +133,13 @@ def skew_of(cfg) -> tuple[float, float]:
 def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
           capacity_factor: float, aux_coef: float, z_coef: float, skew: float = 0.0,
           scale: float = 1.0, *, rule: RouterRule = RouterRule(),
-          bias: torch.Tensor | None = None, choose=select) -> Routing:
+          bias: torch.Tensor | None = None, choose=select, counted_by=balance_choice
+          ) -> Routing:
     """Route tokens ``x`` ``[T, h]`` in groups ``groups`` ``[T]`` (tokens of a group in
     priority order); ``skew``, ``scale``: the router skew and the logit scale (module
     docstring, ``skew_of``); ``rule`` and ``bias``: the scores, the group limit and the
-    balancing bias of the choice (``parbench.model.router``; ``choose``: its ``select``).
+    balancing bias of the choice (``parbench.model.router``; ``choose``: its ``select``;
+    ``counted_by``: the experts the balancing loss counts, its ``balance_choice``).
     ``stats["group_load"]``
     ``[G, E]``: the assignments of each group (ascending group id) to each expert;
     ``stats["load"]`` their sum, before dropping (the bias update's load)."""
@@ -146,6 +148,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
     scores = scores_of(logits, rule)
     top_e, gate = choose(scores, k, rule, bias)
     probs = balance_scores(scores, rule)
+    counted = counted_by(scores, top_e, k, rule, bias)
     slot = torch.zeros_like(top_e)
     kept = torch.zeros_like(top_e, dtype=torch.bool)
     aux_terms, cap, group_load = [], 0, []
@@ -167,7 +170,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, k: int,
         group_load.append(taken.cpu())
         kept[idx] = slot[idx] < c
         dropped += torch.bincount(top_e[idx][~kept[idx]].cpu(), minlength=num_experts)
-        f = taken.to(probs.device, probs.dtype) / (t * k)
+        hits = taken if counted is top_e else \
+            F.one_hot(counted[idx], num_experts).sum((0, 1)).cpu()
+        f = hits.to(probs.device, probs.dtype) / (t * k)
         aux = num_experts * (f * probs[idx].mean(0)).sum()
         z = torch.logsumexp(logits[idx], dim=-1).pow(2).mean()
         aux_terms.append(aux_coef * aux + z_coef * z)

@@ -76,6 +76,17 @@ def balance_scores(scores: torch.Tensor, rule: RouterRule) -> torch.Tensor:
     return scores
 
 
+def balance_choice(scores: torch.Tensor, top_e: torch.Tensor, k: int, rule: RouterRule,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, k]``: the experts the balancing loss's f_i counts per token (DeepSeek-V3 Eq. 18:
+    the top-k of the affinities themselves over all experts, no balancing bias, no group
+    limit) -- without a bias or a group limit the routed ones ``top_e`` (GShard's and
+    Switch's count)."""
+    if bias is None and not rule.groups:
+        return top_e
+    return scores.topk(k, dim=-1).indices
+
+
 def group_mask(choice: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
     """``[T, E]`` bool: the experts of each token's ``topk_groups`` groups of highest score,
     a group's score the sum of its top-2 entries of ``choice`` (DeepSeek-V3 Sec. 2.1.2)."""

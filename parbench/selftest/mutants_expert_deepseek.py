@@ -121,3 +121,23 @@ def _scaled_before_normalising(scores, k, rule, bias):
             "normalisation, so it cancels: the gates sum to 1 instead of the factor 2.5")
 class ScalingBeforeNormalising(ExpertAllToAll):
     dispatch_class = selecting(_scaled_before_normalising)
+
+
+# ---- the balancing loss under the bias and the group limit -------------------------------------
+
+
+class _CountsRouted(ExpertDispatch):
+    @staticmethod
+    def balance_experts(scores, top_e, k, rule, bias):
+        # the bug: f_i counts the routed experts (chosen with the bias, within the kept
+        # groups) instead of each token's top-k of its unbiased affinities (Eq. 18)
+        return top_e
+
+
+@mutant("ds-aux-counts-routed-experts", base="expert.alltoall",
+        overrides={**DEEPSEEK, "moe_aux_loss_coef": "0.01"},
+        bug="the balancing loss's f_i counts the experts each token is routed to (biased, "
+            "group-limited) instead of its top-k unbiased affinities over all experts "
+            "(DeepSeek-V3 Eq. 18)")
+class AuxCountsRouted(ExpertAllToAll):
+    dispatch_class = _CountsRouted

@@ -156,3 +156,26 @@ def test_fields_run_and_their_rules():
     assert ModelConfig().moe_features() == {}
     assert set(base.moe_features()) == {"fine-grained", "shared-expert", "first-dense",
                                         "sigmoid-router", "expert-bias", "group-limited"}
+
+
+def test_the_balancing_loss_counts_the_unbiased_top_k_over_all_experts():
+    """DeepSeek-V3 Eq. 18: f_i = N_r / (K_r T) sum_t 1(s_it in TopK({s_jt}, K_r)) -- the top-k
+    of the affinities s themselves (no balancing bias, no group limit), while the routed
+    experts are chosen with both (Eq. 16, Sec. 2.1.2). With a bias that moves every token to
+    other experts, f is still the unbiased count: the loss is N sum_i f_i P_i with
+    P_i = mean_t s'_it (Eq. 19-20), computed here by hand."""
+    import torch
+    from parbench.model.moe import route
+    from parbench.model.router import RouterRule
+    torch.manual_seed(0)
+    T, h, E, k = 6, 4, 4, 1  # noqa: N806
+    x, w = torch.randn(T, h), torch.randn(E, h)
+    rule = RouterRule(score="sigmoid", groups=2, topk_groups=1)
+    scores = torch.sigmoid(x @ w.t())
+    bias = torch.full((E,), 10.0)
+    bias[scores.argmax(-1)] = -10.0  # every token routed away from its best expert
+    r = route(x, w, torch.zeros(T, dtype=torch.long), k, 0.0, 1.0, 0.0, rule=rule, bias=bias)
+    assert (r.expert[:, 0] != scores.argmax(-1)).all()
+    f = torch.bincount(scores.argmax(-1), minlength=E).float() / (T * k)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+    assert r.stats["aux_loss"] == pytest.approx(float(E * (f * p).sum()), rel=1e-6)
