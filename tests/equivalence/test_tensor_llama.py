@@ -16,7 +16,7 @@ import pytest
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
 from parbench.registry import get_scheme
-from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
+from tests.helpers import assert_layer_activations, assert_wire_and_calls_per_step, run_on_pool
 
 TP = {"model": "llama-tiny", "vocab_size": "61", "dp": "1", "tp": "2", "num_microbatches": "2",
       "steps": "3", "timed_steps": "1"}
@@ -37,11 +37,14 @@ def case_for(scheme: str, **extra) -> CaseConfig:
     ("tensor.megatron-sp", {"pack_docs": "3", "model": "tiny"})])
 def test_megatron_1d_trains_llama_blocks_and_packed_documents(pools, scheme, extra):
     """Equal to the golden run (the GPT-2 cases: learned positions at the within-document
-    positions, under sp the rank's rows of them), byte-exact against the closed forms."""
+    positions, under sp the rank's rows of them), byte-exact against the closed forms; every
+    rank's layer keeps the activation formula's bytes (the LLaMA blocks' terms; packed: the
+    per-sample RoPE tables and, unless the core is recomputed, the kernel's mask)."""
     case = case_for(scheme, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+    assert_layer_activations(per_rank)
 
 
 @pytest.mark.parametrize("scheme,extra", [
@@ -52,11 +55,13 @@ def test_tp_above_the_kv_heads_runs_as_megatron_core_does(pools, scheme, extra):
     """tp = 4 over 2 K/V heads and tp = 2 over 1 (issue 21): each rank holds a 1/t of the
     group-interleaved QKV rows, gathers the output and attends with its group's K/V head
     (``impls.tensor.gqa``); equal to the golden run, and the gather's bytes and calls are the
-    closed form's (``analytic.gqa.qkv_gather_transfers``)."""
+    closed form's (``analytic.gqa.qkv_gather_transfers``); a layer keeps the formula's bytes
+    at K/V max(g, t) d wide (``reference_block_keywords``: each rank one K/V head)."""
     case = case_for(scheme, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+    assert_layer_activations(per_rank)
 
 
 def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
