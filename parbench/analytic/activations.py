@@ -51,10 +51,9 @@ RoPE's cos / sin tables (:func:`rope_table_bytes` at ``rope_rows``, default s; n
 divided by t: every rank rotates its heads with whole tables). Selective recomputation
 of the core keeps the core's inputs: the QKV output when RoPE is recomputed with the
 core (``rope_recomputed``, Megatron 1D), rotated q and k and the tables when the core
-is checkpointed after RoPE (the context family). ``attn_mask``: packed documents'
-boolean mask goes to ``scaled_dot_product_attention``, whose CPU kernel turns it into an
-additive fp32 mask [b, 1, s, s] and keeps it, 4 b s^2 bytes on every rank (unless the
-core is recomputed).
+is checkpointed after RoPE (the context family). ``attn_mask``: packed documents' mask,
+kept by the kernel (:func:`packed_mask_bytes`) on every rank unless the core is
+recomputed.
 
 The logits (:func:`logits_bytes`) are not part of a layer: the last pipeline stage keeps the
 fp32 logits of its micro-batch for the cross-entropy backward, 4 s b V / t bytes
@@ -186,6 +185,14 @@ def rope_table_bytes(rows: int, head_dim: int) -> int:
     return 4 * rows * head_dim * 4
 
 
+def packed_mask_bytes(b, s: int):
+    """Packed documents' mask as ``scaled_dot_product_attention`` keeps it: the boolean
+    "causal and same document" mask (``packing.self_mask``, [b, 1, s, s]) is turned by the
+    CPU kernel into an additive fp32 mask of that shape and saved for backward, 4 b s^2
+    bytes whatever the heads (it broadcasts over them)."""
+    return 4 * b * s * s
+
+
 def mlp_saved_elements(f, mlp: str = "gelu", fc2_input_kept: bool = True):
     """Elements per token the MLP's activation keeps of its f hidden features
     (``blocks.mlp_activation``): GELU its input (fc1's output) and, where fc2 keeps its input,
@@ -300,7 +307,7 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                          rope_recomputed=rope_recomputed)
     tables = rope_table_bytes(s if rope_rows is None else rope_rows, h // a) \
         if llama["rope_kept"] else 0
-    mask = 4 * b * s * s if attn_mask and llama["core_kept"] else 0
+    mask = packed_mask_bytes(b, s) if attn_mask and llama["core_kept"] else 0
     return base + norms / (t if sp else 1) + llama["elements"] * e / t + tables + mask
 
 

@@ -270,17 +270,21 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
 # ---------------------------------------------------------------------------------------
 
 def _attention_saved(T, h: int, a: int, q: int, kv_heads: int, rope: bool, s: int,  # noqa: N803
-                     e: int) -> Fraction:
+                     e: int, packed: bool = False) -> Fraction:
     """Bytes the attention of a rank's a/q heads keeps for backward on T tokens: q, k, v as
     ``activations.qkv_saved_elements`` counts them at h/q and g h/(a q) features (rotated by
     RoPE, K/V repeated over the query groups when grouped-query attention's g < a), the fused
     kernel's output (T h/q e, the projection's input a view of it) and log-sum-exp (T a/q
-    fp32), RoPE's cos and sin tables (``activations.rope_table_bytes``, s x h/a)."""
+    fp32), RoPE's cos and sin tables (``activations.rope_table_bytes``, s x h/a; with
+    ``packed`` documents one per sample of the rank's T/s, and the kernel's mask,
+    ``activations.packed_mask_bytes`` of those samples)."""
     g = kv_heads or a
     qkv = activations.qkv_saved_elements(T, Fraction(h, q), Fraction(g * h // a, q),
                                          rope=rope, repeat=g < a)
-    tables = activations.rope_table_bytes(s, h // a) if rope else 0
-    return (qkv + Fraction(T * h, q)) * e + 4 * Fraction(T * a, q) + tables
+    rows = T if packed else s
+    tables = activations.rope_table_bytes(rows, h // a) if rope else 0
+    mask = activations.packed_mask_bytes(Fraction(T, s), s) if packed else 0
+    return (qkv + Fraction(T * h, q)) * e + 4 * Fraction(T * a, q) + tables + mask
 
 
 def _mlp_saved(T, f: int, q: int, swiglu: bool, fc2_input_kept: bool,  # noqa: N803
@@ -294,7 +298,7 @@ def _mlp_saved(T, f: int, q: int, swiglu: bool, fc2_input_kept: bool,  # noqa: N
 def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int = 1,
                                  ffn_hidden: int | None = None, e: int = 4, *,
                                  kv_heads: int = 0, rope: bool = False,
-                                 swiglu: bool = False) -> float:
+                                 swiglu: bool = False, packed: bool = False) -> float:
     """Bytes one layer of a 2D / 2.5D rank keeps for backward: Korthikanti et al.'s count
     (Sec. 4.1) for T = b s / (d q) tokens and hidden / q features, with the grid's own
     norm (elementwise ops around its all-reduces: LayerNorm keeps the centred input and the
@@ -303,18 +307,19 @@ def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int 
     count). Per layer: two norms; the inputs of QKV and fc1 (T h/q each); the attention
     (:func:`_attention_saved`: GPT-2's Q, K, V are views of QKV's output, 3 T h/q); the MLP
     (:func:`_mlp_saved`: GELU 2 T f/q, SwiGLU 4 T f/q). GPT-2 blocks: T e (10 h + 2 f)/q +
-    8 T + 4 T a/q. Unpacked sequences (RoPE's tables shared by the batch)."""
+    8 T + 4 T a/q. ``packed``: documents packed in the rank's T/s samples (their own RoPE
+    tables, the kernel's mask)."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, d * q)  # noqa: N806
     norms_and_inputs = T * e * 6 * h / q + 8 * T
-    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e, packed)
                  + _mlp_saved(T, f, q, swiglu, True, e))
 
 
 def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
                                 ffn_hidden: int | None = None, e: int = 4, *,
                                 kv_heads: int = 0, rope: bool = False,
-                                swiglu: bool = False) -> float:
+                                swiglu: bool = False, packed: bool = False) -> float:
     """Bytes one layer of a 3D rank keeps for backward, T = b s / q^2 tokens per rank: the
     grid norm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
     tokens: T h e for QKV, the projection and fc1, T f e for fc2) and its gathered weight
@@ -329,5 +334,6 @@ def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
     weights = Fraction(e * (h * (outs["qkv"] + outs["proj"] + outs["fc1"]) + f * h), q * q)
     gathered = T * e * (3 * h + f)
     norms = T * e * 4 * h / q + 8 * T
-    return float(norms + gathered + weights + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+    attention = _attention_saved(T, h, a, q, kv_heads, rope, s, e, packed)
+    return float(norms + gathered + weights + attention
                  + _mlp_saved(T, f, q, swiglu, False, e))

@@ -73,15 +73,15 @@ def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
 GRID8 = {"tp": "8", "micro_batch_size": "4", "num_heads": "8", "hidden_size": "64"}
 
 
-@pytest.mark.parametrize("scheme,extra,unpacked", [
-    ("tensor.2d", {"tp": "4"}, True),
-    ("tensor.2.5d", {**GRID8, "tp_depth": "2", "pack_docs": "3"}, False),
-    ("tensor.3d", GRID8, True)])
-def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra, unpacked):
+@pytest.mark.parametrize("scheme,extra", [
+    ("tensor.2d", {"tp": "4"}),
+    ("tensor.2.5d", {**GRID8, "tp_depth": "2", "pack_docs": "3"}),
+    ("tensor.3d", GRID8)])
+def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra):
     """q = 2 columns over 2 K/V heads; 2.5D with packed documents (RoPE restarted with
     them). Equal to the golden run; every rank's bytes, calls and model states per step are
-    the closed forms'; unpacked, a layer's saved activations are the grid's activation form
-    (``analytic.tensor_grid``: it counts no packed attention mask)."""
+    the closed forms'; a layer's saved activations are the grid's activation form
+    (``analytic.tensor_grid``; packed: each sample's RoPE tables and the kernel's mask)."""
     case = case_for(scheme, steps="2", timed_steps="0", **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
@@ -89,8 +89,7 @@ def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra, unp
     assert_wire_and_calls_per_step(pred, per_rank)
     for r in per_rank:
         assert all(s == pred.model_state_bytes[r.rank] for s in r.model_states_per_step)
-        if unpacked:
-            assert r.metrics["act_layer_bytes"] == r.metrics["act_layer_formula"], r.metrics
+    assert_layer_activations(per_rank)
 
 
 @pytest.mark.parametrize("scheme,extra", [("tensor.2d", {"tp": "4"}), ("tensor.3d", GRID8)])

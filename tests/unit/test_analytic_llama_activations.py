@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from parbench.analytic.activations import (mlp_saved_elements, norm_saved_bytes,
-                                           qkv_saved_elements, reference_block_keywords,
+                                           packed_mask_bytes, qkv_saved_elements,
+                                           reference_block_keywords,
                                            reference_layer_activation_bytes, rope_table_bytes)
 from parbench.analytic.context import cp_block_keywords, cp_layer_activation_bytes
 from parbench.config import ModelConfig
@@ -35,11 +36,12 @@ def test_qkv_terms_by_hand():
 
 
 def test_rope_mlp_and_norm_terms_by_hand():
-    """cos and sin for q and k, 16 rows x d = 8 fp32: 4 x 512 B; SwiGLU's [gate; up] 2f,
-    silu f, product f; torch's norms on T = 32 rows of h = 32 fp32: LayerNorm input 4096 B
-    + mean and 1/sigma 2 x 128 B; RMSNorm input and normalised input 2 x 4096 B + 1/rms
-    128 B."""
+    """cos and sin for q and k, 16 rows x d = 8 fp32: 4 x 512 B; a packed mask of 2 samples
+    2 x 16 x 16 fp32; SwiGLU's [gate; up] 2f, silu f, product f; torch's norms on T = 32
+    rows of h = 32 fp32: LayerNorm input 4096 B + mean and 1/sigma 2 x 128 B; RMSNorm input
+    and normalised input 2 x 4096 B + 1/rms 128 B."""
     assert rope_table_bytes(16, 8) == 2048
+    assert packed_mask_bytes(2, 16) == 2 * 16 * 16 * 4
     assert mlp_saved_elements(64) == 128 and mlp_saved_elements(64, "gelu", False) == 64
     assert mlp_saved_elements(64, "swiglu") == 256
     assert mlp_saved_elements(64, "swiglu", False) == 192
