@@ -41,6 +41,14 @@ def assert_wire_and_calls_per_step(pred, per_rank: list[RankResult]) -> None:
             assert {a: c for a, c in calls.items() if c} == want_c, (r.rank, step, calls)
 
 
+def assert_layer_activations(per_rank: list[RankResult], measured: str = "act_layer_bytes",
+                             formula: str = "act_layer_formula") -> None:
+    """Every rank's bytes one layer keeps for backward (saved-tensor hooks, ``measured``)
+    equal the activation formula's (``formula``: ``analytic.activations``)."""
+    for r in per_rank:
+        assert r.metrics[measured] == r.metrics[formula], (r.rank, r.metrics)
+
+
 def moe_layer_against_reference(cfg, b: int, s: int, dispatch=None) -> tuple[dict, MoE]:
     """One process, every expert local: ``moe_tokens`` (with ``dispatch``, default
     ``ExpertDispatch``) and ``parbench.model.moe.MoE`` on the same tokens ``[b, s, h]`` (seed 0)

@@ -292,7 +292,8 @@ class ContextParallelScheme(Scheme):
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
             cls.kind, mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp,
-            case.options.recompute, mdl.ffn, kv_hidden=shape.kv_hidden)
+            case.options.recompute, mdl.ffn, kv_hidden=shape.kv_hidden,
+            blocks=closed.cp_block_keywords(mdl, mdl.seq_length // p.cp, b))
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         return Prediction.uniform(p.world_size, pred.wire_bytes, pred.states, pred.calls,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from parbench import comm
 from parbench.analytic import context_distflash as closed
 from parbench.analytic import shape_from
-from parbench.analytic.context import cp_layer_activation_bytes, imbalance
+from parbench.analytic.context import cp_block_keywords, cp_layer_activation_bytes, imbalance
 from parbench.config import CaseConfig, ConfigError
 from parbench.memory import SavedActivations
 from parbench.scheme import Prediction, register
@@ -99,9 +99,10 @@ class DistFlashAttnScheme(ContextParallelScheme):
             act = closed.remat_layer_activation_bytes(mdl.seq_length, b, mdl.hidden_size,
                                                       mdl.num_heads, p.cp)
         else:
-            act = cp_layer_activation_bytes("ring-attention", mdl.seq_length, b,
-                                            mdl.hidden_size, mdl.num_heads, p.cp,
-                                            case.options.recompute, mdl.ffn)
+            act = cp_layer_activation_bytes(
+                "ring-attention", mdl.seq_length, b, mdl.hidden_size, mdl.num_heads, p.cp,
+                case.options.recompute, mdl.ffn,
+                blocks=cp_block_keywords(mdl, mdl.seq_length // p.cp, b))
         work = cls.predicted_work(case)
         naive = closed.rank_predictions(shape, cp=p.cp, dp=1, micro_batch_size=b,
                                         num_microbatches=p.num_microbatches, recompute="selective")

@@ -133,7 +133,8 @@ class LoongTrainScheme(UlyssesRingGrid, ContextParallelScheme):
         figures = dict(pred.figures)
         figures["activation_bytes_per_layer"] = closed.cp_layer_activation_bytes(
             cls.kind, mdl.seq_length, p.micro_batch_size, mdl.hidden_size, mdl.num_heads,
-            p.cp, case.options.recompute, mdl.ffn, kv_hidden=shape_from(mdl).kv_hidden)
+            p.cp, case.options.recompute, mdl.ffn, kv_hidden=shape_from(mdl).kv_hidden,
+            blocks=closed.cp_block_keywords(mdl, mdl.seq_length // p.cp, p.micro_batch_size))
         figures["attention_work_per_rank"] = cls.predicted_work(case)
         figures["attention_imbalance"] = closed.imbalance(figures["attention_work_per_rank"])
         figures["versus_usp"] = cls.versus_usp(case)

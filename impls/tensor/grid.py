@@ -251,9 +251,10 @@ class GridGPT(Tapped, nn.Module):
 
 def activation_features(cfg) -> dict:
     """The LLaMA blocks' keywords of ``analytic.tensor_grid``'s activation forms: K/V
-    heads, RoPE, SwiGLU (the norm and the biases keep the same bytes)."""
+    heads, RoPE, SwiGLU (the norm and the biases keep the same bytes) and packed
+    documents."""
     return {"kv_heads": cfg.num_kv_heads, "rope": bool(cfg.rope_theta),
-            "swiglu": cfg.mlp == "swiglu"}
+            "swiglu": cfg.mlp == "swiglu", "packed": bool(cfg.pack_docs)}
 
 
 def grid_probes(model: GridGPT, layout) -> list[ModuleProbe]:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from parbench import comm
 from parbench.analytic import shape_from
 from parbench.analytic import tensor as tensor_model
-from parbench.analytic.activations import (korthikanti_layer_bytes,
+from parbench.analytic.activations import (korthikanti_layer_bytes, reference_block_keywords,
                                           reference_layer_activation_bytes)
 from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.probes import ModuleProbe, microbatch_rows
@@ -42,12 +42,15 @@ def megatron_prediction(case: CaseConfig, sp: bool) -> Prediction:
 
 def activation_figures(case: CaseConfig, sp: bool) -> dict:
     """Korthikanti et al.'s per-layer activation bytes adapted to the reference model
-    (``reference_layer_activation_bytes``), for this case's tp / sp / recompute."""
+    (``reference_layer_activation_bytes``), for this case's tp / sp / recompute and LLaMA
+    blocks (``reference_block_keywords`` at this tp: RoPE and the K/V repeat run inside the
+    recomputed core, ``attention_core``, as the default ``rope_recomputed`` says)."""
     m, p = case.model, case.layout
     sp = sp and p.tp > 1
     return {"act_layer_formula": reference_layer_activation_bytes(
         m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,
-        case.options.recompute, m.ffn, bytes_per_element=4, proj_input_copy=False),
+        case.options.recompute, m.ffn, bytes_per_element=4, proj_input_copy=False,
+        **reference_block_keywords(m, p.tp, p.micro_batch_size)),
         # Table 2 verbatim: 16-bit activations, 1-byte dropout masks, f = 4h, eager softmax
         "act_layer_korthikanti": korthikanti_layer_bytes(
             m.seq_length, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp, sp,

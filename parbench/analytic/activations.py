@@ -35,6 +35,26 @@ Grouped-query attention and SwiGLU (analytic-only shapes): K and V are s b h_kv 
 Megatron-Core's fused ``bias_swiglu`` saves it and recomputes the SiLU in backward) and the
 f-wide product (the down projection's input): 3 s b f elements instead of GeLU's 2 s b f.
 
+The LLaMA blocks as parbench's reference model keeps them: the keywords of
+:func:`reference_layer_activation_bytes` (:func:`reference_block_keywords` gives a model's),
+built from the per-feature terms :func:`qkv_saved_elements`, :func:`rope_table_bytes`,
+:func:`mlp_saved_elements` and :func:`norm_saved_bytes` (the first three shared with the 2D /
+2.5D / 3D grids' forms, ``tensor_grid``); each term is read off the model's code
+(``parbench.model.blocks``), the saved-tensor hooks' measurement being the check.
+``norm="rmsnorm"`` (:func:`norm_saved_bytes`);
+``mlp="swiglu"`` keeps silu(gate) besides Korthikanti's gate/up and product
+(:func:`mlp_saved_elements`: 4 s b f / t, not the 3 of Megatron-Core's fused kernel);
+Q, K and V as :func:`qkv_saved_elements` counts them (``rope``: q and k rotated;
+``kv_repeat``: K/V repeated over their query groups before the kernel;
+``kernel_copies``: the kernel keeps contiguous copies) in place of the QKV output, and
+RoPE's cos / sin tables (:func:`rope_table_bytes` at ``rope_rows``, default s; not
+divided by t: every rank rotates its heads with whole tables). Selective recomputation
+of the core keeps the core's inputs: the QKV output when RoPE is recomputed with the
+core (``rope_recomputed``, Megatron 1D), rotated q and k and the tables when the core
+is checkpointed after RoPE (the context family). ``attn_mask``: packed documents' mask,
+kept by the kernel (:func:`packed_mask_bytes`) on every rank unless the core is
+recomputed.
+
 The logits (:func:`logits_bytes`) are not part of a layer: the last pipeline stage keeps the
 fp32 logits of its micro-batch for the cross-entropy backward, 4 s b V / t bytes
 (Korthikanti et al. 2022, Sec. 4.3; Megatron-LM ``theoretical_memory_usage.py``).
@@ -129,6 +149,97 @@ def selective_savings(modules: frozenset[str], tokens: int, e: int, h: int,
             "mlp": mlp_width * tokens * e if "mlp" in modules else 0}
 
 
+NORMS = ("layernorm", "rmsnorm")
+
+
+def qkv_saved_elements(tokens, h, kv, *, rope: bool = False, repeat: bool = False,
+                       copies: bool = False):
+    """Elements of Q, K and V kept for backward on ``tokens`` tokens, Q of width ``h`` and K, V
+    of width ``kv`` (the heads a rank attends with; Korthikanti et al.'s "Q and K 4, V 2"
+    at GQA's narrower K/V).
+
+    The attention kernel keeps the tensors it is given. ``copies``: it makes them contiguous
+    first (the context cores), so it keeps its own Q, K, V, h + 2 kv per token, whatever
+    came before. Otherwise (the reference model's ``split_heads``, Megatron 1D, the grids)
+    each of q, k, v is a view of the fused QKV output unless an op made it its own tensor:
+    RoPE (Su et al. 2021, Eq. 34; ``blocks.rotate``) rotates q and k into new tensors of h and
+    kv; grouped-query attention's ``repeat_interleave`` (``repeat``: Ainslie et al. 2023,
+    each K/V head repeated over its query group before the kernel) makes k and v new tensors
+    of width h. The QKV output, h + 2 kv per token, is kept once if any of them is a view.
+    GPT-2 blocks: h + 2 kv either way."""
+    if copies:
+        return tokens * (h + 2 * kv)
+    kv_own = h if repeat else kv
+    own = {"q": h if rope else 0, "k": kv_own if (rope or repeat) else 0,
+           "v": kv_own if repeat else 0}
+    views = not (rope and repeat)  # v is a view unless repeated, q unless rotated
+    return tokens * ((h + 2 * kv) * views + sum(own.values()))
+
+
+def rope_table_bytes(rows: int, head_dim: int) -> int:
+    """RoPE's tables kept for backward: ``blocks.rotate`` multiplies the heads by cos and
+    sin of [rows, head_dim] fp32 (``x * cos`` keeps cos, ``half * sin`` keeps sin: the tables
+    need no gradient) and is called for q and for k: 4 tables, 4 rows d x 4 bytes. ``rows``:
+    the positions rotated at -- s whole sequences (the tables broadcast over the batch), b s
+    when packed documents give every sample its own positions."""
+    return 4 * rows * head_dim * 4
+
+
+def packed_mask_bytes(b, s: int):
+    """Packed documents' mask as ``scaled_dot_product_attention`` keeps it: the boolean
+    "causal and same document" mask (``packing.self_mask``, [b, 1, s, s]) is turned by the
+    CPU kernel into an additive fp32 mask of that shape and saved for backward, 4 b s^2
+    bytes whatever the heads (it broadcasts over them)."""
+    return 4 * b * s * s
+
+
+def mlp_saved_elements(f, mlp: str = "gelu", fc2_input_kept: bool = True):
+    """Elements per token the MLP's activation keeps of its f hidden features
+    (``blocks.mlp_activation``): GELU its input (fc1's output) and, where fc2 keeps its input,
+    GELU's output, 2f (Korthikanti's 8 + 8 at f = 4h); SwiGLU (Shazeer 2020, Eq. 6) fc1's
+    [gate; up] output (2f: ``silu(gate)`` keeps gate, the product keeps up, both views of
+    it), ``silu(gate)`` (f, the product keeps it) and, where fc2 keeps it, the product (f):
+    4f. ``fc2_input_kept=False``: fc2 keeps another tensor (3D's gathered input)."""
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp={mlp!r} must be one of gelu, swiglu")
+    return f * ((3 if mlp == "swiglu" else 1) + int(fc2_input_kept))
+
+
+def norm_saved_bytes(tokens, h, norm: str = "layernorm", e: int = 4):
+    """Bytes one of torch's norms keeps for backward on ``tokens`` rows of h, its output (the
+    next linear's input) not counted: ``F.layer_norm`` keeps its input and the per-row mean and
+    1/sigma (fp32), T h e + 8 T; ``F.rms_norm`` (Zhang & Sennrich 2019, Eq. 4) is composite on
+    CPU (torch 2.13): x^2's ``pow`` and ``x * rstd`` keep x, ``rsqrt`` its result 1/rms (fp32,
+    shared with the product), and ``(x * rstd) * weight`` the normalised x -- 2 T h e + 4 T.
+    (A fused RMSNorm kernel would keep x and 1/rms only.)"""
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r} must be one of {', '.join(NORMS)}")
+    if norm == "rmsnorm":
+        return 2 * tokens * h * e + 4 * tokens
+    return tokens * h * e + 8 * tokens
+
+
+def reference_block_keywords(m, tp: int = 1, b: int = 1) -> dict:
+    """The LLaMA-block keywords of :func:`reference_layer_activation_bytes` for a model config
+    ``m`` (its K/V width, MLP, norm, RoPE) whose attention repeats K/V over the query groups
+    before the kernel, as the reference model does. ``tp``: a Megatron 1D rank's a/t query
+    heads attend with max(g/t, 1) K/V heads -- with t > g the rank takes its group's one
+    K/V head from the gathered QKV output, Megatron-Core building the core with t query
+    groups (``impls.tensor.gqa``) -- so K/V are max(g, t) d wide before the split and
+    repeated when a > max(g, t). RoPE rotates at the s positions of whole sequences, or at
+    each of the b samples' own (``rope_rows`` b s) when documents are packed (``pack_docs``:
+    ``Documents.pos`` is [b, s]) and the kernel keeps their mask (``attn_mask``).
+    Multi-head latent attention (``kv_lora_rank``) has its own
+    widths: no keywords (the GPT-2 count)."""
+    if getattr(m, "kv_lora_rank", 0):
+        return {}
+    g = max(m.num_kv_heads or m.num_heads, tp)
+    return {"kv_hidden": g * m.head_dim, "mlp": m.mlp, "norm": m.norm,
+            "rope": bool(m.rope_theta), "kv_repeat": g < m.num_heads,
+            "rope_rows": m.seq_length * (b if m.pack_docs else 1),
+            "attn_mask": bool(m.pack_docs)}
+
+
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                             recompute: str = "none") -> float:
     """The paper's formulas verbatim (Table 2), for checking the generalisation."""
@@ -150,16 +261,21 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      mlp: str = "gelu",
                                      widths: tuple[int, int, int, int] | None = None,
                                      latent: int = 0,
-                                     modules: frozenset[str] = frozenset({"core_attn"})
-                                     ) -> float:
+                                     modules: frozenset[str] = frozenset({"core_attn"}),
+                                     *, norm: str = "layernorm", rope: bool = False,
+                                     kv_repeat: bool = False, kernel_copies: bool = False,
+                                     rope_recomputed: bool = True,
+                                     rope_rows: int | None = None,
+                                     attn_mask: bool = False) -> float:
     """:func:`layer_activation_bytes` adapted to parbench's reference model.
 
     Assumptions, stated because the exact saved-tensor set depends on PyTorch's kernels:
     no dropout (the model has none), ``bytes_per_element`` = 4 for fp32 runs (2 for bf16),
     attention through ``scaled_dot_product_attention`` with a fused kernel that saves its
     output and log-sum-exp ("flash"); the reshape of the attention output before the
-    projection is a copy, so projection input and kernel output are two tensors. LayerNorm's
-    saved mean and reciprocal standard deviation (2 x 2 s b fp32 values) are added. Not
+    projection is a copy, so projection input and kernel output are two tensors. The norms'
+    own saved tensors besides their input (:func:`norm_saved_bytes`: LayerNorm's mean and
+    1/sigma, 2 x 2 s b fp32 values; RMSNorm's 1/rms and normalised input) are added. Not
     counted: allocator rounding, autograd bookkeeping, and the logits/loss of the last stage.
 
     ``proj_input_copy=False``: the projection's input is a *view* of the kernel's output, one
@@ -170,20 +286,48 @@ def reference_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     selective recomputation the kernel's output is not kept and the projection input is the
     one saved tensor either way. ``True`` (the default) counts two tensors, as when the
     output is moved by a collective before the projection (Ulysses' all-to-all).
+    LLaMA blocks: ``norm`` ... ``attn_mask``, the module doc.
     """
+    e = bytes_per_element
     base = layer_activation_bytes(s, b, h, a, t, sp, recompute, ffn_hidden,
-                                  bytes_per_element=bytes_per_element, mask_bytes=0,
+                                  bytes_per_element=e, mask_bytes=0,
                                   dropout=False, attention="flash", kv_hidden=kv_hidden,
                                   mlp=mlp, widths=widths, latent=latent,
                                   modules=modules)
     if recompute == "full":
         return base
-    # the norms' statistics; not kept when selective recomputation recomputes the norms
+    # the norms' own tensors; not kept when selective recomputation recomputes the norms
     norms_kept = recompute != "selective" or "layernorm" not in modules
-    ln_stats = 2 * 2 * s * b * 4 / (t if sp else 1) * norms_kept
+    norms = 2 * (norm_saved_bytes(s * b, h, norm, e) - s * b * h * e) * norms_kept
     if recompute == "none" and not proj_input_copy:
-        base -= s * b * (widths[3] if widths else h) * bytes_per_element / t
-    return base + ln_stats
+        base -= s * b * (widths[3] if widths else h) * e / t
+    llama = _llama_terms(s * b, h, h if kv_hidden is None else kv_hidden,
+                         4 * h if ffn_hidden is None else ffn_hidden, mlp, recompute, modules,
+                         rope=rope, kv_repeat=kv_repeat, kernel_copies=kernel_copies,
+                         rope_recomputed=rope_recomputed)
+    tables = rope_table_bytes(s if rope_rows is None else rope_rows, h // a) \
+        if llama["rope_kept"] else 0
+    mask = packed_mask_bytes(b, s) if attn_mask and llama["core_kept"] else 0
+    return base + norms / (t if sp else 1) + llama["elements"] * e / t + tables + mask
+
+
+def _llama_terms(tokens: int, h: int, kv: int, f: int, mlp: str, recompute: str,
+                 modules: frozenset[str], **blocks) -> dict:
+    """The elements (before the tensor-parallel split) the reference model keeps beyond
+    :func:`layer_activation_bytes`' Q, K, V (h + 2 kv per token) and MLP (Korthikanti's 2f,
+    3f for SwiGLU), and whether RoPE's tables are kept (``blocks``: the LLaMA keywords of
+    :func:`reference_layer_activation_bytes`)."""
+    core_recomputed = recompute == "selective" and "core_attn" in modules
+    rope_kept = blocks["rope"] and not (core_recomputed and blocks["rope_recomputed"])
+    if core_recomputed:  # the recomputation's inputs: views of the QKV output, or rotated
+        qkv = qkv_saved_elements(tokens, h, kv, rope=rope_kept)
+    else:
+        qkv = qkv_saved_elements(tokens, h, kv, rope=blocks["rope"], repeat=blocks["kv_repeat"],
+                                 copies=blocks["kernel_copies"])
+    extra = qkv - tokens * (h + 2 * kv)
+    if not (recompute == "selective" and "mlp" in modules):
+        extra += tokens * (mlp_saved_elements(f, mlp) - (3 if mlp == "swiglu" else 2) * f)
+    return {"elements": extra, "rope_kept": rope_kept, "core_kept": not core_recomputed}
 
 
 def logits_bytes(s: int, b: int, vocab: int, t: int = 1, bytes_per_element: int = 4) -> float:

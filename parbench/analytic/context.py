@@ -40,7 +40,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 from . import comm
-from .activations import layer_activation_bytes, reference_layer_activation_bytes
+from .activations import (layer_activation_bytes, reference_block_keywords,
+                          reference_layer_activation_bytes)
 from .comm import Transfer, summarize
 from .data_parallel import layer_tensors
 from .prediction import RankPrediction, flat_states
@@ -197,8 +198,8 @@ def imbalance(work: list[float]) -> float:
 
 def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int,
                               recompute: str = "none", ffn_hidden: int | None = None,
-                              bytes_per_element: int = 4, kv_hidden: int | None = None
-                              ) -> float:
+                              bytes_per_element: int = 4, kv_hidden: int | None = None,
+                              blocks: dict | None = None) -> float:
     """Bytes one layer keeps for backward on one cp rank: Korthikanti et al. 2022 (Eq. 1 and
     Table 2) adapted to the reference model (``reference_layer_activation_bytes``: no dropout,
     fp32, a fused attention kernel saving its output and log-sum-exp, LayerNorm statistics)
@@ -213,18 +214,35 @@ def cp_layer_activation_bytes(kind: str, s: int, b: int, h: int, a: int, cp: int
     per element of the s/cp shard); selective keeps everything but the attention core's
     saved output. ``kv_hidden``: K and V's width under grouped-query attention (the saved K
     and V are s b h_kv each, ``activations`` module doc); RSA's score rows stay one per
-    query head."""
+    query head. ``blocks``: the LLaMA blocks' keywords (:func:`cp_block_keywords`)."""
     require_positive_int("cp", cp)
     if s % cp:
         raise ValueError(f"cp={cp} does not divide seq_length={s}")
     n = s // cp
-    kw = {"bytes_per_element": bytes_per_element, "kv_hidden": kv_hidden}
+    kw = {"bytes_per_element": bytes_per_element, "kv_hidden": kv_hidden, **(blocks or {})}
+    layer = reference_layer_activation_bytes(n, b, h, a, 1, False, recompute, ffn_hidden,
+                                             **kw)
     if kind != "ring-self-attention" or recompute != "none":
-        return reference_layer_activation_bytes(n, b, h, a, 1, False, recompute, ffn_hidden,
-                                                **kw)
-    base = reference_layer_activation_bytes(n, b, h, a, 1, False, "selective", ffn_hidden,
-                                            **kw)
-    return base + a * n * s * b * bytes_per_element
+        return layer
+    # the kernel's output and log-sum-exp (activations.layer_activation_bytes, "flash")
+    # give way to the score rows
+    kernel = n * b * h * bytes_per_element + a * n * b * 4
+    return layer - kernel + a * n * s * b * bytes_per_element
+
+
+def cp_block_keywords(m, n: int, b: int) -> dict:
+    """The LLaMA blocks' keywords of :func:`cp_layer_activation_bytes` for model ``m`` on a
+    rank's n tokens of b samples, as the context family keeps them (``impls.context.shard``):
+    the cores make Q, K, V contiguous at the K/V heads' width (``kernel_copies``; no repeat
+    before them), RoPE runs before the core, outside selective recomputation's checkpoint
+    (``rope_recomputed=False``), on the rank's n positions -- per sample when documents are
+    packed (``Documents.pos`` is [b, n]): ``rope_rows`` n or b n; the cores build their
+    blocks' masks from the documents and keep none (``attn_mask=False``)."""
+    kw = reference_block_keywords(m)
+    if not kw:
+        return {}
+    return {**kw, "kv_repeat": False, "kernel_copies": True, "rope_recomputed": False,
+            "rope_rows": n * b if m.pack_docs else n, "attn_mask": False}
 
 
 def korthikanti_cp_layer_bytes(s: int, b: int, h: int, a: int, cp: int) -> float:

@@ -4,7 +4,8 @@
 
 Activations per layer follow Korthikanti et al. 2022 (Eqs. 1-2, Table 2) adapted to the
 reference model (``analytic.reference_layer_activation_bytes``: fp32, no dropout, fused
-attention, LayerNorm statistics); the embedding output and, on the rank holding the head, the
+attention, the norms' statistics; the LLaMA blocks' RoPE, K/V repeat, SwiGLU and RMSNorm
+tensors, ``reference_block_keywords``); the embedding output and, on the rank holding the head, the
 logits and their log-softmax (2 x b s V elements) are added. A data-parallel rank runs its
 micro-batches one after another, so one micro-batch of every layer is alive at the end of a
 forward. Not counted: temporaries of backward, communication buffers, gathered ZeRO-3 units
@@ -12,7 +13,7 @@ and allocator rounding -- the measured peak is expected above this figure.
 """
 from __future__ import annotations
 
-from .activations import reference_layer_activation_bytes
+from .activations import reference_block_keywords, reference_layer_activation_bytes
 from .shape import shape_from
 
 
@@ -23,7 +24,8 @@ def activation_bytes(case, layers: int, num_microbatches: int = 1,
     b, s, h = p.micro_batch_size, m.seq_length, m.hidden_size
     per_layer = reference_layer_activation_bytes(s, b, h, m.num_heads,
                                                  ffn_hidden=shape_from(m).f,
-                                                 bytes_per_element=e)
+                                                 bytes_per_element=e,
+                                                 **reference_block_keywords(m, 1, b))
     total = per_layer * layers
     if embedding:
         total += b * s * h * e

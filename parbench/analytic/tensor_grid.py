@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from . import activations
 from .clip import norm_transfers
 from .comm import Transfer
 from .params import dense_block_tensor_sizes, norm_tensor_sizes
@@ -269,37 +270,35 @@ def cube_step_traffic(shape: Shape, b: int, q: int, num_microbatches: int = 1,
 # ---------------------------------------------------------------------------------------
 
 def _attention_saved(T, h: int, a: int, q: int, kv_heads: int, rope: bool, s: int,  # noqa: N803
-                     e: int) -> Fraction:
-    """Bytes the attention of a rank's a/q heads keeps for backward on T tokens: the fused
-    kernel's q, k, v (T h/q e each once they are their own tensors), output (T h/q e, the
-    projection's input a view of it) and log-sum-exp (T a/q fp32). q and k are their own
-    tensors when RoPE rotates them, k and v when grouped-query attention repeats its g < a
-    K/V heads over their query groups (Ainslie et al. 2023); any other of them is a view of
-    QKV's output, whose T (h + 2 g h/a)/q elements are then kept once. RoPE (Su et al. 2021,
-    Eq. 34) keeps its cos and sin tables of s x h/a fp32 for q and for k."""
+                     e: int, packed: bool = False) -> Fraction:
+    """Bytes the attention of a rank's a/q heads keeps for backward on T tokens: q, k, v as
+    ``activations.qkv_saved_elements`` counts them at h/q and g h/(a q) features (rotated by
+    RoPE, K/V repeated over the query groups when grouped-query attention's g < a), the fused
+    kernel's output (T h/q e, the projection's input a view of it) and log-sum-exp (T a/q
+    fp32), RoPE's cos and sin tables (``activations.rope_table_bytes``, s x h/a; with
+    ``packed`` documents one per sample of the rank's T/s, and the kernel's mask,
+    ``activations.packed_mask_bytes`` of those samples)."""
     g = kv_heads or a
-    views = [not rope, not rope and g == a, g == a]  # q, k, v
-    qkv_out = Fraction(T * (h + 2 * g * h // a), q) if any(views) else 0
-    own = sum(1 for v in views if not v)
-    tables = 4 * s * (h // a) * 4 if rope else 0
-    return (qkv_out + own * Fraction(T * h, q) + Fraction(T * h, q)) * e \
-        + 4 * Fraction(T * a, q) + tables
+    qkv = activations.qkv_saved_elements(T, Fraction(h, q), Fraction(g * h // a, q),
+                                         rope=rope, repeat=g < a)
+    rows = T if packed else s
+    tables = activations.rope_table_bytes(rows, h // a) if rope else 0
+    mask = activations.packed_mask_bytes(Fraction(T, s), s) if packed else 0
+    return (qkv + Fraction(T * h, q)) * e + 4 * Fraction(T * a, q) + tables + mask
 
 
 def _mlp_saved(T, f: int, q: int, swiglu: bool, fc2_input_kept: bool,  # noqa: N803
                e: int) -> Fraction:
-    """Bytes the MLP's activation keeps on T tokens of f/q features: GELU its input (fc1's
-    output) and, where fc2 keeps its input ungathered (2D / 2.5D), GELU's output; SwiGLU
-    (Shazeer 2020, Eq. 6) fc1's [gate; up] output (2 T f/q), silu(gate) (T f/q) and, where
-    fc2 keeps it, the product (T f/q)."""
-    kept = (3 if swiglu else 1) + int(fc2_input_kept)
-    return Fraction(T * f * kept * e, q)
+    """Bytes the MLP's activation keeps on T tokens of f/q features
+    (``activations.mlp_saved_elements``; fc2 keeps its input ungathered in 2D / 2.5D)."""
+    kept = activations.mlp_saved_elements(f, "swiglu" if swiglu else "gelu", fc2_input_kept)
+    return Fraction(T * kept * e, q)
 
 
 def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int = 1,
                                  ffn_hidden: int | None = None, e: int = 4, *,
                                  kv_heads: int = 0, rope: bool = False,
-                                 swiglu: bool = False) -> float:
+                                 swiglu: bool = False, packed: bool = False) -> float:
     """Bytes one layer of a 2D / 2.5D rank keeps for backward: Korthikanti et al.'s count
     (Sec. 4.1) for T = b s / (d q) tokens and hidden / q features, with the grid's own
     norm (elementwise ops around its all-reduces: LayerNorm keeps the centred input and the
@@ -308,18 +307,19 @@ def summa_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int, d: int 
     count). Per layer: two norms; the inputs of QKV and fc1 (T h/q each); the attention
     (:func:`_attention_saved`: GPT-2's Q, K, V are views of QKV's output, 3 T h/q); the MLP
     (:func:`_mlp_saved`: GELU 2 T f/q, SwiGLU 4 T f/q). GPT-2 blocks: T e (10 h + 2 f)/q +
-    8 T + 4 T a/q. Unpacked sequences (RoPE's tables shared by the batch)."""
+    8 T + 4 T a/q. ``packed``: documents packed in the rank's T/s samples (their own RoPE
+    tables, the kernel's mask)."""
     f = 4 * h if ffn_hidden is None else ffn_hidden
     T = Fraction(b * s, d * q)  # noqa: N806
     norms_and_inputs = T * e * 6 * h / q + 8 * T
-    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+    return float(norms_and_inputs + _attention_saved(T, h, a, q, kv_heads, rope, s, e, packed)
                  + _mlp_saved(T, f, q, swiglu, True, e))
 
 
 def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
                                 ffn_hidden: int | None = None, e: int = 4, *,
                                 kv_heads: int = 0, rope: bool = False,
-                                swiglu: bool = False) -> float:
+                                swiglu: bool = False, packed: bool = False) -> float:
     """Bytes one layer of a 3D rank keeps for backward, T = b s / q^2 tokens per rank: the
     grid norm's 2 T h/q e + 4 T twice; every linear keeps its *gathered* input (q T
     tokens: T h e for QKV, the projection and fc1, T f e for fc2) and its gathered weight
@@ -334,5 +334,6 @@ def cube_layer_activation_bytes(s: int, b: int, h: int, a: int, q: int,
     weights = Fraction(e * (h * (outs["qkv"] + outs["proj"] + outs["fc1"]) + f * h), q * q)
     gathered = T * e * (3 * h + f)
     norms = T * e * 4 * h / q + 8 * T
-    return float(norms + gathered + weights + _attention_saved(T, h, a, q, kv_heads, rope, s, e)
+    attention = _attention_saved(T, h, a, q, kv_heads, rope, s, e, packed)
+    return float(norms + gathered + weights + attention
                  + _mlp_saved(T, f, q, swiglu, False, e))

@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
 from parbench.registry import all_schemes, get_scheme
-from tests.helpers import run_on_pool
+from tests.helpers import assert_layer_activations, run_on_pool
+
+#: the context family's measured and predicted bytes of a layer (``impls.context.base``)
+CP_ACTIVATIONS = ("activation_bytes_per_layer", "activation_bytes_per_layer_predicted")
 
 # Parameters after AdamW are compared with atol 1e-3 = lr (losses and gradients keep the strict
 # defaults, rtol 1e-5 / atol 1e-6 at step 0): AdamW's first update is lr g/(|g| + eps), so an
@@ -40,11 +43,10 @@ def make_case(scheme: str, **ov) -> CaseConfig:
     return case
 
 
-def assert_exact(case, per_rank, activations: bool = True) -> None:
+def assert_exact(case, per_rank) -> None:
     """Every rank's model states, wire bytes and calls per axis equal the closed form's on
-    every checked step; the layer's saved activations equal the formula's (``activations``:
-    the formula counts GPT-2 blocks; the LLaMA blocks' RoPE, SwiGLU and RMSNorm tensors are
-    not in it, so a LLaMA case leaves that figure out)."""
+    every checked step; the layer's saved activations equal the formula's (GPT-2 and LLaMA
+    blocks: ``analytic.context.cp_block_keywords``)."""
     pred = get_scheme(case.run.scheme).predict(case)
     for r in per_rank:
         for step, states in enumerate(r.model_states_per_step):
@@ -55,9 +57,7 @@ def assert_exact(case, per_rank, activations: bool = True) -> None:
             for axis in set(wire) | set(want_w):
                 assert wire.get(axis, 0.0) == want_w.get(axis, 0.0), (r.rank, step, axis, wire)
             assert {a: c for a, c in calls.items() if c} == want_c, (r.rank, step, calls)
-    m = per_rank[0].metrics
-    assert not activations or \
-        m["activation_bytes_per_layer"] == m["activation_bytes_per_layer_predicted"], m
+    assert_layer_activations(per_rank, *CP_ACTIVATIONS)
 
 
 @st.composite
@@ -108,13 +108,14 @@ def test_ring_attention_clips_by_the_global_norm(pools):
 def test_ring_self_attention_runs_grouped_query_attention(pools):
     """LLaMA blocks with 8 query heads over 2 K/V heads (each K/V head serves 4 consecutive
     query heads), packed documents: K and V travel the ring at the K/V heads' width and dK,
-    dV are all-reduced at it, bytes and calls equal to the closed form's."""
+    dV are all-reduced at it, bytes and calls equal to the closed form's; the layer's saved
+    activations (RMSNorm, RoPE tables, SwiGLU, the score rows) the formula's."""
     case = make_case("context.ring-self-attention", cp=4, model="llama-tiny", num_heads=8,
                      num_kv_heads=2, pack_docs=3, micro_batch_size=1, num_microbatches=2)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert not merged.uncovered
-    assert_exact(case, per_rank, activations=False)
+    assert_exact(case, per_rank)
 
 
 def test_bad_input_fails_before_spawning_with_one_line():

@@ -49,14 +49,15 @@ def test_loongtrain_runs_grouped_query_attention(pools):
     """LLaMA blocks with 8 query heads over 4 K/V heads on a 2 x 2 head x context grid: after
     the head all-to-all a rank holds 4 query heads and their 2 K/V heads, the double ring
     passes K/V blocks of those 2 heads; packed documents; bytes and calls per group equal
-    ``analytic.context_loongtrain``'s at the K/V width."""
+    ``analytic.context_loongtrain``'s at the K/V width, the layer's saved activations the
+    formula's (the LLaMA blocks' terms)."""
     case = make_case("context.loongtrain", cp=4, cp_ulysses=2, cp_window=1,
                      cp_balance="zigzag", model="llama-tiny", num_heads=8, num_kv_heads=4,
                      pack_docs=3, micro_batch_size=1, num_microbatches=2)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert not merged.uncovered
-    assert_exact(case, per_rank, activations=False)
+    assert_exact(case, per_rank)
 
 
 @pytest.mark.parametrize("window", [1, 4])

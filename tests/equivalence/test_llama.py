@@ -14,7 +14,7 @@ from parbench.golden.run import reference_model
 from parbench.model.blocks import rotate
 from parbench.overrides import apply_overrides
 from parbench.registry import get_scheme
-from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
+from tests.helpers import assert_layer_activations, assert_wire_and_calls_per_step, run_on_pool
 
 BASE = {"model": "llama-tiny", "dp": "2", "num_microbatches": "2", "steps": "3",
         "timed_steps": "1", "bucket_mb": "0.002"}
@@ -104,11 +104,14 @@ CP = {"model": "llama-tiny", "dp": "1", "cp": "2", "num_microbatches": "2",
 def test_the_context_family_rotates_at_global_positions(pools, scheme, extra):
     """RoPE on a sequence chunk at its tokens' global positions (within-document ones when
     packed), in each layout, with grouped-query attention (2 K/V heads for 4 query heads);
-    byte-exact: the cores move K/V of the K/V heads only, as the closed forms count them."""
+    byte-exact: the cores move K/V of the K/V heads only, as the closed forms count them;
+    every rank's layer keeps the activation formula's bytes (``cp_block_keywords``)."""
     case = case_for(scheme, CP, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+    assert_layer_activations(per_rank, "activation_bytes_per_layer",
+                             "activation_bytes_per_layer_predicted")
 
 
 @pytest.mark.parametrize("scheme", ["baseline.dtensor.tp", "context.distflashattn",

@@ -16,7 +16,7 @@ import pytest
 from parbench.config import CaseConfig, ConfigError, validate_case
 from parbench.overrides import apply_overrides
 from parbench.registry import get_scheme
-from tests.helpers import assert_wire_and_calls_per_step, run_on_pool
+from tests.helpers import assert_layer_activations, assert_wire_and_calls_per_step, run_on_pool
 
 TP = {"model": "llama-tiny", "vocab_size": "61", "dp": "1", "tp": "2", "num_microbatches": "2",
       "steps": "3", "timed_steps": "1"}
@@ -37,11 +37,14 @@ def case_for(scheme: str, **extra) -> CaseConfig:
     ("tensor.megatron-sp", {"pack_docs": "3", "model": "tiny"})])
 def test_megatron_1d_trains_llama_blocks_and_packed_documents(pools, scheme, extra):
     """Equal to the golden run (the GPT-2 cases: learned positions at the within-document
-    positions, under sp the rank's rows of them), byte-exact against the closed forms."""
+    positions, under sp the rank's rows of them), byte-exact against the closed forms; every
+    rank's layer keeps the activation formula's bytes (the LLaMA blocks' terms; packed: the
+    per-sample RoPE tables and, unless the core is recomputed, the kernel's mask)."""
     case = case_for(scheme, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+    assert_layer_activations(per_rank)
 
 
 @pytest.mark.parametrize("scheme,extra", [
@@ -52,11 +55,13 @@ def test_tp_above_the_kv_heads_runs_as_megatron_core_does(pools, scheme, extra):
     """tp = 4 over 2 K/V heads and tp = 2 over 1 (issue 21): each rank holds a 1/t of the
     group-interleaved QKV rows, gathers the output and attends with its group's K/V head
     (``impls.tensor.gqa``); equal to the golden run, and the gather's bytes and calls are the
-    closed form's (``analytic.gqa.qkv_gather_transfers``)."""
+    closed form's (``analytic.gqa.qkv_gather_transfers``); a layer keeps the formula's bytes
+    at K/V max(g, t) d wide (``reference_block_keywords``: each rank one K/V head)."""
     case = case_for(scheme, **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
     assert_wire_and_calls_per_step(get_scheme(scheme).predict(case), per_rank)
+    assert_layer_activations(per_rank)
 
 
 def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
@@ -68,15 +73,15 @@ def test_tp_and_kv_heads_that_do_not_divide_each_other_are_refused():
 GRID8 = {"tp": "8", "micro_batch_size": "4", "num_heads": "8", "hidden_size": "64"}
 
 
-@pytest.mark.parametrize("scheme,extra,unpacked", [
-    ("tensor.2d", {"tp": "4"}, True),
-    ("tensor.2.5d", {**GRID8, "tp_depth": "2", "pack_docs": "3"}, False),
-    ("tensor.3d", GRID8, True)])
-def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra, unpacked):
+@pytest.mark.parametrize("scheme,extra", [
+    ("tensor.2d", {"tp": "4"}),
+    ("tensor.2.5d", {**GRID8, "tp_depth": "2", "pack_docs": "3"}),
+    ("tensor.3d", GRID8)])
+def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra):
     """q = 2 columns over 2 K/V heads; 2.5D with packed documents (RoPE restarted with
     them). Equal to the golden run; every rank's bytes, calls and model states per step are
-    the closed forms'; unpacked, a layer's saved activations are the grid's activation form
-    (``analytic.tensor_grid``: it counts no packed attention mask)."""
+    the closed forms'; a layer's saved activations are the grid's activation form
+    (``analytic.tensor_grid``; packed: each sample's RoPE tables and the kernel's mask)."""
     case = case_for(scheme, steps="2", timed_steps="0", **extra)
     merged, per_rank = run_on_pool(pools, case)
     assert merged.equivalent, merged.first_failure
@@ -84,8 +89,7 @@ def test_grids_train_llama_blocks_byte_and_state_exact(pools, scheme, extra, unp
     assert_wire_and_calls_per_step(pred, per_rank)
     for r in per_rank:
         assert all(s == pred.model_state_bytes[r.rank] for s in r.model_states_per_step)
-        if unpacked:
-            assert r.metrics["act_layer_bytes"] == r.metrics["act_layer_formula"], r.metrics
+    assert_layer_activations(per_rank)
 
 
 @pytest.mark.parametrize("scheme,extra", [("tensor.2d", {"tp": "4"}), ("tensor.3d", GRID8)])

@@ -227,6 +227,13 @@ def test_grid_activation_forms_of_the_llama_blocks_give_the_measured_bytes():
     # RoPE on multi-head attention: v stays a view of QKV's output, kept whole
     assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, kv_heads=4, rope=True,
                                           swiglu=True) == 22784
+    # packed documents: a rank's one sample (T = s = 16) keeps its own tables (as many as
+    # the shared ones at one sample) and the kernel's fp32 mask 4 x 16 x 16 = 1024; two
+    # samples (b = 4, T = 32): twice the tokens' terms, tables 2 x 2048, masks 2 x 1024
+    assert G.summa_layer_activation_bytes(16, 2, 32, 4, 2, 1, 64, packed=True,
+                                          **llama) == 20736 + 1024
+    assert G.summa_layer_activation_bytes(16, 4, 32, 4, 2, 1, 64, packed=True,
+                                          **llama) == 2 * (20736 - 2048) + 2 * 2048 + 2 * 1024
 
 
 def test_estimate_prints_per_layer_traffic_and_activations():
