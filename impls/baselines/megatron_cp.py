@@ -9,12 +9,18 @@ install on a CPU host.
 **Shim 6** (:class:`RingCoreAttention`) replaces only that core: the local spec's
 ``core_attention`` submodule, given Megatron's per-rank ``query`` / ``key`` / ``value``
 ([s/cp, b, heads/tp, d], after its own QKV projection, split and RoPE) returns the attention
-of this rank's two zig-zag chunks over the whole sequence, [s/cp, b, heads/tp * d], by
-yunchang 0.6.4's zig-zag ring (``zigzag_ring_flash_attn_func``: the same chunk layout as
-TransformerEngine's -- Brandon et al. 2023, "Striped Attention"; Liu et al. 2023, "Ring
-Attention" -- its ring order, causal block skipping and fp32 log-sum-exp merge), with the
-CPU block kernel of ``baseline.yunchang.usp`` (``yunchang_kernels``). No ring is written
-here. The cp group is the model's ``pg_collection.cp`` (``parallel_state``'s, the mesh's).
+of this rank's two chunks over the whole sequence, [s/cp, b, heads/tp * d], by torch's ring
+attention (``_templated_ring_attention`` / ``_templated_ring_attention_backward`` of
+``torch.distributed.tensor.experimental._context_parallel``, the calls
+``baseline.torch.context_parallel`` makes, here on plain tensors) with torch's CPU
+flash-attention kernels: its causal head-tail load balancing is TransformerEngine's layout
+(Liu et al. 2023, "Ring Attention"; Brandon et al. 2023, "Striped Attention"), its rotation
+torch's default (K / V all-gathered, dK / dV returned by all-to-all), its merge of the
+blocks' outputs by their log-sum-exp in fp32. No ring is written here. yunchang's zig-zag
+ring has the same layout but its backward is wrong in fp32 (``scripts/
+yunchang_fp32_repro.py``). K / V heads are repeated for their queries before the ring
+(torch's CPU kernel needs equal head counts), as ``DotProductAttention`` repeats them. The
+cp group is the model's ``pg_collection.cp`` (``parallel_state``'s, the mesh's handle).
 
 What of Megatron's own context-parallel code then runs unchanged:
 

@@ -44,8 +44,16 @@ asserts it off without TransformerEngine; the shim builds the same torch norm an
 parameters ``sequence_parallel`` as TransformerEngine's norm does): llama-tiny tp = dp =
 pp = 2, and tp = pp = 2 with the head tied, equivalent, bytes and calls = ``hybrid``'s
 closed form with SP. Not run: ``clip_grad`` (refused: Megatron's norm skips the loaded
-weights, ``baseline.megatron.ptdp``'s finding); context parallelism
-(``DotProductAttention`` asserts it needs TransformerEngine).
+weights, ``baseline.megatron.ptdp``'s finding); sp with cp.
+
+Context parallelism (``cp`` > 1, the zig-zag ring): ``DotProductAttention`` asserts it needs
+TransformerEngine, so the layer spec's core attention is CPU shim 6
+(``megatron_cp.RingCoreAttention``); Megatron's own batch split, RoPE per cp chunk, loss
+over cp and DDP over dp x cp run unchanged (``megatron_cp``'s docstring). Measured
+(llama-tiny, cp = 2; cp x tp, cp x dp and cp x pp at 2 x 2; tiny at cp = 2): equivalent;
+tp, dp_cp and pp bytes and calls = ``hybrid``'s closed form; cp more than the native p2p ring's
+(torch's all-gather rotation, K / V heads repeated for their queries, the loss's cp
+all-reduce), a framework's difference, shown.
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """
