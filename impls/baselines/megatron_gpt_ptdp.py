@@ -44,13 +44,14 @@ asserts it off without TransformerEngine; the shim builds the same torch norm an
 parameters ``sequence_parallel`` as TransformerEngine's norm does): llama-tiny tp = dp =
 pp = 2, and tp = pp = 2 with the head tied, equivalent, bytes and calls = ``hybrid``'s
 closed form with SP. Not run: ``clip_grad`` (refused: Megatron's norm skips the loaded
-weights, ``baseline.megatron.ptdp``'s finding); sp with cp.
+weights, ``baseline.megatron.ptdp``'s finding).
 
 Context parallelism (``cp`` > 1, the zig-zag ring): ``DotProductAttention`` asserts it needs
 TransformerEngine, so the layer spec's core attention is CPU shim 6
 (``megatron_cp.RingCoreAttention``); Megatron's own batch split, RoPE per cp chunk, loss
 over cp and DDP over dp x cp run unchanged (``megatron_cp``'s docstring). Measured
-(llama-tiny, cp = 2; cp x tp, cp x dp and cp x pp at 2 x 2; tiny at cp = 2): equivalent;
+(llama-tiny, cp = 2; cp x tp, cp x tp+sp, cp x dp and cp x pp at 2 x 2; tiny at cp = 2):
+equivalent;
 tp, dp_cp and pp bytes and calls = ``hybrid``'s closed form; cp more than the native p2p ring's
 (torch's all-gather rotation, K / V heads repeated for their queries, the loss's cp
 all-reduce), a framework's difference, shown.
@@ -198,8 +199,9 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
 
 def check_context_parallel(case: CaseConfig) -> None:
     """cp > 1: TransformerEngine's p2p ring with its causal zig-zag balancing (shim 6), on
-    2 cp chunks of the sequence; not with sequence parallelism (not run here)."""
-    c, opt, s = case.layout.cp, case.options.context, case.model.seq_length
+    2 cp chunks of the sequence; with sequence parallelism each rank's s/cp tokens split
+    over tp."""
+    c, opt, s, t = case.layout.cp, case.options.context, case.model.seq_length, case.layout.tp
     if c == 1:
         return
     if opt.cp_algorithm != "ring-attention" or opt.cp_balance != "zigzag":
@@ -209,9 +211,9 @@ def check_context_parallel(case: CaseConfig) -> None:
     if s % (2 * c):
         raise ConfigError(f"seq_length={s}: Megatron-Core splits it into 2 cp = {2 * c} "
                           "chunks (get_batch_on_this_cp_rank); it must divide")
-    if case.options.tensor.sp and case.layout.tp > 1:
-        raise ConfigError("sp=true with cp > 1 is not run by baseline.megatron.gpt-ptdp "
-                          "(set sp=false)")
+    if case.options.tensor.sp and t > 1 and (s // c) % t:
+        raise ConfigError(f"seq_length={s}: with sp=true tp={t} must divide the rank's "
+                          f"s/cp = {s // c} tokens")
 
 
 class _CudaMovesOnCpu(TorchFunctionMode):
