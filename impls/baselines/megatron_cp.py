@@ -18,9 +18,9 @@ flash-attention kernels: its causal head-tail load balancing is TransformerEngin
 torch's default (K / V all-gathered, dK / dV returned by all-to-all), its merge of the
 blocks' outputs by their log-sum-exp in fp32. No ring is written here. yunchang's zig-zag
 ring has the same layout but its backward is wrong in fp32 (``scripts/
-yunchang_fp32_repro.py``). K / V heads are repeated for their queries before the ring
-(torch's CPU kernel needs equal head counts), as ``DotProductAttention`` repeats them. The
-cp group is the model's ``pg_collection.cp`` (``parallel_state``'s, the mesh's handle).
+yunchang_fp32_repro.py``). The ring carries each group's K / V, as TransformerEngine's;
+each block repeats them for their query heads (torch's CPU kernel needs equal head counts)
+as ``DotProductAttention`` does, and sums their gradients back per group. The cp group is the model's ``pg_collection.cp`` (``parallel_state``'s, the mesh's handle).
 
 What of Megatron's own context-parallel code then runs unchanged:
 
@@ -52,17 +52,41 @@ from impls.baselines.megatron_ptdp import _CudaFactoriesOnCpu
 _ATEN = torch.ops.aten
 
 
+def _grouped(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K / V [b, groups, s, d] repeated for their ``heads`` queries (query head i reads group
+    i // (heads / groups), as Megatron's ``DotProductAttention`` repeats them)."""
+    rep = heads // t.shape[1]
+    return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+def _cpu_block(query, key, value, **kw):
+    """One ring block by torch's CPU flash attention, K / V given per query group."""
+    h = query.shape[1]
+    return _ATEN._scaled_dot_product_flash_attention_for_cpu(
+        query, _grouped(key, h), _grouped(value, h), **kw)
+
+
+def _cpu_block_backward(grad_out, query, key, value, out, logsumexp, **kw):
+    """Its backward; dK / dV summed over each group's query heads."""
+    b, g, s, d = key.shape
+    dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, _grouped(key, query.shape[1]), _grouped(value, query.shape[1]),
+        out, logsumexp, **kw)[:3]
+    return dq, dk.view(b, g, -1, s, d).sum(2), dv.view(b, g, -1, s, d).sum(2)
+
+
 class _TorchRing(torch.autograd.Function):
-    """torch's ring attention on plain local tensors [b, heads, s/cp, d] over ``group``:
-    ``_templated_ring_attention`` and its ``_backward`` (torch.distributed.tensor.
-    experimental._context_parallel) with torch's CPU flash-attention kernels -- the calls
-    ``baseline.torch.context_parallel`` registers for DTensor, without the DTensor."""
+    """torch's ring attention on plain local tensors (q [b, heads, s/cp, d], K / V [b,
+    groups, s/cp, d]) over ``group``: ``_templated_ring_attention`` and its ``_backward``
+    (torch.distributed.tensor.experimental._context_parallel) with torch's CPU
+    flash-attention kernels -- the calls ``baseline.torch.context_parallel`` registers for
+    DTensor, without the DTensor; the ring carries the groups' K / V."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         import torch.distributed.tensor.experimental._context_parallel._attention as ring
         out, lse = ring._templated_ring_attention(
-            group, 2, _ATEN._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+            group, 2, _cpu_block, q, k, v,
             is_causal=True, dropout_p=0.0, scale=scale)[:2]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
@@ -73,8 +97,8 @@ class _TorchRing(torch.autograd.Function):
         import torch.distributed.tensor.experimental._context_parallel._attention as ring
         q, k, v, out, lse = ctx.saved_tensors
         grads = ring._templated_ring_attention_backward(
-            ctx.group, 2, _ATEN._scaled_dot_product_flash_attention_for_cpu_backward,
-            grad_out.contiguous(), "grad_out", q, k, v, out, lse, is_causal=True,
+            ctx.group, 2, _cpu_block_backward, grad_out.contiguous(), "grad_out", q, k, v,
+            out, lse, is_causal=True,
             dropout_p=0.0, scale=ctx.scale)
         return grads[0], grads[1], grads[2], None, None
 
@@ -101,12 +125,9 @@ class RingCoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         """[s/cp, b, heads, d] query, [s/cp, b, groups, d] key / value -> [s/cp, b,
-        heads d]; ``attention_mask`` is unused (causal over the zig-zag chunks). K / V heads
-        repeated for their queries as ``DotProductAttention`` repeats them."""
+        heads d]; ``attention_mask`` is unused (causal over the zig-zag chunks)."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError(f"{type(self).__name__}: no attention bias, no packed sequences")
-        rep = query.shape[2] // key.shape[2]
-        key, value = (t.repeat_interleave(rep, dim=2) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
         out = _TorchRing.apply(q, k, v, self.cp_group, self.softmax_scale)
         s, b = query.shape[0], query.shape[1]

@@ -51,10 +51,10 @@ TransformerEngine, so the layer spec's core attention is CPU shim 6
 (``megatron_cp.RingCoreAttention``); Megatron's own batch split, RoPE per cp chunk, loss
 over cp and DDP over dp x cp run unchanged (``megatron_cp``'s docstring). Measured
 (llama-tiny, cp = 2; cp x tp, cp x tp+sp, cp x dp and cp x pp at 2 x 2; tiny at cp = 2):
-equivalent;
-tp, dp_cp and pp bytes and calls = ``hybrid``'s closed form; cp more than the native p2p ring's
-(torch's all-gather rotation, K / V heads repeated for their queries, the loss's cp
-all-reduce), a framework's difference, shown.
+equivalent; tp, dp_cp and pp bytes and calls = ``hybrid``'s closed form; cp more than the
+native p2p ring's (torch's all-gather rotation: four K / V-sized blocks per layer and
+micro-batch at cp = 2, the native ring's three; the loss's cp all-reduce), a framework's
+difference, shown.
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """

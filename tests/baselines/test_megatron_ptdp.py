@@ -109,10 +109,9 @@ def test_megatron_core_gptmodel_context_parallel_equals_golden(pools, megatron):
     (``baseline.megatron.gpt-ptdp``, cp = tp = 2, llama-tiny: RoPE, GQA): CPU shim 6 (torch's
     ring attention as its core attention; shim 5's norms) with Megatron's own zig-zag batch
     split, RoPE per cp chunk, loss over cp and DDP over dp x cp: equal to the golden run.
-    tp and dp_cp bytes and calls are ``hybrid``'s
-    closed form; cp's are torch's all-gather ring (K / V gathered in forward and backward,
-    dK / dV all-to-all, K / V heads repeated for their queries) and the loss's sum and count
-    all-reduced over cp, more than the native p2p ring's (shown, a framework's)."""
+    tp and dp_cp bytes and calls are ``hybrid``'s closed form; cp's are torch's all-gather
+    ring (K / V gathered in forward and backward, dK / dV all-to-all) and the loss's sum and
+    count all-reduced over cp, more than the native p2p ring's (shown, a framework's)."""
     name = "baseline.megatron.gpt-ptdp"
     case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
                                           "vocab_size": 128, "dp": 1, "pp": 1, "cp": 2,
