@@ -37,7 +37,10 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 - under context parallelism, the micro-batch's loss each cp rank's own token mean, not the
   mean over the whole sequence (Megatron-LM's loss_func all-reduces the sum and count over
   cp): the schedule's multiplication by cp and DDP's average over dp x cp then give cp times
-  the gradient.
+  the gradient;
+- under context parallelism, Megatron's DDP given the data-parallel group without cp (a
+  ``with_context_parallel=False`` slip): the gradients never summed over the cp ranks, each
+  stepping on its own tokens' part.
 
 The mutants need megatron-core: where it is not installed their scheme reports itself
 unavailable and ``parbench selftest`` skips them, saying why.
@@ -57,6 +60,7 @@ from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY, MegatronCoreGPTMoE
 from impls.baselines.megatron_gpt_moe_model import MegatronCoreMoEGPT, MoELayout
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
+from impls.baselines.megatron_ptdp import swap_group
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import blocks
 
@@ -282,3 +286,15 @@ class _RankMeanStage(MegatronCoreGPTStage):
             "scaling and DDP's dp x cp average")
 class MCoreGPTCPLossRankMean(MegatronCoreGPTPTDP):
     stage_cls = _RankMeanStage
+
+
+@mutant("mcore-gpt-cp-grads-over-dp-only", base="baseline.megatron.gpt-ptdp",
+        overrides=CP_CASE,
+        bug="context parallelism with the gradients reduced over dp only (DDP's dp_cp group "
+            "taken without cp): each cp rank steps on its own tokens' gradient")
+class MCoreGPTCPGradsOverDPOnly(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        from megatron.core import parallel_state as ps
+        swap_group(ps.get_data_parallel_group(with_context_parallel=True),
+                   ps.get_data_parallel_group())  # the bug: the group DDP reduces over
+        return super().build_stage(config, stage)
