@@ -225,18 +225,23 @@ class MegatronCoreGPTModel(nn.Module):
         return {n: (self._params[n], pl) for n, pl in self._placements.items()}
 
     def forward(self, tokens, targets):
-        from megatron.core import tensor_parallel
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        return self.token_losses(tokens, targets, pos).mean()
+
+    def token_losses(self, tokens, targets, pos):
+        """Each token's loss, [s, b], of ``tokens`` [b, s] at positions ``pos`` (causal
+        among them)."""
+        from megatron.core import tensor_parallel
+        s = tokens.shape[1]
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), 1)
         logits = self.gpt(tokens, pos, causal[None, None])  # [b, s, V'/t]
         valid = self.cfg.vocab_size - self.vocab_start
         if valid < logits.shape[-1]:
             pad = torch.arange(logits.shape[-1], device=logits.device) >= valid
             logits = logits.masked_fill(pad, float("-inf"))
-        loss = tensor_parallel.vocab_parallel_cross_entropy(
+        return tensor_parallel.vocab_parallel_cross_entropy(
             logits.transpose(0, 1).contiguous().float(), targets.t().contiguous())
-        return loss.mean()
 
 
 @register

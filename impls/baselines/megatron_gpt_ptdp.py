@@ -44,8 +44,17 @@ asserts it off without TransformerEngine; the shim builds the same torch norm an
 parameters ``sequence_parallel`` as TransformerEngine's norm does): llama-tiny tp = dp =
 pp = 2, and tp = pp = 2 with the head tied, equivalent, bytes and calls = ``hybrid``'s
 closed form with SP. Not run: ``clip_grad`` (refused: Megatron's norm skips the loaded
-weights, ``baseline.megatron.ptdp``'s finding); context parallelism
-(``DotProductAttention`` asserts it needs TransformerEngine).
+weights, ``baseline.megatron.ptdp``'s finding).
+
+Context parallelism (``cp`` > 1, the zig-zag ring): ``DotProductAttention`` asserts it needs
+TransformerEngine, so the layer spec's core attention is CPU shim 6
+(``megatron_cp.RingCoreAttention``); Megatron's own batch split, RoPE per cp chunk, loss
+over cp and DDP over dp x cp run unchanged (``megatron_cp``'s docstring). Measured
+(llama-tiny, cp = 2; cp x tp, cp x tp+sp, cp x dp and cp x pp at 2 x 2; tiny at cp = 2):
+equivalent; tp, dp_cp and pp bytes and calls = ``hybrid``'s closed form; cp more than the
+native p2p ring's (torch's all-gather rotation: four K / V-sized blocks per layer and
+micro-batch at cp = 2, the native ring's three; the loss's cp all-reduce), a framework's
+difference, shown.
 
 Optional: ``pip install -e ".[megatron]"``; isolated, as every Megatron-Core baseline.
 """
@@ -64,6 +73,7 @@ from parbench.scheme import register
 from impls.baselines.megatron_gpt import (MegatronCoreGPTModel, check_query_groups, mcore_name,
                                           no_cuda_rng_fork, sequence_parallel_spec,
                                           transformer_config)
+from impls.baselines.megatron_cp import CudaTransfersOnCpu, cp_batch, cp_mean, ring_spec
 from impls.baselines.megatron_ptdp import MegatronCorePTDP, swap_group
 from impls.pipeline.tied import EMBD_AXIS
 
@@ -81,17 +91,22 @@ class MegatronCoreGPTStage(MegatronCoreGPTModel):
         pg = ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=["tp", "pp", "cp", "embd", "pos_embd"])
         super().__init__(cfg, seed, group, tp, rank, False, pg=pg)
+        self.cp_group = pg.cp
         self.config, self.model_type = config, ModelType.encoder_or_decoder
         self.pre_process, self.post_process = self.first, self.last
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.shared_embedding_or_output_weight = self.gpt.shared_embedding_or_output_weight
 
+    #: the micro-batch's loss from this cp rank's token losses (a self-test mutant swaps it)
+    loss_over_cp = staticmethod(cp_mean)
+
     def build_config(self, cfg, tp, sp):
         return self._config
 
     def layer_spec(self, conf):
-        return sequence_parallel_spec(conf) if conf.sequence_parallel else \
+        spec = sequence_parallel_spec(conf) if conf.sequence_parallel else \
             super().layer_spec(conf)
+        return ring_spec(spec) if conf.context_parallel_size > 1 else spec  # shim 6
 
     def gpt_kwargs(self) -> dict:
         return {"pre_process": self.first, "post_process": self.last}
@@ -122,12 +137,14 @@ class MegatronCoreGPTStage(MegatronCoreGPTModel):
         self.gpt.decoder.input_tensor = value
 
     def forward(self, tokens, targets):
+        """This cp rank's zig-zag chunks of the micro-batch (Megatron's own split; the whole
+        micro-batch at cp = 1) through the stage."""
+        tokens, targets, pos = cp_batch(tokens, targets, self.cp_group)
         if self.last:
-            return super().forward(tokens, targets)
-        b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+            return self.loss_over_cp(self.token_losses(tokens, targets, pos), self.cp_group)
+        s = tokens.shape[1]
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), 1)
-        return self.gpt(tokens, pos, causal[None, None])  # [s, b, h] to the next stage
+        return self.gpt(tokens, pos, causal[None, None])  # [s/cp, b, h] to the next stage
 
 
 @register
@@ -140,7 +157,10 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
     ties_across_stages = True
     #: sequence parallelism (Megatron's own scatter / gather regions, its norms' and row
     #: biases' gradients all-reduced over tp by finalize_model_grads), with shim 5
-    options = ("schedule", "sp")
+    options = ("schedule", "sp", "cp_algorithm", "cp_balance")
+    uses = ("tp", "cp", "dp", "pp")
+    #: shims 2 and 7 (``megatron_cp``): RoPE's cp chunk index is pinned and moved to CUDA
+    cpu_mode = CudaTransfersOnCpu
     #: the stage (a self-test mutant replaces it)
     stage_cls = MegatronCoreGPTStage
 
@@ -153,6 +173,7 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
         if sp and m.seq_length % t:
             raise ConfigError(f"tp={t} must divide seq_length={m.seq_length} (sequence "
                               "parallelism)")
+        check_context_parallel(case)
         if case.run.clip_grad:
             raise ConfigError(f"clip_grad={case.run.clip_grad:g} is not run by {cls.name}: "
                               "Megatron-Core 0.16.1 counts loaded (not initialised) tp weights "
@@ -163,6 +184,7 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
         base = transformer_config(cfg, par.tp, self.ctx.options.tensor.sp and par.tp > 1)
         return dataclasses.replace(
             base, pipeline_model_parallel_size=par.pp, pipeline_dtype=torch.float32,
+            context_parallel_size=par.cp, cp_comm_type="p2p",
             deallocate_pipeline_outputs=True, batch_p2p_comm=True, batch_p2p_sync=False)
 
     def build_stage(self, config, stage):
@@ -173,6 +195,25 @@ class MegatronCoreGPTPTDP(MegatronCorePTDP):
         with _CudaMovesOnCpu() if tied and not torch.cuda.is_available() else nullcontext():
             return self.stage_cls(self.ctx.model, self.ctx.run.seed, self.group, self.tp,
                                   self.tp_rank, stage, config)
+
+
+def check_context_parallel(case: CaseConfig) -> None:
+    """cp > 1: TransformerEngine's p2p ring with its causal zig-zag balancing (shim 6), on
+    2 cp chunks of the sequence; with sequence parallelism each rank's s/cp tokens split
+    over tp."""
+    c, opt, s, t = case.layout.cp, case.options.context, case.model.seq_length, case.layout.tp
+    if c == 1:
+        return
+    if opt.cp_algorithm != "ring-attention" or opt.cp_balance != "zigzag":
+        raise ConfigError(f"cp_algorithm={opt.cp_algorithm}, cp_balance={opt.cp_balance}: "
+                          "Megatron-Core's context parallelism is the zig-zag ring "
+                          "(cp_algorithm=ring-attention, cp_balance=zigzag)")
+    if s % (2 * c):
+        raise ConfigError(f"seq_length={s}: Megatron-Core splits it into 2 cp = {2 * c} "
+                          "chunks (get_batch_on_this_cp_rank); it must divide")
+    if case.options.tensor.sp and t > 1 and (s // c) % t:
+        raise ConfigError(f"seq_length={s}: with sp=true tp={t} must divide the rank's "
+                          f"s/cp = {s // c} tokens")
 
 
 class _CudaMovesOnCpu(TorchFunctionMode):

@@ -170,6 +170,8 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
     options = ("schedule",)
     #: whether a tied head on the last stage is run (Megatron's embedding group)
     ties_across_stages = False
+    #: the CPU-only torch function mode the schedule runs in (shim 2)
+    cpu_mode = _CudaFactoriesOnCpu
 
     @classmethod
     def check(cls, case: CaseConfig) -> None:
@@ -203,6 +205,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         point_current_device_at_cpu(ctx.device)  # shim 1
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tp,
                                      pipeline_model_parallel_size=par.pp,
+                                     context_parallel_size=par.cp,
                                      create_gloo_process_groups=False)
         adopt_mesh_groups(mesh)
         self.tp, self.dp, self.pp = par.tp, par.dp, par.pp
@@ -221,7 +224,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
         config.finalize_model_grads_func = finalize_model_grads
         self.forward_backward = get_forward_backward_func()
         cpu_only = torch.device(ctx.device).type == "cpu" and not torch.cuda.is_available()
-        self.factories = _CudaFactoriesOnCpu if cpu_only else contextlib.nullcontext  # shim 2
+        self.factories = self.cpu_mode if cpu_only else contextlib.nullcontext  # shim 2
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, ctx.run)
 
@@ -261,7 +264,7 @@ class MegatronCorePTDP(MegatronCoreBaseline, Scheme):
             self._clip()
             self.opt.step()
         loss = sum(float(d["lm loss"]) for d in out) / self.m if self.model.last else 0.0
-        return self.reduce_loss(loss) / (self.tp * self.dp)
+        return self.reduce_loss(loss) / (self.tp * self.dp * par.cp)
 
     def _clip(self) -> None:
         """``clip_grad``: Megatron-Core's own norm -- the gradients its optimizer counts

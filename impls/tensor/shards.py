@@ -91,8 +91,13 @@ def gather_full(named: dict[str, tuple[torch.Tensor, Placement]], group, group_r
     n = len(group_ranks)
     for name, (local, pl) in named.items():
         local = local.detach()
-        if pl.replicated or n == 1:
+        if pl.replicated:
             out[pl.full_name] = local.clone()
+            continue
+        if n == 1:  # the one piece is the whole tensor, in the placement's row order
+            out[pl.full_name] = torch.zeros(pl.full_shape, dtype=local.dtype,
+                                            device=local.device)
+            place(out[pl.full_name], local, pl.index(0))
             continue
         flat = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(flat, local.contiguous().view(-1), group=group)

@@ -31,6 +31,16 @@ the classic bugs of converting a checkpoint to Megatron-Core's layout:
 - under sequence parallelism, norms built without the ``sequence_parallel`` mark (a norm
   class that forgets it, as a port to another norm implementation can): each tp rank's norm
   gradient stays its sequence shard's part, never all-reduced by ``finalize_model_grads``.
+- under context parallelism (CPU shim 6), RoPE applied at each rank's local positions
+  0..s/cp-1 instead of the global positions of its two zig-zag chunks (Megatron-Core's
+  ``get_pos_emb_on_this_cp_rank`` bypassed, as a rotary module that does not know cp does);
+- under context parallelism, the micro-batch's loss each cp rank's own token mean, not the
+  mean over the whole sequence (Megatron-LM's loss_func all-reduces the sum and count over
+  cp): the schedule's multiplication by cp and DDP's average over dp x cp then give cp times
+  the gradient;
+- under context parallelism, Megatron's DDP given the data-parallel group without cp (a
+  ``with_context_parallel=False`` slip): the gradients never summed over the cp ranks, each
+  stepping on its own tokens' part.
 
 The mutants need megatron-core: where it is not installed their scheme reports itself
 unavailable and ``parbench selftest`` skips them, saying why.
@@ -50,6 +60,7 @@ from impls.baselines.megatron_gpt_moe import DEEPSEEK_TINY, MegatronCoreGPTMoE
 from impls.baselines.megatron_gpt_moe_model import MegatronCoreMoEGPT, MoELayout
 from impls.baselines.megatron_gpt_ptdp import (MegatronCoreGPTPTDP, MegatronCoreGPTStage,
                                                _CudaMovesOnCpu, adopt_embedding_group)
+from impls.baselines.megatron_ptdp import swap_group
 from impls.tensor.megatron_model import MegatronLayout
 from impls.tensor.shards import blocks
 
@@ -239,3 +250,51 @@ class _UnmarkedNormStage(MegatronCoreGPTStage):
             "stay each rank's sequence shard's part (finalize_model_grads skips them)")
 class MCoreGPTSPNormNotReduced(MegatronCoreGPTPTDP):
     stage_cls = _UnmarkedNormStage
+
+
+#: a cp = 2 case of the PTD-P GPTModel on the LLaMA blocks (RoPE), no pipeline
+CP_CASE = {**LLAMA, "cp": "2", "tp": "1", "pp": "1", "dp": "1", "ep": "1", "etp": "0",
+           "num_experts": "0", "schedule": "1f1b", "steps": "2"}
+
+
+class _LocalRopeStage(MegatronCoreGPTStage):
+    def adapt(self) -> None:
+        rope, cp = self.gpt.rotary_pos_emb, self.gpt.config.context_parallel_size
+
+        def local(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+            return rope.get_emb(max_seq_len // cp, offset)  # the bug: chunk-local positions
+
+        rope.forward = local
+
+
+@mutant("mcore-gpt-cp-rope-local-positions", base="baseline.megatron.gpt-ptdp",
+        overrides=CP_CASE,
+        bug="context parallelism with RoPE at each rank's local positions 0..s/cp-1, not the "
+            "global positions of its zig-zag chunks (get_pos_emb_on_this_cp_rank bypassed)")
+class MCoreGPTCPRopeLocal(MegatronCoreGPTPTDP):
+    stage_cls = _LocalRopeStage
+
+
+class _RankMeanStage(MegatronCoreGPTStage):
+    loss_over_cp = staticmethod(lambda losses, group: losses.mean())  # the bug: no cp sum
+
+
+@mutant("mcore-gpt-cp-loss-rank-mean", base="baseline.megatron.gpt-ptdp",
+        overrides=CP_CASE,
+        bug="context parallelism with each cp rank's own token mean as the micro-batch's "
+            "loss (not all-reduced over cp): cp times the gradient after the schedule's "
+            "scaling and DDP's dp x cp average")
+class MCoreGPTCPLossRankMean(MegatronCoreGPTPTDP):
+    stage_cls = _RankMeanStage
+
+
+@mutant("mcore-gpt-cp-grads-over-dp-only", base="baseline.megatron.gpt-ptdp",
+        overrides=CP_CASE,
+        bug="context parallelism with the gradients reduced over dp only (DDP's dp_cp group "
+            "taken without cp): each cp rank steps on its own tokens' gradient")
+class MCoreGPTCPGradsOverDPOnly(MegatronCoreGPTPTDP):
+    def build_stage(self, config, stage):
+        from megatron.core import parallel_state as ps
+        swap_group(ps.get_data_parallel_group(with_context_parallel=True),
+                   ps.get_data_parallel_group())  # the bug: the group DDP reduces over
+        return super().build_stage(config, stage)

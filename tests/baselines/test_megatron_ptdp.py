@@ -102,3 +102,33 @@ def test_megatron_core_gptmodel_stages_equal_golden_with_hybrids_traffic(pools, 
     assert all(r.wire_by_axis_per_step[-1]["embd"] > 0 for r in per_rank)
     with pytest.raises(ConfigError, match="clip_grad"):
         get_scheme(name).check(apply_overrides(case, {"clip_grad": "0.5"}))
+
+
+def test_megatron_core_gptmodel_context_parallel_equals_golden(pools, megatron):
+    """Megatron-Core's GPTModel under context parallelism x tp with sequence parallelism
+    (``baseline.megatron.gpt-ptdp``, cp = tp = 2, llama-tiny: RoPE, GQA): CPU shim 6 (torch's
+    ring attention as its core attention; shim 5's norms) with Megatron's own zig-zag batch
+    split, RoPE per cp chunk, loss over cp and DDP over dp x cp: equal to the golden run.
+    tp and dp_cp bytes and calls are ``hybrid``'s closed form; cp's are torch's all-gather
+    ring (K / V gathered in forward and backward, dK / dV all-to-all) and the loss's sum and
+    count all-reduced over cp, more than the native p2p ring's (shown, a framework's)."""
+    name = "baseline.megatron.gpt-ptdp"
+    case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
+                                          "vocab_size": 128, "dp": 1, "pp": 1, "cp": 2,
+                                          "steps": 1, "sp": True})
+    get_scheme(name).check(case)
+    theirs, per_rank = run_on_pool(pools, case)
+    assert theirs.equivalent, theirs
+    assert not theirs.uncovered
+    pred = get_scheme("hybrid").predict(case)
+    for r in per_rank:
+        wire, want = r.wire_by_axis_per_step[-1], pred.wire_at(0)[r.rank]
+        calls, want_calls = r.calls_by_axis_per_step[-1], pred.calls_at(0)[r.rank]
+        for axis in ("tp", "dp_cp"):
+            assert wire.get(axis, 0.0) == pytest.approx(want.get(axis, 0.0), abs=0.5), r.rank
+            assert calls.get(axis, 0) == want_calls.get(axis, 0), r.rank
+        assert wire["cp"] > want["cp"] and calls["cp"] > want_calls["cp"]
+    for ov, rule in [({"cp_balance": "none"}, "zigzag"), ({"seq_length": 10}, "2 cp"),
+                     ({"seq_length": 20, "tp": 4}, "s/cp")]:
+        with pytest.raises(ConfigError, match=rule):
+            get_scheme(name).check(apply_overrides(case, ov))
