@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from fractions import Fraction
 
 import torch.distributed as dist
@@ -17,13 +18,27 @@ _INSTALLED = False
 _TLS = threading.local()  # per thread: inside a wrapped call (nested calls are not recorded)
 
 
+#: group -> (size, this rank's rank in it): fixed for a group's life, asked on every call
+_GROUP_INFO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _group_info(group) -> tuple[int, int]:
+    """(size, this rank's group rank) of ``group`` (None: the world), cached per group."""
+    if group is None:
+        return dist.get_world_size(), dist.get_rank()
+    hit = _GROUP_INFO.get(group)
+    if hit is None:
+        hit = _GROUP_INFO[group] = (_group_size(group), dist.get_rank(group))
+    return hit
+
+
 def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> None:
     led = recording.active()
     if led is None:
         return
     group = call.group
-    n = 2 if op in ("send", "recv") else _group_size(group)
-    group_rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    size, group_rank = _group_info(group)
+    n = 2 if op in ("send", "recv") else size
     root = None
     if call.root is not None and op in ROOTED:
         root = dist.get_group_rank(group, call.root) if group is not None else call.root

@@ -7,6 +7,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from ..analytic.comm import ROOTED, rooted_wire_factor, wire_factor
 
@@ -35,9 +36,11 @@ class CommRecord:
     api: str = "c10d"  # c10d | functional
 
 
+@lru_cache(maxsize=8192)
 def record_wire(op: str, message_bytes: int, n: int, group_rank: int = 0,
                 root: int | None = None) -> Fraction:
-    """Bytes one rank sends for one recorded call, exact (``analytic.comm``)."""
+    """Bytes one rank sends for one recorded call, exact (``analytic.comm``); a pure
+    function of its arguments, cached (a step repeats the same calls)."""
     if op in ROOTED and root is not None:
         return rooted_wire_factor(op, n, group_rank, root) * message_bytes
     return wire_factor(op, n) * message_bytes
