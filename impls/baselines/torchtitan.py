@@ -3,7 +3,7 @@ production ready LLM pre-training", arXiv 2410.06511) as a framework under test:
 Llama 3 model (``impls.baselines.torchtitan_model``) parallelized by its own
 ``parallelize_llama`` (``torchtitan.models.llama3.parallelize``), compared with ``hybrid``.
 
-The parallelism is torchtitan's default for Llama 3 on a dp x cp x tp mesh (pp = 1):
+The parallelism is torchtitan's default for Llama 3 on a pp x dp x cp x tp mesh:
 tensor parallelism with sequence parallelism (``enable_sequence_parallel``, its default) from
 the model's own sharding declarations (``set_llama3_sharding_config``), then FSDP2
 (``apply_fsdp_to_decoder``: one unit per block and the root) on the ``fsdp`` axis, in fp32
@@ -32,6 +32,11 @@ itself (torchtitan's ``Trainer`` is not built), and on CPU registers the CPU fla
 ops in torch's CP handler table (``register_cpu_sdpa`` of ``baseline.torch.context_parallel``:
 torch's ring attention with the CPU kernel; torch has entries for the CUDA kernels only).
 
+Pipeline parallelism (pp > 1, schedule gpipe, 1f1b or interleaved) runs torchtitan's
+``pipeline_llm`` (``impls.baselines.torchtitan_pp``): its stage split, per-stage
+``parallelize_llama`` and its torch.distributed.pipelining schedule; under cp the whole
+local batch is sharded first and the positions go to every stage as a model kwarg.
+
 On CPU two things differ from torchtitan's GPU defaults: attention is its
 ``ScaledDotProductAttention`` (FlexAttention has no CPU backward) and torchtitan 0.3.0 needs
 ``triton`` importable (its MoE kernels are imported on the Llama 3 path).
@@ -49,6 +54,7 @@ from parbench.model import build_model, make_optimizer
 from parbench.scheme import Scheme, register
 
 from impls.baselines.torch_context_parallel import register_cpu_sdpa
+from impls.baselines.torchtitan_pp import build_pipeline, check_titan_pp, pipeline_step
 from impls.baselines.torchtitan_model import from_titan, titan_config, to_titan
 
 #: the torchtitan release this adapter follows
@@ -88,6 +94,7 @@ def check_titan_case(case: CaseConfig, model: str = "Llama 3") -> None:
             raise ConfigError(f"{field}={value}: tp={tp} must divide it (torchtitan shards "
                               "heads, and the sequence under SP, evenly)")
     check_titan_cp(case)
+    check_titan_pp(case)
 
 
 def check_titan_cp(case: CaseConfig) -> None:
@@ -103,18 +110,20 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _parallel_dims(dp: int, tp: int, device_type: str, ep: int = 1, cp: int = 1):
-    """torchtitan's meshes for dp x cp x tp (ep: its expert-parallel degree, carved out of
-    dp x tp; cp folds into its ``fsdp`` axis with dp). torchtitan 0.3.0 picks the mesh device type once, at
-    import (``tools.utils.device_type``: the available accelerator, else "cuda"), so on a
-    CPU-only host its meshes are "cuda" meshes and the first ``distribute_tensor`` fails
-    ("Torch not compiled with CUDA enabled"); the module's copy is pointed at this rank's
-    device before the meshes are built (a finding: scripts/torchtitan_cpu_findings.py)."""
+def _parallel_dims(dp: int, tp: int, device_type: str, ep: int = 1, cp: int = 1,
+                   pp: int = 1):
+    """torchtitan's meshes for pp x dp x cp x tp (ep: its expert-parallel degree, carved out
+    of dp x tp; cp folds into its ``fsdp`` axis with dp). torchtitan 0.3.0 picks the mesh
+    device type once, at import (``tools.utils.device_type``: the available accelerator,
+    else "cuda"), so on a CPU-only host its meshes are "cuda" meshes and the first
+    ``distribute_tensor`` fails ("Torch not compiled with CUDA enabled"); the module's copy
+    is pointed at this rank's device before the meshes are built (a finding:
+    scripts/torchtitan_cpu_findings.py)."""
     import torchtitan.distributed.parallel_dims as titan_dims  # optional dependency
     from torchtitan.distributed import ParallelDims
     titan_dims.device_type = device_type
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=tp, pp=1, ep=ep,
-                        world_size=dp * cp * tp, spmd_backend="partial_dtensor")
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=tp, pp=pp, ep=ep,
+                        world_size=pp * dp * cp * tp, spmd_backend="partial_dtensor")
     dims.build_mesh()
     return dims
 
@@ -150,8 +159,10 @@ class TorchTitan(Scheme):
     name = "baseline.torchtitan"
     family = "hybrid"
     baseline_of = "hybrid"
-    description = "torchtitan 0.3.0 Llama3Model + parallelize_llama (TP+SP, FSDP2)"
-    uses = ("dp", "tp", "cp")
+    description = ("torchtitan 0.3.0 Llama3Model + parallelize_llama (TP+SP, FSDP2, CP) + "
+                   "pipeline_llm (PP)")
+    uses = ("dp", "tp", "cp", "pp")
+    options = ("schedule", "vpp")
     model_features = MODEL_FEATURES - {"mla"}
     isolated = True  # torchtitan sets process-global state (its SPMD backend)
 
@@ -164,7 +175,8 @@ class TorchTitan(Scheme):
         from torchtitan.distributed.utils import set_spmd_backend
         lay = ctx.layout
         set_spmd_backend("partial_dtensor")
-        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type, ep=lay.ep, cp=lay.cp)
+        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type, ep=lay.ep, cp=lay.cp,
+                                   pp=lay.pp)
         self.dp_rank = self.dims.get_mesh("batch").get_local_rank() if lay.dp > 1 else 0
         if lay.cp > 1 and ctx.device.type == "cpu":
             register_cpu_sdpa()  # before apply_cp_to_forward merges the handler table
@@ -174,7 +186,12 @@ class TorchTitan(Scheme):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
-        self.model = self.parallelize(model)
+        if lay.pp > 1:
+            self.schedule, parts, self.pp_first, self.pp_last = build_pipeline(
+                self, model, self.titan_cfg)
+            self.model = torch.nn.ModuleList(parts)  # this rank's stages
+        else:
+            self.model = self.parallelize(model)
         if ctx.device.type == "cpu":
             _sum_over_gloo(self.model)
         self.params = list(self.model.parameters())
@@ -184,7 +201,7 @@ class TorchTitan(Scheme):
     def build_titan(self):
         """torchtitan's Llama 3 for the case, with its TP + SP sharding declared."""
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-        tcfg = titan_config(self.ctx.model)
+        tcfg = self.titan_cfg = titan_config(self.ctx.model)
         set_llama3_sharding_config(tcfg, enable_sp=True)
         return tcfg.build()
 
@@ -199,6 +216,8 @@ class TorchTitan(Scheme):
         x = dp_slice(inputs, self.dp_rank, lay.dp).to(dev)
         y = dp_slice(targets, self.dp_rank, lay.dp).to(dev)
         self.model.zero_grad(set_to_none=True)
+        if lay.pp > 1:
+            return self.pipeline_train_step(x, y, tokens)
         total = 0.0
         for i, (xm, ym) in enumerate(microbatches(x, y, lay.num_microbatches)):
             xm, ym, kwargs = self.shard_sequence(xm, ym)
@@ -212,6 +231,15 @@ class TorchTitan(Scheme):
         # the loss is summed over torchtitan's loss mesh (batch x cp: its fsdp axis here)
         loss_group = self.dims.get_mesh("fsdp").get_group() if lay.dp * lay.cp > 1 else None
         return self.reduce_loss(total, loss_group) if loss_group else total
+
+    def pipeline_train_step(self, x, y, tokens: int) -> float:
+        """torchtitan's pipeline schedule over the rank's batch, then the update; the loss
+        summed over the last stage's dp ranks (each tp rank holds it, so divided by tp)."""
+        x, y, kwargs = self.shard_sequence(x, y)  # every stage gets the positions
+        total = pipeline_step(self, x, y, tokens, kwargs)
+        with self.ctx.timeline.span("optim"):
+            self.step_local()
+        return self.reduce_loss(total) / self.ctx.layout.tp
 
     def shard_sequence(self, xm, ym):
         """A micro-batch as torchtitan's trainer feeds it (``post_dataloading_process``):
@@ -242,7 +270,8 @@ class TorchTitan(Scheme):
         traffic), as ``baseline.dtensor.tp`` gathers them."""
         out = {}
         with comm.unrecorded():
-            for name, p in self.model.named_parameters():
+            parts = self.model if self.ctx.layout.pp > 1 else [self.model]
+            for name, p in (np for part in parts for np in part.named_parameters()):
                 t = p.grad if grads else p
                 t = torch.zeros_like(p) if t is None else t
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
