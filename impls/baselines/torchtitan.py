@@ -3,7 +3,7 @@ production ready LLM pre-training", arXiv 2410.06511) as a framework under test:
 Llama 3 model (``impls.baselines.torchtitan_model``) parallelized by its own
 ``parallelize_llama`` (``torchtitan.models.llama3.parallelize``), compared with ``hybrid``.
 
-The parallelism is torchtitan's default for Llama 3 on a dp x tp mesh (cp = pp = 1):
+The parallelism is torchtitan's default for Llama 3 on a pp x dp x cp x tp mesh:
 tensor parallelism with sequence parallelism (``enable_sequence_parallel``, its default) from
 the model's own sharding declarations (``set_llama3_sharding_config``), then FSDP2
 (``apply_fsdp_to_decoder``: one unit per block and the root) on the ``fsdp`` axis, in fp32
@@ -18,6 +18,24 @@ count, and FSDP2 sums gradients over dp (``set_gradient_divide_factor(1.0)``), a
 trainer does; the sum over all micro-batches and dp ranks is then the gradient of the global
 mean token loss. The optimizer is parbench's rule (elementwise AdamW) on the DTensors' local
 shards, as ``baseline.torch.fsdp2`` runs it.
+
+Context parallelism (cp > 1) runs torchtitan 0.3.0's own path: ``ParallelDims`` with cp
+(its ``fsdp`` axis then folds dp x cp, so FSDP2 shards and sums gradients over both),
+``parallelize_llama``'s ``apply_cp_to_forward`` (wraps each block's
+``ScaledDotProductAttention`` so q, k, v enter SDPA as cp-sharded DTensors, and enables torch's
+CP dispatcher: ring attention, ``_templated_ring_attention``), and the trainer's input step,
+``prepare_context_parallel_input`` with its default "headtail" load balancer (tokens, labels
+and positions sharded along the sequence; the model takes the positions for RoPE). The loss
+is each rank's token sum over its shard divided by the global token count, summed over
+torchtitan's loss mesh (batch x cp). Shims: this module calls the input step per micro-batch
+itself (torchtitan's ``Trainer`` is not built), and on CPU registers the CPU flash-attention
+ops in torch's CP handler table (``register_cpu_sdpa`` of ``baseline.torch.context_parallel``:
+torch's ring attention with the CPU kernel; torch has entries for the CUDA kernels only).
+
+Pipeline parallelism (pp > 1, schedule gpipe, 1f1b or interleaved) runs torchtitan's
+``pipeline_llm`` (``impls.baselines.torchtitan_pp``): its stage split, per-stage
+``parallelize_llama`` and its torch.distributed.pipelining schedule; under cp the whole
+local batch is sharded first and the positions go to every stage as a model kwarg.
 
 On CPU two things differ from torchtitan's GPU defaults: attention is its
 ``ScaledDotProductAttention`` (FlexAttention has no CPU backward) and torchtitan 0.3.0 needs
@@ -35,6 +53,8 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import build_model, make_optimizer
 from parbench.scheme import Scheme, register
 
+from impls.baselines.torch_context_parallel import register_cpu_sdpa
+from impls.baselines.torchtitan_pp import build_pipeline, check_titan_pp, pipeline_step
 from impls.baselines.torchtitan_model import from_titan, titan_config, to_titan
 
 #: the torchtitan release this adapter follows
@@ -73,24 +93,37 @@ def check_titan_case(case: CaseConfig, model: str = "Llama 3") -> None:
         if value % tp:
             raise ConfigError(f"{field}={value}: tp={tp} must divide it (torchtitan shards "
                               "heads, and the sequence under SP, evenly)")
+    check_titan_cp(case)
+    check_titan_pp(case)
+
+
+def check_titan_cp(case: CaseConfig) -> None:
+    """Under cp, torchtitan's head-tail load balancer cuts the sequence into 2*cp chunks, and
+    SP then splits each rank's seq_length/cp tokens over tp."""
+    cp, tp, seq = case.layout.cp, case.layout.tp, case.model.seq_length
+    if cp > 1 and (seq % (2 * cp) or (seq // cp) % tp):
+        raise ConfigError(f"seq_length={seq}: 2*cp={2 * cp} must divide it and tp={tp} "
+                          f"seq_length/cp (torchtitan's head-tail CP sharding, then SP)")
 
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _parallel_dims(dp: int, tp: int, device_type: str, ep: int = 1):
-    """torchtitan's meshes for dp x tp (ep: its expert-parallel degree, carved out of
-    dp x tp). torchtitan 0.3.0 picks the mesh device type once, at
-    import (``tools.utils.device_type``: the available accelerator, else "cuda"), so on a
-    CPU-only host its meshes are "cuda" meshes and the first ``distribute_tensor`` fails
-    ("Torch not compiled with CUDA enabled"); the module's copy is pointed at this rank's
-    device before the meshes are built (a finding: scripts/torchtitan_cpu_findings.py)."""
+def _parallel_dims(dp: int, tp: int, device_type: str, ep: int = 1, cp: int = 1,
+                   pp: int = 1):
+    """torchtitan's meshes for pp x dp x cp x tp (ep: its expert-parallel degree, carved out
+    of dp x tp; cp folds into its ``fsdp`` axis with dp). torchtitan 0.3.0 picks the mesh
+    device type once, at import (``tools.utils.device_type``: the available accelerator,
+    else "cuda"), so on a CPU-only host its meshes are "cuda" meshes and the first
+    ``distribute_tensor`` fails ("Torch not compiled with CUDA enabled"); the module's copy
+    is pointed at this rank's device before the meshes are built (a finding:
+    scripts/torchtitan_cpu_findings.py)."""
     import torchtitan.distributed.parallel_dims as titan_dims  # optional dependency
     from torchtitan.distributed import ParallelDims
     titan_dims.device_type = device_type
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep,
-                        world_size=dp * tp, spmd_backend="partial_dtensor")
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=tp, pp=pp, ep=ep,
+                        world_size=pp * dp * cp * tp, spmd_backend="partial_dtensor")
     dims.build_mesh()
     return dims
 
@@ -101,6 +134,7 @@ def titan_parallelize(parallelize_fn, model, dims):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     par = ParallelismConfig(data_parallel_shard_degree=dims.dp_shard,
                             tensor_parallel_degree=dims.tp, expert_parallel_degree=dims.ep,
+                            context_parallel_degree=dims.cp,
                             spmd_backend="partial_dtensor")
     return parallelize_fn(model, parallel_dims=dims,
                           training=TrainingConfig(mixed_precision_param="float32"),
@@ -125,8 +159,10 @@ class TorchTitan(Scheme):
     name = "baseline.torchtitan"
     family = "hybrid"
     baseline_of = "hybrid"
-    description = "torchtitan 0.3.0 Llama3Model + parallelize_llama (TP+SP, FSDP2)"
-    uses = ("dp", "tp")
+    description = ("torchtitan 0.3.0 Llama3Model + parallelize_llama (TP+SP, FSDP2, CP) + "
+                   "pipeline_llm (PP)")
+    uses = ("dp", "tp", "cp", "pp")
+    options = ("schedule", "vpp")
     model_features = MODEL_FEATURES - {"mla"}
     isolated = True  # torchtitan sets process-global state (its SPMD backend)
 
@@ -139,15 +175,23 @@ class TorchTitan(Scheme):
         from torchtitan.distributed.utils import set_spmd_backend
         lay = ctx.layout
         set_spmd_backend("partial_dtensor")
-        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type, ep=lay.ep)
-        self.dp_rank = self.dims.get_mesh("fsdp").get_local_rank() if lay.dp > 1 else 0
+        self.dims = _parallel_dims(lay.dp, lay.tp, ctx.device.type, ep=lay.ep, cp=lay.cp,
+                                   pp=lay.pp)
+        self.dp_rank = self.dims.get_mesh("batch").get_local_rank() if lay.dp > 1 else 0
+        if lay.cp > 1 and ctx.device.type == "cpu":
+            register_cpu_sdpa()  # before apply_cp_to_forward merges the handler table
         model = self.build_titan()
         ref = build_model(ctx.model, ctx.run.seed)
         weights = self.to_titan(ctx.model, {n: p.detach() for n, p in ref.named_parameters()})
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
-        self.model = self.parallelize(model)
+        if lay.pp > 1:
+            self.schedule, parts, self.pp_first, self.pp_last = build_pipeline(
+                self, model, self.titan_cfg)
+            self.model = torch.nn.ModuleList(parts)  # this rank's stages
+        else:
+            self.model = self.parallelize(model)
         if ctx.device.type == "cpu":
             _sum_over_gloo(self.model)
         self.params = list(self.model.parameters())
@@ -157,7 +201,7 @@ class TorchTitan(Scheme):
     def build_titan(self):
         """torchtitan's Llama 3 for the case, with its TP + SP sharding declared."""
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-        tcfg = titan_config(self.ctx.model)
+        tcfg = self.titan_cfg = titan_config(self.ctx.model)
         set_llama3_sharding_config(tcfg, enable_sp=True)
         return tcfg.build()
 
@@ -172,17 +216,42 @@ class TorchTitan(Scheme):
         x = dp_slice(inputs, self.dp_rank, lay.dp).to(dev)
         y = dp_slice(targets, self.dp_rank, lay.dp).to(dev)
         self.model.zero_grad(set_to_none=True)
+        if lay.pp > 1:
+            return self.pipeline_train_step(x, y, tokens)
         total = 0.0
         for i, (xm, ym) in enumerate(microbatches(x, y, lay.num_microbatches)):
+            xm, ym, kwargs = self.shard_sequence(xm, ym)
             with self.ctx.timeline.span("F", mb=i):
-                loss = cross_entropy_loss(self.model(xm), ym) / tokens
+                loss = cross_entropy_loss(self.model(xm, **kwargs), ym) / tokens
             with self.ctx.timeline.span("B", mb=i):
                 loss.backward()
             total += float(loss.detach())
         with self.ctx.timeline.span("optim"):
             self.step_local()
-        dp_group = self.dims.get_mesh("fsdp").get_group() if lay.dp > 1 else None
-        return self.reduce_loss(total, dp_group) if dp_group else total
+        # the loss is summed over torchtitan's loss mesh (batch x cp: its fsdp axis here)
+        loss_group = self.dims.get_mesh("fsdp").get_group() if lay.dp * lay.cp > 1 else None
+        return self.reduce_loss(total, loss_group) if loss_group else total
+
+    def pipeline_train_step(self, x, y, tokens: int) -> float:
+        """torchtitan's pipeline schedule over the rank's batch, then the update; the loss
+        summed over the last stage's dp ranks (each tp rank holds it, so divided by tp)."""
+        x, y, kwargs = self.shard_sequence(x, y)  # every stage gets the positions
+        total = pipeline_step(self, x, y, tokens, kwargs)
+        with self.ctx.timeline.span("optim"):
+            self.step_local()
+        return self.reduce_loss(total) / self.ctx.layout.tp
+
+    def shard_sequence(self, xm, ym):
+        """A micro-batch as torchtitan's trainer feeds it (``post_dataloading_process``):
+        under cp its tokens, labels and positions sharded along the sequence by
+        ``prepare_context_parallel_input`` with the head-tail load balancer; else whole."""
+        if self.dims.cp == 1:
+            return xm, ym, {}
+        from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+        pos = torch.arange(xm.shape[1], device=xm.device).expand_as(xm).contiguous()
+        return prepare_context_parallel_input(xm, ym, {"positions": pos},
+                                              self.dims.get_mesh("cp"), xm.device,
+                                              "headtail")
 
     def step_local(self) -> None:
         """AdamW on the local shards of the (redistributed to their parameter's layout)
@@ -201,7 +270,8 @@ class TorchTitan(Scheme):
         traffic), as ``baseline.dtensor.tp`` gathers them."""
         out = {}
         with comm.unrecorded():
-            for name, p in self.model.named_parameters():
+            parts = self.model if self.ctx.layout.pp > 1 else [self.model]
+            for name, p in (np for part in parts for np in part.named_parameters()):
                 t = p.grad if grads else p
                 t = torch.zeros_like(p) if t is None else t
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -89,11 +89,13 @@ def to_titan(cfg, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def from_titan(cfg, titan: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """torchtitan's parameters (or gradients) ``titan`` back under parbench's names and
-    layout (the inverse of ``to_titan``)."""
+    layout (the inverse of ``to_titan``); a pipeline stage's subset maps to its subset."""
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.head_dim
-    out = {ours: titan[theirs] for ours, theirs in name_map(cfg).items()}
+    out = {ours: titan[theirs] for ours, theirs in name_map(cfg).items() if theirs in titan}
     for i in range(cfg.num_layers):
         pre = f"layers.{i}.attention.qkv_linear"
+        if f"{pre}.wq.weight" not in titan:
+            continue  # the layer is on another stage
         q, k = (torch.empty_like(titan[f"{pre}.w{n}.weight"]) for n in "qk")
         q[rope_rows(nq, d)] = titan[f"{pre}.wq.weight"]
         k[rope_rows(nkv, d)] = titan[f"{pre}.wk.weight"]

@@ -1,13 +1,14 @@
 """torchtitan (``baseline.torchtitan``): its own Llama 3 model with the reference model's
 weights computes the reference's loss and gradients (one process: the RoPE row permutation
-and the name mapping), and its ``parallelize_llama`` (TP + SP, FSDP2) trains the llama-tiny
-case equal to the golden run. ``baseline.torchtitan.deepseek-v3``: its DeepSeek-V3 model
-computes the reference function (MLA's rotary rows, the experts stacked; its routed experts
-in fp32 for the mapping check), its own bf16 experts leave the tolerance (the declared
-finding), and its ``parallelize_deepseekv3`` (TP + SP) trains mla-tiny equal to the
-golden run (its EP rows are the suite's: the finding, reproduced by
-scripts/torchtitan_dsv3_findings.py). Skipped with the reason where torchtitan (and the
-triton it imports) is not installed: it is the optional extra ``torchtitan``, not in
+and the name mapping), and its ``parallelize_llama`` (TP + SP, FSDP2, and CP: ring attention
+over the head-tail sharded sequence; and its ``pipeline_llm`` stages under a
+torch.distributed.pipelining schedule) trains the llama-tiny case equal to the golden run.
+``baseline.torchtitan.deepseek-v3``: its DeepSeek-V3 model computes the reference function
+(MLA's rotary rows, the experts stacked; its routed experts in fp32 for the mapping check), its
+own bf16 experts leave the tolerance (the declared finding), and its ``parallelize_deepseekv3``
+(TP + SP) trains mla-tiny equal to the golden run (its EP rows are the suite's: the finding,
+reproduced by scripts/torchtitan_dsv3_findings.py). Skipped with the reason where torchtitan
+(and the triton it imports) is not installed: it is the optional extra ``torchtitan``, not in
 ``test``.
 """
 from __future__ import annotations
@@ -65,7 +66,29 @@ def test_what_titan_llama_cannot_run_is_refused(field, value):
         check_titan_case(case)
 
 
-@pytest.mark.parametrize("layout", [{"tp": "2"}, {"dp": "2"}])
+@pytest.mark.parametrize("layout", [
+    {"cp": "3"},  # 16 tokens are not 2*cp = 6 head-tail chunks
+    {"cp": "2", "tp": "4", "num_kv_heads": "4", "seq_length": "20"}])  # 10 per rank, tp=4
+def test_a_sequence_titan_cp_cannot_shard_is_refused(layout):
+    from impls.baselines.torchtitan import check_titan_case
+    case = apply_overrides(CaseConfig(), {**BASE, **layout})
+    with pytest.raises(ConfigError, match="seq_length"):
+        check_titan_case(case)
+
+
+@pytest.mark.parametrize("field,layout", [
+    ("schedule", {"schedule": "zbv"}),  # not one of torchtitan's schedules driven here
+    ("vpp", {"schedule": "1f1b", "vpp": "2", "num_layers": "4"}),  # 1F1B: one stage a rank
+    ("vpp", {"schedule": "interleaved", "vpp": "1"})])  # Interleaved1F1B: two or more
+def test_a_pipeline_titan_does_not_run_here_is_refused(field, layout):
+    from impls.baselines.torchtitan import check_titan_case
+    case = apply_overrides(CaseConfig(), {**BASE, "pp": "2", **layout})
+    with pytest.raises(ConfigError, match=field):
+        check_titan_case(case)
+
+
+@pytest.mark.parametrize("layout", [{"tp": "2"}, {"dp": "2"},
+                                    {"cp": "2", "pp": "2", "schedule": "1f1b"}])
 def test_torchtitan_equals_golden(pools, layout):
     _skip_without_torchtitan()
     case = apply_overrides(CaseConfig(), {**BASE, **layout})
