@@ -34,6 +34,18 @@ def _skip_without_torchtitan():
         pytest.skip(missing)
 
 
+def _both_backward(cfg, ref, titan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torchtitan's loss, the reference's) on one seeded batch of 2 sequences, each model's
+    backward run (its gradients in ``.grad``)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g) for _ in "xy")
+    ours = ref(x, y)
+    ours.backward()
+    theirs = F.cross_entropy(titan(x).flatten(0, 1).float(), y.flatten())
+    theirs.backward()
+    return theirs.detach(), ours.detach()
+
+
 def test_titan_model_computes_the_reference_function():
     _skip_without_torchtitan()
     from impls.baselines.torchtitan_model import from_titan, titan_config, to_titan
@@ -44,13 +56,8 @@ def test_titan_model_computes_the_reference_function():
     with torch.no_grad():
         for n, p in titan.named_parameters():
             p.copy_(weights[n])
-    g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g) for _ in "xy")
-    ours = ref(x, y)
-    ours.backward()
-    theirs = F.cross_entropy(titan(x).flatten(0, 1).float(), y.flatten())
-    theirs.backward()
-    assert_close_by_the_verdict(theirs.detach(), ours.detach(), "loss")
+    theirs, ours = _both_backward(cfg, ref, titan)
+    assert_close_by_the_verdict(theirs, ours, "loss")
     grads = from_titan(cfg, {n: p.grad for n, p in titan.named_parameters()})
     for n, p in ref.named_parameters():
         assert_close_by_the_verdict(grads[n], p.grad, n)
@@ -111,14 +118,8 @@ def _dsv3_grads(model: str):
     cfg = apply_overrides(CaseConfig(), {**DSV3_BASE, "model": model}).model
     ref = build_model(cfg, seed=3)
     titan = titan_model(cfg, ref)
-    g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g) for _ in "xy")
-    ours = ref(x, y)
-    ours.backward()
-    theirs = F.cross_entropy(titan(x).flatten(0, 1).float(), y.flatten())
-    theirs.backward()
-    return ref, from_titan(cfg, {n: p.grad for n, p in titan.named_parameters()}), \
-        (theirs.detach(), ours.detach())
+    losses = _both_backward(cfg, ref, titan)
+    return ref, from_titan(cfg, {n: p.grad for n, p in titan.named_parameters()}), losses
 
 
 @pytest.mark.parametrize("model", ["mla-tiny", "deepseek-v3-tiny"])
