@@ -30,7 +30,7 @@ MEGATRON_ARGS = {
     "--qk-head-dim": ("qk_head_dim", int), "--qk-pos-emb-head-dim": ("qk_rope_head_dim", int),
     "--v-head-dim": ("v_head_dim", int),
     # group-limited routing (megatron/core/transformer/moe/moe_utils.py, group_limited_topk;
-    # the checks in imports._router_groups)
+    # the checks in megatron_checks._router_groups)
     "--moe-router-group-topk": ("moe_router_topk_groups", int),
     # the routed gates times the factor after their normalisation (moe_utils.py,
     # topk_routing_with_score_function; DeepSeek-V3's 2.5): parbench.model.router
