@@ -101,9 +101,17 @@ def instrument_pairs(pairs: list[Pair]) -> list[Pair]:
     return list(seen.values())
 
 
+#: a gap measured and explained, per baseline scheme: printed beside its pairs (issue 24:
+#: "where a baseline does something ours does not, say so in the benchmark's output")
+REASONS: dict[str, str] = {}
+
+
 @dataclass
 class PairResult:
-    """One pair's medians (ms), the median ratio and its spread over the repeats."""
+    """One pair's medians (ms), the median ratio and its spread over the repeats; the median
+    ratio of the ranks' CPU seconds per step (``cpu_ratio``: the work each side does, which
+    a rank descheduled on shared cores does not inflate); ``reason``: the explained gap
+    (:data:`REASONS`); ``error``: why the pair has no figure (a run that failed)."""
 
     label: str
     kind: str
@@ -115,25 +123,53 @@ class PairResult:
     repeats: int
     passed: bool
     case: str
+    cpu_ratio: float | None = None
+    reason: str = ""
+    error: str = ""
 
     def line(self) -> str:
+        if self.error:
+            return f"{self.label:58s}  no figure: {self.error}  {self.case}"
         ok = "" if self.passed else "  (a row FAILED its verdict)"
+        cpu = "" if self.cpu_ratio is None else f"  cpu {self.cpu_ratio:.3f}x"
+        why = f"  -- {self.reason}" if self.reason else ""
         return (f"{self.label:58s} {self.ratio:6.3f}x  [{self.low:.3f}, {self.high:.3f}]  "
-                f"n={self.repeats}  {self.ours_ms:8.2f} / {self.theirs_ms:8.2f} ms  "
-                f"{self.case}{ok}")
+                f"n={self.repeats}  {self.ours_ms:8.2f} / {self.theirs_ms:8.2f} ms{cpu}  "
+                f"{self.case}{ok}{why}")
+
+
+def _where(pair: Pair) -> str:
+    c = pair.ours
+    return (f"{c.model.name} tp{c.layout.tp} cp{c.layout.cp} ep{c.layout.ep} dp{c.layout.dp} "
+            f"pp{c.layout.pp} {c.run.dtype} ({', '.join(pair.suites)})")
+
+
+def _repeat_ratios(ours: list, theirs: list) -> list[float]:
+    return [x / y for x, y in zip(ours, theirs) if x and y]
 
 
 def summarise(pair: Pair, ours_rows: list, theirs_rows: list) -> PairResult:
     """The pair's figures from its rows, repeat by repeat (``step_s``: the slowest rank's
-    median timed step of that run)."""
+    median timed step of that run; ``cpu_s``: the largest rank's median CPU seconds)."""
     a = [r.time.step_s for r in ours_rows]
     b = [r.time.step_s for r in theirs_rows]
-    ratios = [x / y for x, y in zip(a, b) if x and y]
-    c = pair.ours
-    where = (f"{c.model.name} tp{c.layout.tp} cp{c.layout.cp} ep{c.layout.ep} dp{c.layout.dp} "
-             f"pp{c.layout.pp} {c.run.dtype} ({', '.join(pair.suites)})")
+    ratios = _repeat_ratios(a, b)
+    cpu = _repeat_ratios([getattr(r.time, "cpu_s", None) for r in ours_rows],
+                         [getattr(r.time, "cpu_s", None) for r in theirs_rows])
+    nan = float("nan")
     return PairResult(pair.label, pair.kind, statistics.median(a) * 1e3,
                       statistics.median(b) * 1e3,
-                      statistics.median(ratios) if ratios else float("nan"),
-                      min(ratios, default=float("nan")), max(ratios, default=float("nan")),
-                      len(ratios), all(r.passed for r in ours_rows + theirs_rows), where)
+                      statistics.median(ratios) if ratios else nan,
+                      min(ratios, default=nan), max(ratios, default=nan),
+                      len(ratios), all(r.passed for r in ours_rows + theirs_rows), _where(pair),
+                      cpu_ratio=statistics.median(cpu) if cpu else None,
+                      reason=REASONS.get(pair.theirs.run.scheme, "") if pair.kind == "baseline"
+                      else "")
+
+
+def failed(pair: Pair, exc: BaseException) -> PairResult:
+    """A pair whose runs raised: no figure, the error's first line (the run goes on)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    nan = float("nan")
+    return PairResult(pair.label, pair.kind, nan, nan, nan, nan, nan, 0, False, _where(pair),
+                      error=f"{type(exc).__name__}: {first}")

@@ -8,7 +8,10 @@ and later runs read them).
 
 Pairs come from the suites (``parbench.bench_pairs``): each baseline row beside the same case
 run by its native scheme. Each pair alternates ours and theirs ``repeats`` times on one pool
-per world size; one thread per rank. No assertion: this prints what one run measured.
+per world size; one thread per rank. Beside each wall-clock ratio, the ratio of the ranks' CPU
+seconds per step (the work each side does). The last lines count what is above issue 24's goals
+(baseline pairs above 1.00x with no stated reason, instrument pairs above 1.03x). No assertion:
+this prints what one run measured.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate  # noqa: E402
-from parbench.bench_pairs import instrument_pairs, suite_pairs, summarise  # noqa: E402
+from parbench.bench_pairs import failed, instrument_pairs, suite_pairs, summarise  # noqa: E402
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 
 
@@ -35,6 +38,20 @@ def _with_steps(pair, timed: int, fields: dict):
         case = apply_overrides(getattr(pair, side), fields) if fields else getattr(pair, side)
         setattr(pair, side, replace(case, run=replace(case.run, timed_steps=timed)))
     return pair
+
+
+def goals(results) -> str:
+    """Issue 24's goals over the run: baseline pairs above 1.00x without a stated reason,
+    instrument pairs above 1.03x, pairs with no figure."""
+    slow = [r for r in results if r.kind == "baseline" and not r.error and r.ratio > 1.0
+            and not r.reason]
+    heavy = [r for r in results if r.kind == "instrument" and not r.error and r.ratio > 1.03]
+    broken = [r for r in results if r.error]
+    lines = [f"\ngoals: {len(slow)} baseline pair(s) above 1.00x without a reason, "
+             f"{len(heavy)} instrument pair(s) above 1.03x, {len(broken)} without a figure"]
+    lines += [f"  above: {r.label} {r.ratio:.3f}x [{r.low:.3f}, {r.high:.3f}] {r.case}"
+              for r in slow + heavy]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -56,14 +73,19 @@ def main(argv: list[str]) -> int:
     for n, pair in enumerate(pairs, 1):
         pair = _with_steps(pair, timed, fields)
         print(f"[{n}/{len(pairs)}] {pair.label}", flush=True)
-        rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats, verbose=False)
-        results.append(summarise(pair, rows["ours"], rows["theirs"]))
+        try:
+            rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats,
+                             verbose=False)
+            results.append(summarise(pair, rows["ours"], rows["theirs"]))
+        except Exception as e:  # noqa: BLE001 -- one pair's failure is reported, the rest run
+            results.append(failed(pair, e))
         print("  " + results[-1].line(), flush=True)
     print(f"\n{len(results)} pairs, {repeats} alternating repeats each, {timed} timed steps "
           f"(median of those after the warm-up), {time.time() - started:.0f} s\n")
     print(f"{'pair':58s} {'ratio':>7s}  [spread]  repeats  ours / theirs  case")
     for r in results:
         print(r.line())
+    print(goals(results))
     if out_json:
         out_json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0

@@ -182,7 +182,8 @@ class PipelineScheme(Scheme):
             self.clip()
             self.weights.step_end()
         if step >= self.ctx.run.steps - 1:
-            self._step_events.append(self.measured_events(timeline.as_dicts(), step))
+            events = timeline.as_dicts("compute")
+            self._step_events.append(self.measured_events(events, step))
         return self.reduce_loss(outcome.loss, self.group)
 
     def measured_events(self, events: list[dict], step: int) -> list[dict] | None:

@@ -55,7 +55,9 @@ def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> 
                      thread=threading.current_thread().name, api=api)
     led.add(rec, wire)
     tl = led.timeline
-    if work is not None and is_async and hasattr(work, "get_future"):
+    # the completion time is wanted by a timeline only (a callback per call costs a
+    # future and a wake-up of the backend's thread)
+    if tl is not None and work is not None and is_async and hasattr(work, "get_future"):
         try:
             fut = work.get_future()
 
