@@ -165,7 +165,12 @@ def _step(me: _Rank, step: int, out: _Steps) -> None:
         _inject_failure(run.fail_kind, step, rank)
     me.wctx.progress(f"step {step}")
     x, y = global_batch(case, step)
-    ledger = Ledger(axis_of=me.mesh.axis_of_group, timeline=me.timeline) if run.instrument \
+    # the collectives' completion times go to the timeline of the step it exports (the
+    # last checked one) only: elsewhere a completion callback per asynchronous call would
+    # cost the instruments' share of every timed step and nothing reads it
+    exported = step == run.steps - 1
+    ledger = Ledger(axis_of=me.mesh.axis_of_group,
+                    timeline=me.timeline if exported else None) if run.instrument \
         else Ledger(axis_of=me.mesh.axis_of_group, timeline=None, recording=False)
     me.timeline.clear()
     dist.barrier()
