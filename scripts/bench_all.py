@@ -1,7 +1,7 @@
 """Every "ours / baseline" pair the suites hold, side by side in one run, and the instruments'
 cost per native scheme (issue 24): ratio (< 1: ours faster), its spread over the repeats,
-repeats, both medians and the case. ``--json FILE`` also writes the figures (the compare gate
-and later runs read them).
+repeats, both medians and the case. ``--json FILE`` also writes the figures; ``parbench compare
+OLD.json NEW.json`` gates two such files pair by pair (``parbench.report.bench_compare``).
 
     python scripts/bench_all.py [suites=data,tensor] [repeats=5] [timed_steps=12]
                                 [only=zero.3] [instruments=true] [model=small ...] [--json FILE]

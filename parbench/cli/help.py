@@ -46,7 +46,8 @@ VERBS_HELP: dict[str, VerbHelp] = {
         SECTIONS, "parbench verify scheme=examples/my_ddp/my_ddp/ddp.py:MyDDP"),
     "compare": VerbHelp(
         "compare OLD NEW [key=value ...]",
-        "two results directories matched case by case; exit 1 on a regression (a CI gate)",
+        "two results directories matched case by case, or two scripts/bench_all.py --json "
+        "files pair by pair; exit 1 on a regression (a CI gate)",
         {"bytes_tol": "relative increase of bytes and calls tolerated (0)",
          "time_tol": "auto (from the repeated steps' noise) or a fixed ratio",
          "ignore_time": "true: time never gates", "match": "id | config",

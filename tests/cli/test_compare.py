@@ -317,6 +317,44 @@ def test_cli_unreadable_file_and_nothing_in_common_exit_2(tmp_path):
     assert p.returncode == 2 and "no case in common" in p.stderr, p.stderr
 
 
+def test_cli_two_bench_all_files_pair_by_pair(tmp_path):
+    """Two ``scripts/bench_all.py --json`` files: exit 1 naming the regressed pairs on stderr
+    (a ratio risen with the repeat ranges apart, a pair without a figure, a missing pair), a
+    noisy rise and a new pair in the table only; --json; a bench file beside results rows is
+    bad input naming both."""
+    from tests.unit.test_bench_compare import CASE, pair
+
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    instr = {"kind": "instrument", "label": "data.ddp instruments on / off"}
+    old.write_text(json.dumps([pair(0.90, 0.85, 0.95), pair(1.00, 0.70, 1.30, label="a / b"),
+                               pair(**instr), pair(label="gone / b")], indent=1))
+    new.write_text(json.dumps([pair(1.10, 1.00, 1.20), pair(1.25, 0.90, 1.50, label="a / b"),
+                               pair(error="RuntimeError: boom", **instr),
+                               pair(label="added / b")], indent=1))
+    p = parbench("compare", str(old), str(new))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"parbench: regression: data.ddp / baseline.torch.ddp [{CASE}]: ratio: 0.900× → "
+        "1.100× (1.22× > 1.10×; [0.850, 0.950] → [1.000, 1.200])",
+        f"parbench: regression: data.ddp instruments on / off [{CASE}]: no figure: "
+        "RuntimeError: boom",
+        f"parbench: regression: gone / b [{CASE}]: missing: in OLD, not in NEW"], p.stderr
+    assert "3 pair(s) matched, 1 new, 1 missing, 3 regression(s)" in p.stdout
+    assert "ranges overlap" in p.stdout and "new ratio [low, high]" in p.stdout
+    p = parbench("compare", str(old), str(new), "time_tol=0.3", "--json")
+    assert p.returncode == 1, p.stderr
+    assert [(d["label"], d["status"]) for d in json.loads(p.stdout)] == [
+        ("data.ddp / baseline.torch.ddp", "ok"), ("a / b", "ok"),
+        ("data.ddp instruments on / off", "regression"), ("gone / b", "missing"),
+        ("added / b", "new")]
+    rows = _write(tmp_path / "rows", [row()])
+    p = parbench("compare", str(rows), str(new))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip() == (f"parbench: error: NEW={new} is bench_all's JSON (a list of "
+                                f"pairs) but OLD={rows} is a results directory or rows file: "
+                                "compare two bench_all files or two results directories")
+
+
 # ---- end to end: two real runs -------------------------------------------------------------
 
 
