@@ -14,6 +14,7 @@ No assertion on any figure: a benchmark prints what one run measured.
 """
 from __future__ import annotations
 
+import hashlib
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -126,6 +127,8 @@ class PairResult:
     cpu_ratio: float | None = None
     reason: str = ""
     error: str = ""
+    #: the case's own fields, hashed (``case_key``): what a later run's pair is matched by
+    key: str = ""
 
     def line(self) -> str:
         if self.error:
@@ -142,6 +145,12 @@ def _where(pair: Pair) -> str:
     c = pair.ours
     return (f"{c.model.name} tp{c.layout.tp} cp{c.layout.cp} ep{c.layout.ep} dp{c.layout.dp} "
             f"pp{c.layout.pp} {c.run.dtype} ({', '.join(pair.suites)})")
+
+
+def case_key(pair: Pair) -> str:
+    """A short stable name of the pair's cases (every field of both, hashed): two runs of
+    bench_all match their pairs by it, whatever the suites' order."""
+    return pair.kind + ":" + hashlib.sha1(_same_case(pair).encode()).hexdigest()[:12]
 
 
 def _repeat_ratios(ours: list, theirs: list) -> list[float]:
@@ -164,7 +173,7 @@ def summarise(pair: Pair, ours_rows: list, theirs_rows: list) -> PairResult:
                       len(ratios), all(r.passed for r in ours_rows + theirs_rows), _where(pair),
                       cpu_ratio=statistics.median(cpu) if cpu else None,
                       reason=REASONS.get(pair.theirs.run.scheme, "") if pair.kind == "baseline"
-                      else "")
+                      else "", key=case_key(pair))
 
 
 def failed(pair: Pair, exc: BaseException) -> PairResult:
@@ -172,4 +181,4 @@ def failed(pair: Pair, exc: BaseException) -> PairResult:
     first = (str(exc).strip().splitlines() or [""])[0][:160]
     nan = float("nan")
     return PairResult(pair.label, pair.kind, nan, nan, nan, nan, nan, 0, False, _where(pair),
-                      error=f"{type(exc).__name__}: {first}")
+                      error=f"{type(exc).__name__}: {first}", key=case_key(pair))

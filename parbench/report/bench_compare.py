@@ -9,8 +9,9 @@ but :func:`read_pairs` (reading a file); ``cli/compare.py`` detects the format a
 
 Pairs are matched by (kind, label, case). Two pairs of one file can share that key (the case
 text names model, layout, dtype and suites only: a suite may hold a baseline twice with other
-fields), so the n-th pair of a key in OLD is matched with the n-th in NEW, in the file's
-order (bench_all's order: suites, then their cases); its ident carries ``#n`` from n = 2.
+fields): when every pair of both files carries bench_all's ``key`` (a hash of the cases'
+fields) it is part of the match; else the n-th pair of a key in OLD is matched with the n-th
+in NEW, in the file's order (bench_all's order: suites, then their cases).
 
 What is a regression (``PairDiff.regression``):
 
@@ -102,9 +103,12 @@ def _check_pair(p, i: int, where: str) -> None:
 # ---- matching ----------------------------------------------------------------------------
 
 
-def keyed(pairs: list[dict]) -> dict[tuple, dict]:
+def keyed(pairs: list[dict], by_key: bool = False) -> dict[tuple, dict]:
     """(kind, label, case, n) -> pair, n counting the pairs of one (kind, label, case) in the
-    file's order from 1."""
+    file's order from 1; ``by_key``: (kind, label, case, the pair's ``key``) -- the hash of
+    its cases' fields that bench_all writes, which tells repeated cases apart in any order."""
+    if by_key:
+        return {(p["kind"], p["label"], p["case"], p["key"]): p for p in pairs}
     out: dict[tuple, dict] = {}
     seen: dict[tuple, int] = {}
     for p in pairs:
@@ -118,7 +122,8 @@ def match_pairs(old: list[dict], new: list[dict]) -> list[tuple[tuple, dict | No
                                                               dict | None]]:
     """(key, OLD's pair or None, NEW's pair or None), OLD's order first, then NEW's new pairs;
     ConfigError when no pair is in both (two files of other suites)."""
-    a, b = keyed(old), keyed(new)
+    by_key = all(p.get("key") for p in old + new)
+    a, b = keyed(old, by_key), keyed(new, by_key)
     if not set(a) & set(b):
         raise ConfigError("OLD and NEW have no bench pair in common (matched by kind, label "
                           "and case)")
@@ -179,6 +184,8 @@ class PairDiff:
 
     @property
     def ident(self) -> str:
+        if isinstance(self.n, str):  # matched by bench_all's key: its last hex digits
+            return f"{self.case} #{self.n[-6:]}"
         return self.case if self.n == 1 else f"{self.case} #{self.n}"
 
     @property

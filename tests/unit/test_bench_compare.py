@@ -155,3 +155,14 @@ def test_read_pairs_reads_bench_alls_file_and_rejects_bad_ones(tmp_path):
         f.write_text(text)
         with pytest.raises(ConfigError, match=f"NEW={re.escape(str(f))}.*{message}"):
             read_pairs(f, "NEW")
+
+
+def test_pairs_carrying_bench_alls_key_match_by_it_in_any_order():
+    """Two pairs of one (kind, label, case) text told apart by their cases' key: swapped in
+    NEW, each still meets its own OLD pair (by order alone the rise would land on the
+    wrong one)."""
+    old = [pair(0.90, 0.85, 0.95, key="baseline:aaa"), pair(0.50, 0.45, 0.55, key="baseline:bbb")]
+    new = [pair(0.50, 0.45, 0.55, key="baseline:bbb"), pair(0.90, 0.85, 0.95, key="baseline:aaa")]
+    assert not any(d.regression for d in compare_pairs(old, new))
+    by_order = [{**p, "key": ""} for p in new]
+    assert any(d.regression for d in compare_pairs(old, by_order))
