@@ -122,7 +122,9 @@ class PairResult:
     low: float
     high: float
     repeats: int
-    passed: bool
+    #: every row of the pair's runs passed; "finding": the baseline's rows disagree with the
+    #: golden run as its known finding says (``Scheme.known_finding``), the rest passed
+    passed: bool | str
     case: str
     cpu_ratio: float | None = None
     reason: str = ""
@@ -133,7 +135,9 @@ class PairResult:
     def line(self) -> str:
         if self.error:
             return f"{self.label:58s}  no figure: {self.error}  {self.case}"
-        ok = "" if self.passed else "  (a row FAILED its verdict)"
+        ok = {True: "", False: "  (a row FAILED its verdict)",
+              "finding": "  (FINDING: the baseline's known disagreement, reproduced)"}[
+            self.passed]
         cpu = "" if self.cpu_ratio is None else f"  cpu {self.cpu_ratio:.3f}x"
         why = f"  -- {self.reason}" if self.reason else ""
         return (f"{self.label:58s} {self.ratio:6.3f}x  [{self.low:.3f}, {self.high:.3f}]  "
@@ -157,6 +161,16 @@ def _repeat_ratios(ours: list, theirs: list) -> list[float]:
     return [x / y for x, y in zip(ours, theirs) if x and y]
 
 
+def _passed(rows: list) -> bool | str:
+    """True when every row passed; "finding" when the failing ones are a baseline's known
+    finding, reproduced (labelled FINDING by ``run``); else False."""
+    failing = [r for r in rows if not r.passed]
+    if not failing:
+        return True
+    finding = all(getattr(getattr(r, "verdict", None), "known_finding", None) for r in failing)
+    return "finding" if finding else False
+
+
 def summarise(pair: Pair, ours_rows: list, theirs_rows: list) -> PairResult:
     """The pair's figures from its rows, repeat by repeat (``step_s``: the slowest rank's
     median timed step of that run; ``cpu_s``: the largest rank's median CPU seconds)."""
@@ -170,7 +184,7 @@ def summarise(pair: Pair, ours_rows: list, theirs_rows: list) -> PairResult:
                       statistics.median(b) * 1e3,
                       statistics.median(ratios) if ratios else nan,
                       min(ratios, default=nan), max(ratios, default=nan),
-                      len(ratios), all(r.passed for r in ours_rows + theirs_rows), _where(pair),
+                      len(ratios), _passed(ours_rows + theirs_rows), _where(pair),
                       cpu_ratio=statistics.median(cpu) if cpu else None,
                       reason=REASONS.get(pair.theirs.run.scheme, "") if pair.kind == "baseline"
                       else "", key=case_key(pair))

@@ -17,7 +17,10 @@ def ratio_cell(f: dict | None) -> str:
         return f"[red]no figure: {escape(f.get('error') or 'ratio not a number')}[/]"
     low, high = (f"{f[k]:.3f}" if f.get(k) is not None else "?" for k in ("low", "high"))
     text = f"{f['ratio']:.3f}× [{low}, {high}] n={f.get('repeats', '?')}"
-    return text + ("" if f.get("passed", True) else " [yellow](a row FAILED)[/]")
+    verdict = f.get("passed", True)
+    if verdict == "finding":  # the baseline's known finding, reproduced
+        return text + " [yellow](FINDING)[/]"
+    return text + ("" if verdict else " [yellow](a row FAILED)[/]")
 
 
 def change_cell(d: PairDiff) -> str:

@@ -47,3 +47,18 @@ def test_the_ratio_is_the_median_of_each_repeats_ratio():
     r = summarise(pair, _rows(1.0, 2.0, 3.0), _rows(2.0, 2.0, 2.0))
     assert (r.ratio, r.low, r.high, r.repeats) == (1.0, 0.5, 1.5, 3)
     assert (r.ours_ms, r.theirs_ms) == (2000.0, 2000.0)
+
+
+def _verdict_rows(*known):
+    """Rows that fail with (a text) or without (None) a known finding."""
+    return [SimpleNamespace(time=SimpleNamespace(step_s=1.0), passed=False,
+                            verdict=SimpleNamespace(known_finding=k)) for k in known]
+
+
+def test_a_baselines_known_finding_is_told_from_a_failure():
+    pair = suite_pairs(["smoke"])[0]
+    ok = _rows(1.0)
+    assert summarise(pair, ok, ok).passed is True
+    assert summarise(pair, ok, _verdict_rows("yunchang fp32")).passed == "finding"
+    assert summarise(pair, ok, _verdict_rows("yunchang fp32", None)).passed is False
+    assert "FINDING" in summarise(pair, ok, _verdict_rows("x")).line()
