@@ -186,14 +186,19 @@ class RingPeers(RingBlocks):
         swork = self.send_next(t, tag)
         return _Exchange(buf, rwork, swork, t)
 
+    def hop_peers(self) -> tuple[int, int]:
+        """The group ranks an all-to-all hop sends to and receives from: next, previous."""
+        return (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
     def _hop(self, t: torch.Tensor):
         """One hop as an all-to-all: ``t`` (whole, along dim 0) to the next ring rank only,
         the previous ring rank's into the new buffer."""
         t = t.contiguous()
         buf = torch.empty_like(t)
+        to, frm = self.hop_peers()
         out_splits, in_splits = [0] * self.size, [0] * self.size
-        in_splits[(self.rank + 1) % self.size] = t.shape[0]
-        out_splits[(self.rank - 1) % self.size] = t.shape[0]
+        in_splits[to] = t.shape[0]
+        out_splits[frm] = t.shape[0]
         work = dist.all_to_all_single(buf, t, out_splits, in_splits, group=self.group,
                                       async_op=True)
         return _Exchange(buf, work, None, t)
