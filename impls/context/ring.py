@@ -15,8 +15,9 @@ every block use the rows' final output and log-sum-exp (FlashAttention-2's backw
 Causal masking is decided per block from the *global* positions of the two blocks
 (``block_plan``): with the contiguous layout (``none``) blocks from later ranks are skipped,
 so rank N-1 computes N blocks and rank 0 one; zig-zag and striped layouts give every rank the
-same work. K/V messages and dK/dV messages use separate tags (gloo) and are posted in the same
-order on both ends of each pair (NCCL, which ignores tags): the backward interleaves them.
+same work. K/V messages and dK/dV messages use separate tags and are posted in the same
+order on every rank (NCCL ignores tags; on gloo a hop is a collective, ``RingPeers``): the
+backward interleaves them, each dK/dV hop one ``exchange`` like a K/V hop.
 
 Packed documents (``RingPeers.docs``, the micro-batch's over the whole sequence): every
 planned kernel call is masked "causal and same document" on the two blocks' global positions
@@ -130,12 +131,21 @@ class RingBlocks:
 
 
 class RingPeers(RingBlocks):
-    """This rank's neighbours on a ring (a process group, or none for a ring of one)."""
+    """This rank's neighbours on a ring (a process group, or none for a ring of one).
+
+    One hop (``exchange``: send to the next rank, receive from the previous one) is a pair of
+    point-to-point messages, or -- on gloo (``hop_by_all_to_all``) -- one ``all_to_all_single``
+    whose only non-empty splits are the next rank's (out) and the previous rank's (in): the
+    same bytes on the wire and one call, as a send. Issue 24 measured why: on gloo a hop by
+    isend/irecv took a median 3.3 ms on a 2-core machine (2 ranks, a 16 KiB K/V block), the
+    same hop as an all-to-all 0.24 ms. Every rank of a ring hops alike, so the collective's
+    order is the same on every rank."""
 
     def __init__(self, group, clock: AttentionClock, balance: str = "none"):
         self.group = group
         self.clock = clock
         self.balance = balance
+        self.hop_by_all_to_all = False
         if group is None:
             self.size, self.rank = 1, 0
             return
@@ -143,6 +153,7 @@ class RingPeers(RingBlocks):
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.hop_by_all_to_all = dist.get_backend(group) == "gloo"
 
     def merge(self, out, lse, blk_out, blk_lse) -> None:
         """Fold a block's result into the rows (``kernels.merge``)."""
@@ -168,10 +179,29 @@ class RingPeers(RingBlocks):
 
     def exchange(self, t: torch.Tensor, tag: int):
         """Send ``t`` to the next rank and receive the previous rank's into a new buffer;
-        returns a handle whose ``wait()`` gives the received tensor."""
+        returns a handle whose ``wait()`` gives the received tensor (class docstring)."""
+        if self.hop_by_all_to_all:
+            return self._hop(t)
         buf, rwork = self.recv_prev(t, tag)
         swork = self.send_next(t, tag)
         return _Exchange(buf, rwork, swork, t)
+
+    def hop_peers(self) -> tuple[int, int]:
+        """The group ranks an all-to-all hop sends to and receives from: next, previous."""
+        return (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def _hop(self, t: torch.Tensor):
+        """One hop as an all-to-all: ``t`` (whole, along dim 0) to the next ring rank only,
+        the previous ring rank's into the new buffer."""
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        to, frm = self.hop_peers()
+        out_splits, in_splits = [0] * self.size, [0] * self.size
+        in_splits[to] = t.shape[0]
+        out_splits[frm] = t.shape[0]
+        work = dist.all_to_all_single(buf, t, out_splits, in_splits, group=self.group,
+                                      async_op=True)
+        return _Exchange(buf, work, None, t)
 
 
 class _Exchange:
@@ -180,7 +210,8 @@ class _Exchange:
 
     def wait(self) -> torch.Tensor:
         self.rwork.wait()
-        self.swork.wait()
+        if self.swork is not None:
+            self.swork.wait()
         self.sent = None
         return self.buf
 
@@ -240,37 +271,37 @@ class RingAttention(torch.autograd.Function):
                                        **kernel_args(True, mask_at(masks, rank, (0, n), (0, n))))
         if size == 1:
             return dq, dk, dv, None
-        own = torch.stack([dk, dv])
-        sends = []
+        arriving = None  # the accumulator of the next step's block, from the rank before
         for j in range(1, size):
             kv = pending.wait()
-            # posted in the order the previous rank sends (its dK/dV of step j-1 before its
-            # K/V of step j): NCCL matches a pair's messages by order, not by tag
-            incoming = ring.recv_prev(kv, TAG_DKV) if j >= 2 else None
             pending = ring.exchange(kv, TAG_KV) if j < size - 1 else None
             src = (rank - j) % size
-            plan = ring.plan(src, n)
-            blk = torch.zeros_like(kv) if plan else None
             with ring.clock.span("bwd"):
-                for qs, ks, causal in plan:
-                    a, b_, c = attn_backward(_rows(dout, qs), _rows(q, qs), _rows(kv[0], ks),
-                                             _rows(kv[1], ks), _rows(out, qs), _rows(lse, qs),
-                                             **kernel_args(causal, mask_at(masks, src, qs, ks)))
-                    _rows(dq, qs).add_(a)
-                    _rows(blk[0], ks).add_(b_)
-                    _rows(blk[1], ks).add_(c)
-            if incoming is not None:  # the accumulator of this block, from the rank before
-                buf, work = incoming
-                work.wait()
+                blk = _block_grads(ring, dq, dout, q, kv, out, lse, masks, src, n)
+            if arriving is not None:
+                buf = arriving.wait()
                 blk = buf if blk is None else blk.add_(buf)
-            if blk is None:
-                blk = torch.zeros_like(kv)
-            sends.append((ring.send_next(blk, TAG_DKV), blk))
-        if pending is not None:
-            pending.wait()
-        buf, work = ring.recv_prev(own, TAG_DKV)  # the own block's accumulator, returned
-        work.wait()
-        own = ring.land(own, buf)
-        for work, _ in sends:
-            work.wait()
+            # one hop: this block's accumulator to the next rank; in, the one for step j + 1
+            # (after the last step: the own block's, returned). Posted after the step's K/V
+            # hop on every rank: NCCL matches a pair's messages by order, not by tag
+            arriving = ring.exchange(torch.zeros_like(kv) if blk is None else blk, TAG_DKV)
+        own = ring.land(torch.stack([dk, dv]), arriving.wait())
         return dq, own[0], own[1], None
+
+
+def _block_grads(ring, dq, dout, q, kv, out, lse, masks, src: int, n: int):
+    """The kernel calls' gradients against the K/V block ``kv`` of ring rank ``src``: dQ
+    added to ``dq`` in place; the block's dK, dV (stacked as ``kv``; None when the plan
+    skips the block)."""
+    plan = ring.plan(src, n)
+    if not plan:
+        return None
+    blk = torch.zeros_like(kv)
+    for qs, ks, causal in plan:
+        a, b_, c = attn_backward(_rows(dout, qs), _rows(q, qs), _rows(kv[0], ks),
+                                 _rows(kv[1], ks), _rows(out, qs), _rows(lse, qs),
+                                 **kernel_args(causal, mask_at(masks, src, qs, ks)))
+        _rows(dq, qs).add_(a)
+        _rows(blk[0], ks).add_(b_)
+        _rows(blk[1], ks).add_(c)
+    return blk

@@ -89,6 +89,19 @@ class RingSkipStep(RingAttentionScheme):
     core_class = _SkipLastStepCore
 
 
+class _ReversedHopPeers(RingPeers):
+    def hop_peers(self):
+        to, frm = super().hop_peers()
+        return frm, to  # the bug: the all-to-all's splits swapped, the ring turns backwards
+
+
+@mutant("ring-hop-reversed", base="context.ring-attention", overrides={"cp": "4"},
+        bug="a ring hop as an all-to-all (gloo) with its send and receive splits swapped: "
+            "each block goes to the previous rank, so step j attends block r + j, not r - j")
+class RingHopReversed(RingAttentionScheme):
+    peers_class = _ReversedHopPeers
+
+
 class _OverwritingPeers(RingPeers):
     def land(self, own, returned):
         return returned  # the bug: = instead of +=

@@ -105,6 +105,22 @@ def test_ring_attention_clips_by_the_global_norm(pools):
     assert merged.clipped_steps and merged.clipped_steps > 0, merged.clip_coef_min
 
 
+def test_ring_hops_on_gloo_are_all_to_alls_of_one_block(pools):
+    """On gloo a ring hop is one all-to-all whose only non-empty splits are the neighbours'
+    (``RingPeers``; issue 24: an isend/irecv hop cost ~10 times as much): every cp call of
+    the checked step is an all-to-all moving one K/V (or dK/dV) block, 2 b (s/cp) h bytes,
+    and the ring still turns the right way at cp=4 (equivalent, bytes and calls exact)."""
+    case = make_case("context.ring-attention", cp=4, cp_balance="zigzag")
+    merged, per_rank = run_on_pool(pools, case)
+    assert merged.equivalent, merged.first_failure
+    assert_exact(case, per_rank)
+    m = case.model
+    block = 2 * case.layout.micro_batch_size * (m.seq_length // 4) * m.hidden_size * 4
+    for r in per_rank:
+        cp = [(c["op"], c["wire_bytes"]) for c in r.ledger if c["axis"] == "cp"]
+        assert cp and set(cp) == {("all_to_all", block)}, (r.rank, cp)
+
+
 def test_ring_self_attention_runs_grouped_query_attention(pools):
     """LLaMA blocks with 8 query heads over 2 K/V heads (each K/V head serves 4 consecutive
     query heads), packed documents: K and V travel the ring at the K/V heads' width and dK,
