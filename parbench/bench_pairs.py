@@ -43,7 +43,7 @@ class Pair:
     @property
     def label(self) -> str:
         if self.kind == "instrument":
-            return f"{self.ours.run.scheme} instruments on / off"
+            return f"{self.ours.run.scheme} instruments on / off (alternate steps)"
         return f"{self.ours.run.scheme} / {self.theirs.run.scheme}"
 
     @property
@@ -91,15 +91,48 @@ def _same_case(pair: Pair) -> str:
 
 
 def instrument_pairs(pairs: list[Pair]) -> list[Pair]:
-    """For each native scheme of ``pairs`` (its first case): instruments on against off."""
+    """For each native scheme of ``pairs`` (its first case): instruments on against off --
+    one case whose timed steps alternate them (``instrument_ab``: the same ranks, cores and
+    placement on both sides, so that a run's placement on shared cores, which moves a whole
+    run by tens of percent, cancels); ``theirs`` is the same case, for the pair's key."""
     seen: dict[str, Pair] = {}
     for p in pairs:
         scheme = p.ours.run.scheme
         if scheme not in seen:
-            seen[scheme] = Pair(_timed(p.ours, instrument=True),
-                                _timed(p.ours, instrument=False), kind="instrument",
-                                suites=list(p.suites))
+            ab = _timed(p.ours, instrument=True, instrument_ab=True)
+            seen[scheme] = Pair(ab, ab, kind="instrument", suites=list(p.suites))
     return list(seen.values())
+
+
+def ab_steps(row) -> tuple[list[float], list[float]]:
+    """(on, off): an ``instrument_ab`` row's timed steps with and without the instruments,
+    each the slowest rank's seconds, paired: off[i] is the step right after on[i]."""
+    per_rank = row.time.per_rank_s
+    n = min(len(ts) for ts in per_rank)
+    slowest = [max(ts[k] for ts in per_rank) for k in range(n)]
+    first = row.case.config["run"]["warmup_steps"]  # step_times start after the warm-up
+    on_at = [k for k in range(n - 1) if (first + k) % 2 == 0]
+    return [slowest[k] for k in on_at], [slowest[k + 1] for k in on_at]
+
+
+def summarise_ab(pair: Pair, rows: list) -> PairResult:
+    """The instruments' pair from ``instrument_ab`` rows: the ratio is the median over every
+    run's (on, next off) step pairs; low / high the lowest and highest run's median."""
+    ratios, per_run, on_all, off_all = [], [], [], []
+    for row in rows:
+        on, off = ab_steps(row)
+        r = [a / b for a, b in zip(on, off) if a and b]
+        ratios += r
+        on_all += on
+        off_all += off
+        if r:
+            per_run.append(statistics.median(r))
+    nan = float("nan")
+    return PairResult(pair.label, pair.kind, statistics.median(on_all) * 1e3 if on_all else nan,
+                      statistics.median(off_all) * 1e3 if off_all else nan,
+                      statistics.median(ratios) if ratios else nan, min(per_run, default=nan),
+                      max(per_run, default=nan), len(per_run), _passed(rows), _where(pair),
+                      key=case_key(pair))
 
 
 #: a gap measured and explained, per baseline scheme: printed beside its pairs (issue 24:

@@ -202,6 +202,11 @@ class RunConfig:
     #: the traffic ledger and the timeline record every step (false: off, for measuring
     #: their overhead; a row then has no bytes)
     instrument: bool = True
+    #: the instruments' cost measured inside one run (issue 24): the timed steps alternate,
+    #: the first with the ledger and timeline, the next without, ... -- the same ranks, cores
+    #: and placement on both sides; a step without them has no ledger (the timed-ledger
+    #: check skips it)
+    instrument_ab: bool = False
     #: the verdict's reference work (golden run, stepwise reference, final continuation)
     #: computed once on rank 0 and sent to every rank (false: on every rank, as before issue
     #: 24 -- what ``scripts/bench_verdict.py`` compares it with)
@@ -372,6 +377,11 @@ def validate_run(r: RunConfig) -> None:
         raise ConfigError(f"dtype={r.dtype!r} must be fp32 or bf16")
     if r.device not in ("cpu", "cuda"):
         raise ConfigError(f"device={r.device!r} must be cpu or cuda")
+    if r.instrument_ab and not (r.instrument and r.timed_steps >= r.warmup_steps + 2):
+        raise ConfigError(f"instrument_ab=true needs instrument=true and timed_steps >= "
+                          f"warmup_steps + 2 (got instrument={r.instrument}, timed_steps="
+                          f"{r.timed_steps}, warmup_steps={r.warmup_steps}): it alternates "
+                          "timed steps with and without the instruments")
     if r.fail_kind not in ("raise", "hang"):
         raise ConfigError(f"fail_kind={r.fail_kind!r} must be raise or hang")
     validate_tolerances(r)

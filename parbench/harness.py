@@ -169,15 +169,19 @@ def _step(me: _Rank, step: int, out: _Steps) -> None:
     # last checked one) only: elsewhere a completion callback per asynchronous call would
     # cost the instruments' share of every timed step and nothing reads it
     exported = step == run.steps - 1
+    on = instrumented(run, step)
     ledger = Ledger(axis_of=me.mesh.axis_of_group,
-                    timeline=me.timeline if exported else None) if run.instrument \
+                    timeline=me.timeline if exported else None) if on \
         else Ledger(axis_of=me.mesh.axis_of_group, timeline=None, recording=False)
     me.timeline.clear()
+    me.timeline.enabled = on
     dist.barrier()
     loss = _train(me, step, x, y, ledger, out)
     dist.barrier()
-    out.wire.append(ledger.wire_by_axis())
-    out.calls.append(ledger.calls_by_axis())
+    me.timeline.enabled = run.instrument
+    skipped = run.instrument and not on  # an instrument_ab step without the instruments
+    out.wire.append(None if skipped else ledger.wire_by_axis())
+    out.calls.append(None if skipped else ledger.calls_by_axis())
     if step == run.steps - 1:
         out.ledger = ledger.as_dicts()
         out.timeline = me.timeline.as_dicts()
@@ -188,6 +192,14 @@ def _step(me: _Rank, step: int, out: _Steps) -> None:
         t0 = time.perf_counter()
         out.checks.append(me.checker.check(step, loss, x, y))
         out.verdict_s += time.perf_counter() - t0
+
+
+def instrumented(run, step: int) -> bool:
+    """Whether ``step`` runs with the ledger and timeline: every step with
+    ``instrument``, but under ``instrument_ab`` every other timed step (the first with)."""
+    if not run.instrument:
+        return False
+    return not (run.instrument_ab and step >= run.steps and (step - run.steps) % 2 == 1)
 
 
 def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):

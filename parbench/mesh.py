@@ -32,6 +32,9 @@ class Mesh:
     _slots: dict[tuple[int, ...], dict[str, tuple[int, object]]] = field(default_factory=dict)
     #: this rank's groups and the name each carries: (pg, name)
     _names: list[tuple[object, str]] = field(default_factory=list)
+    #: id(pg) -> (pg, its name): ``axis_of_group`` on every recorded call; emptied when a
+    #: group is named
+    _axis_cache: dict[int, tuple[object, str | None]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: Layout, rank: int, backend_groups: bool = True) -> "Mesh":
@@ -52,6 +55,7 @@ class Mesh:
             slots[name] = group_cache.take(members, {i for i, _ in slots.values()})
             if self.rank in members:
                 self._names.append((slots[name][1], name))
+                self._axis_cache.clear()
         return slots[name][1]
 
     def group(self, axis: Axis | str):
@@ -94,7 +98,12 @@ class Mesh:
         """The axis or subgroup name ``pg`` carries in this mesh (None: not one of its)."""
         if pg is None:
             return None
-        return next((name for g, name in self._names if g is pg), None)
+        key = id(pg)
+        hit = self._axis_cache.get(key)
+        if hit is None or hit[0] is not pg:  # by identity (an id can be reused)
+            hit = self._axis_cache[key] = (pg, next((name for g, name in self._names
+                                                     if g is pg), None))
+        return hit[1]
 
     @property
     def coords(self) -> dict[str, int]:

@@ -61,12 +61,21 @@ class Timeline:
     def clear(self) -> None:
         self.events.clear()
 
+    def events_of(self, cat: str | None = None) -> list[Event]:
+        """The events (of category ``cat`` only, when given), a new list: ``clear`` leaves
+        it as it is."""
+        return [e for e in self.events if cat is None or e.cat == cat]
+
     def as_dicts(self, cat: str | None = None) -> list[dict]:
-        """The events as plain dicts (of category ``cat`` only, when given): each field
-        copied, ``meta`` one level deep -- ``dataclasses.asdict`` deep-copies every value,
-        which a pipeline paid on every step."""
-        return [{**{f: getattr(e, f) for f in _EVENT_FIELDS}, "meta": dict(e.meta)}
-                for e in self.events if cat is None or e.cat == cat]
+        """The events as plain dicts (``as_dicts``), of category ``cat`` only when given."""
+        return as_dicts(self.events_of(cat))
+
+
+def as_dicts(events: list[Event]) -> list[dict]:
+    """Events as plain dicts: each field copied, ``meta`` one level deep
+    (``dataclasses.asdict`` deep-copies every value, which a pipeline paid on every step)."""
+    return [{**{f: getattr(e, f) for f in _EVENT_FIELDS}, "meta": dict(e.meta)}
+            for e in events]
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate  # noqa: E402
-from parbench.bench_pairs import failed, instrument_pairs, suite_pairs, summarise  # noqa: E402
+from parbench.bench_pairs import (failed, instrument_pairs, suite_pairs, summarise,  # noqa: E402
+                                  summarise_ab)
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 
 
@@ -38,6 +39,18 @@ def _with_steps(pair, timed: int, fields: dict):
         case = apply_overrides(getattr(pair, side), fields) if fields else getattr(pair, side)
         setattr(pair, side, replace(case, run=replace(case.run, timed_steps=timed)))
     return pair
+
+
+def measure(pair, repeats: int):
+    """A baseline pair: ours and theirs alternately, ``repeats`` times each; an instrument
+    pair: its one case (timed steps alternating the instruments) ``repeats`` times, with
+    twice the timed steps."""
+    if pair.kind == "instrument":
+        case = pair.ours
+        case = replace(case, run=replace(case.run, timed_steps=2 * case.run.timed_steps))
+        return summarise_ab(pair, alternate({"ab": case}, repeats, verbose=False)["ab"])
+    rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats, verbose=False)
+    return summarise(pair, rows["ours"], rows["theirs"])
 
 
 def goals(results) -> str:
@@ -74,9 +87,7 @@ def main(argv: list[str]) -> int:
         pair = _with_steps(pair, timed, fields)
         print(f"[{n}/{len(pairs)}] {pair.label}", flush=True)
         try:
-            rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats,
-                             verbose=False)
-            results.append(summarise(pair, rows["ours"], rows["theirs"]))
+            results.append(measure(pair, repeats))
         except Exception as e:  # noqa: BLE001 -- one pair's failure is reported, the rest run
             results.append(failed(pair, e))
         print("  " + results[-1].line(), flush=True)

@@ -38,6 +38,7 @@ from parbench.config import MODEL_FEATURES, CaseConfig, ConfigError
 from parbench.model import build_stage, counted_tokens
 from parbench.probes import reference_probes
 from parbench.scheme import Prediction, Scheme
+from parbench.timeline import as_dicts
 from parbench.schedules import (
     KINDS,
     Action,
@@ -117,7 +118,8 @@ class PipelineScheme(Scheme):
         self.weights = self.make_weights()
         self.executor = self.make_executor()
         # compute events of the last checked step and every timed step after it
-        self._step_events: list[list[dict]] = []
+        #: (step, its compute events) of the measured steps
+        self._step_events: list[tuple[int, list]] = []
         self._held: list[tuple[int, int]] = []  # (held graphs, activation bytes) per step
         # First use of the group by every member (NCCL creates communicators lazily).
         torch.distributed.barrier(group=self.group)
@@ -181,9 +183,8 @@ class PipelineScheme(Scheme):
         with timeline.span("optim"):
             self.clip()
             self.weights.step_end()
-        if step >= self.ctx.run.steps - 1:
-            events = timeline.as_dicts("compute")
-            self._step_events.append(self.measured_events(events, step))
+        if step >= self.ctx.run.steps - 1:  # converted to dicts once, in metrics()
+            self._step_events.append((step, timeline.events_of("compute")))
         return self.reduce_loss(outcome.loss, self.group)
 
     def measured_events(self, events: list[dict], step: int) -> list[dict] | None:
@@ -278,7 +279,9 @@ class PipelineScheme(Scheme):
     def metrics(self):
         held = max((h for h, _ in self._held), default=0)
         act = max((b for _, b in self._held), default=0)
-        steps = [e for e in self._step_events if e is not None]
+        measured = (self.measured_events(as_dicts(events), step)
+                    for step, events in self._step_events)
+        steps = [e for e in measured if e is not None]
         return bubble_metrics(self.measured_schedule(), steps, self.group,
                               held=held, activation_bytes=act,
                               per_microbatch=self.activation_estimate())

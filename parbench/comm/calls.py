@@ -3,6 +3,7 @@ read from the arguments of torch 2.13's signatures (``torch.distributed`` and th
 collectives)."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+#: group -> (size, this rank's rank in it): fixed for a group's life, asked on every call
+_GROUP_INFO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _group_info(group) -> tuple[int, int]:
+    """(size, this rank's group rank) of ``group`` (None: the world), cached per group."""
+    if group is None:
+        return dist.get_world_size(), dist.get_rank()
+    hit = _GROUP_INFO.get(group)
+    if hit is None:
+        hit = _GROUP_INFO[group] = (_group_size(group), dist.get_rank(group))
+    return hit
 
 
 @dataclass
@@ -112,7 +127,7 @@ def _kept(inp: torch.Tensor, splits, group) -> int | None:
     when the input is cut into equal blocks."""
     if not splits:
         return None
-    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    me = _group_info(group)[1]
     row = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else 0
     return int(splits[me]) * row
 

@@ -4,32 +4,37 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from fractions import Fraction
 
 import torch.distributed as dist
 
 from ..analytic.comm import ROOTED
 from . import recording
-from .calls import C10D_WRAPPERS, FUNCTIONAL_WRAPPERS, _Call, _group_size, _shard_dim_alltoall_size
-from .recording import CommRecord, record_wire
+from .calls import (C10D_WRAPPERS, FUNCTIONAL_WRAPPERS, _Call, _group_info, _group_size,
+                    _shard_dim_alltoall_size)
+from .recording import CommRecord, wire_pair
 
 _INSTALLED = False
 _TLS = threading.local()  # per thread: inside a wrapped call (nested calls are not recorded)
 
 
-#: group -> (size, this rank's rank in it): fixed for a group's life, asked on every call
-_GROUP_INFO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DTYPE_NAMES: dict = {}
 
 
-def _group_info(group) -> tuple[int, int]:
-    """(size, this rank's group rank) of ``group`` (None: the world), cached per group."""
-    if group is None:
-        return dist.get_world_size(), dist.get_rank()
-    hit = _GROUP_INFO.get(group)
-    if hit is None:
-        hit = _GROUP_INFO[group] = (_group_size(group), dist.get_rank(group))
-    return hit
+def _dtype_name(dtype) -> str:
+    """'float32' for torch.float32 (cached: ``str`` of a dtype, every call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _thread_name() -> str:
+    """The calling thread's name, kept per thread."""
+    name = getattr(_TLS, "name", None)
+    if name is None:
+        name = _TLS.name = threading.current_thread().name
+    return name
 
 
 def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> None:
@@ -44,15 +49,16 @@ def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> 
         root = dist.get_group_rank(group, call.root) if group is not None else call.root
     if call.kept_bytes is not None and n > 1:
         wire = Fraction(call.message_bytes - call.kept_bytes)
+        wire_f = float(wire)
     else:
-        wire = record_wire(op, call.message_bytes, n, group_rank, root)
+        wire, wire_f = wire_pair(op, call.message_bytes, n, group_rank, root)
     rec = CommRecord(op=op, axis=led.axis(group), group_size=n,
-                     dtype=str(call.tensor.dtype).replace("torch.", ""),
+                     dtype=_dtype_name(call.tensor.dtype),
                      elements=call.message_bytes // max(call.tensor.element_size(), 1),
-                     message_bytes=call.message_bytes, wire_bytes=float(wire),
+                     message_bytes=call.message_bytes, wire_bytes=wire_f,
                      peer=-1 if call.peer is None else call.peer, start=t0,
-                     end=time.perf_counter(), async_op=is_async,
-                     thread=threading.current_thread().name, api=api)
+                     end=time.perf_counter(), async_op=is_async, thread=_thread_name(),
+                     api=api)
     led.add(rec, wire)
     tl = led.timeline
     # the completion time is wanted by a timeline only (a callback per call costs a

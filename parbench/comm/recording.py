@@ -36,14 +36,22 @@ class CommRecord:
     api: str = "c10d"  # c10d | functional
 
 
-@lru_cache(maxsize=8192)
 def record_wire(op: str, message_bytes: int, n: int, group_rank: int = 0,
                 root: int | None = None) -> Fraction:
-    """Bytes one rank sends for one recorded call, exact (``analytic.comm``); a pure
-    function of its arguments, cached (a step repeats the same calls)."""
+    """Bytes one rank sends for one recorded call, exact (``analytic.comm``)."""
+    return wire_pair(op, message_bytes, n, group_rank, root)[0]
+
+
+@lru_cache(maxsize=8192)
+def wire_pair(op: str, message_bytes: int, n: int, group_rank: int = 0,
+              root: int | None = None) -> tuple[Fraction, float]:
+    """``record_wire`` and its float: a pure function of its arguments, cached (a step
+    repeats the same calls; hashing a Fraction or taking its float costs microseconds)."""
     if op in ROOTED and root is not None:
-        return rooted_wire_factor(op, n, group_rank, root) * message_bytes
-    return wire_factor(op, n) * message_bytes
+        wire = rooted_wire_factor(op, n, group_rank, root) * message_bytes
+    else:
+        wire = wire_factor(op, n) * message_bytes
+    return wire, float(wire)
 
 
 def activate(ledger):
