@@ -229,3 +229,19 @@ def failed(pair: Pair, exc: BaseException) -> PairResult:
     nan = float("nan")
     return PairResult(pair.label, pair.kind, nan, nan, nan, nan, nan, 0, False, _where(pair),
                       error=f"{type(exc).__name__}: {first}", key=case_key(pair))
+
+
+def goals(results: list[PairResult]) -> str:
+    """Issue 24's goals over the run: baseline pairs above 1.00x without a stated reason,
+    instrument pairs above 1.03x, pairs with no figure."""
+    slow = [r for r in results if r.kind == "baseline" and not r.error and r.ratio > 1.0
+            and not r.reason]
+    heavy = [r for r in results if r.kind == "instrument" and not r.error and r.ratio > 1.03]
+    broken = [r for r in results if r.error]
+    lines = [f"\ngoals: {len(slow)} baseline pair(s) above 1.00x without a reason, "
+             f"{len(heavy)} instrument pair(s) above 1.03x, {len(broken)} without a figure"]
+    for r, goal in [(r, 1.0) for r in slow] + [(r, 1.03) for r in heavy]:
+        every = "every repeat above" if r.low > goal else "a repeat at or below"
+        lines.append(f"  above: {r.label} {r.ratio:.3f}x [{r.low:.3f}, {r.high:.3f}] "
+                     f"({every} {goal:.2f}x) {r.case}")
+    return "\n".join(lines)

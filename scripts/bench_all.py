@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate  # noqa: E402
-from parbench.bench_pairs import (failed, instrument_pairs, suite_pairs, summarise,  # noqa: E402
-                                  summarise_ab)
+from parbench.bench_pairs import (failed, goals, instrument_pairs, suite_pairs,  # noqa: E402
+                                  summarise, summarise_ab)
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 
 
@@ -51,20 +51,6 @@ def measure(pair, repeats: int):
         return summarise_ab(pair, alternate({"ab": case}, repeats, verbose=False)["ab"])
     rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats, verbose=False)
     return summarise(pair, rows["ours"], rows["theirs"])
-
-
-def goals(results) -> str:
-    """Issue 24's goals over the run: baseline pairs above 1.00x without a stated reason,
-    instrument pairs above 1.03x, pairs with no figure."""
-    slow = [r for r in results if r.kind == "baseline" and not r.error and r.ratio > 1.0
-            and not r.reason]
-    heavy = [r for r in results if r.kind == "instrument" and not r.error and r.ratio > 1.03]
-    broken = [r for r in results if r.error]
-    lines = [f"\ngoals: {len(slow)} baseline pair(s) above 1.00x without a reason, "
-             f"{len(heavy)} instrument pair(s) above 1.03x, {len(broken)} without a figure"]
-    lines += [f"  above: {r.label} {r.ratio:.3f}x [{r.low:.3f}, {r.high:.3f}] {r.case}"
-              for r in slow + heavy]
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
