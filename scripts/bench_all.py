@@ -4,11 +4,13 @@ repeats, both medians and the case. ``--json FILE`` also writes the figures; ``p
 OLD.json NEW.json`` gates two such files pair by pair (``parbench.report.bench_compare``).
 
     python scripts/bench_all.py [suites=data,tensor] [repeats=5] [timed_steps=12]
-                                [only=zero.3] [instruments=true] [model=small ...] [--json FILE]
+                                [only=zero.3] [instruments=true] [above=EARLIER.json]
+                                [model=small ...] [--json FILE]
 
 Pairs come from the suites (``parbench.bench_pairs``): each baseline row beside the same case
-run by its native scheme. Each pair alternates ours and theirs ``repeats`` times on one pool
-per world size; one thread per rank. Beside each wall-clock ratio, the ratio of the ranks' CPU
+run by its native scheme (``above=EARLIER.json``: only the baseline pairs an earlier run
+measured above 1.00x, e.g. again with more repeats). Each pair alternates ours and theirs
+``repeats`` times on one pool per world size; one thread per rank. Beside each wall-clock ratio, the ratio of the ranks' CPU
 seconds per step (the work each side does). The last lines count what is above issue 24's goals
 (baseline pairs above 1.00x with no stated reason, instrument pairs above 1.03x). No assertion:
 this prints what one run measured.
@@ -24,12 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate  # noqa: E402
-from parbench.bench_pairs import (failed, goals, instrument_pairs, suite_pairs,  # noqa: E402
-                                  summarise, summarise_ab)
+from parbench.bench_pairs import (case_key, failed, goals, instrument_pairs,  # noqa: E402
+                                  suite_pairs, summarise, summarise_ab)
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 
 
-OWN_KEYS = ("suites", "repeats", "timed_steps", "only", "instruments")
+OWN_KEYS = ("suites", "repeats", "timed_steps", "only", "instruments", "above")
 
 
 def _with_steps(pair, timed: int, fields: dict):
@@ -53,6 +55,15 @@ def measure(pair, repeats: int):
     return summarise(pair, rows["ours"], rows["theirs"])
 
 
+def above_keys(path: str) -> set[str]:
+    """The keys of the baseline pairs an earlier ``--json`` file measured above 1.00x."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+        return {p["key"] for p in earlier if p["kind"] == "baseline" and p["ratio"] > 1.0}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"above={path}: not a bench_all --json file ({e})") from None
+
+
 def main(argv: list[str]) -> int:
     out_json = None
     if "--json" in argv:
@@ -65,6 +76,8 @@ def main(argv: list[str]) -> int:
     if "only" in ov:
         keep = set(ov["only"].split(","))
         pairs = [p for p in pairs if p.ours.run.scheme in keep or p.theirs.run.scheme in keep]
+    if "above" in ov:  # again, the baseline pairs an earlier run measured above 1.00x
+        pairs = [p for p in pairs if case_key(p) in above_keys(ov["above"])]
     if ov.get("instruments", "true").lower() != "false":
         pairs += instrument_pairs(pairs)
     fields = {k: v for k, v in ov.items() if k not in OWN_KEYS}
