@@ -4,7 +4,7 @@ repeats, both medians and the case. ``--json FILE`` also writes the figures; ``p
 OLD.json NEW.json`` gates two such files pair by pair (``parbench.report.bench_compare``).
 
     python scripts/bench_all.py [suites=data,tensor] [repeats=5] [timed_steps=12]
-                                [only=zero.3] [instruments=true] [above=EARLIER.json]
+                                [only=zero.3] [instruments=true|false|only] [above=EARLIER.json]
                                 [model=small ...] [--json FILE]
 
 Pairs come from the suites (``parbench.bench_pairs``): each baseline row beside the same case
@@ -46,10 +46,10 @@ def _with_steps(pair, timed: int, fields: dict):
 def measure(pair, repeats: int):
     """A baseline pair: ours and theirs alternately, ``repeats`` times each; an instrument
     pair: its one case (timed steps alternating the instruments) ``repeats`` times, with
-    twice the timed steps."""
+    four times the timed steps (the effect sought is a few percent)."""
     if pair.kind == "instrument":
         case = pair.ours
-        case = replace(case, run=replace(case.run, timed_steps=2 * case.run.timed_steps))
+        case = replace(case, run=replace(case.run, timed_steps=4 * case.run.timed_steps))
         return summarise_ab(pair, alternate({"ab": case}, repeats, verbose=False)["ab"])
     rows = alternate({"ours": pair.ours, "theirs": pair.theirs}, repeats, verbose=False)
     return summarise(pair, rows["ours"], rows["theirs"])
@@ -78,7 +78,10 @@ def main(argv: list[str]) -> int:
         pairs = [p for p in pairs if p.ours.run.scheme in keep or p.theirs.run.scheme in keep]
     if "above" in ov:  # again, the baseline pairs an earlier run measured above 1.00x
         pairs = [p for p in pairs if case_key(p) in above_keys(ov["above"])]
-    if ov.get("instruments", "true").lower() != "false":
+    mode = ov.get("instruments", "true").lower()
+    if mode == "only":  # the instrument pairs alone
+        pairs = instrument_pairs(pairs)
+    elif mode != "false":
         pairs += instrument_pairs(pairs)
     fields = {k: v for k, v in ov.items() if k not in OWN_KEYS}
     started, results = time.time(), []
