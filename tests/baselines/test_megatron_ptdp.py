@@ -78,6 +78,23 @@ def test_megatron_core_clips_wrongly_on_weights_it_did_not_initialise(pools, meg
     assert fixed.clipped_steps == 1
 
 
+GPT = "baseline.megatron.gpt-ptdp"
+
+
+def _gpt_ptdp_equivalent(pools, **ov):
+    """Megatron-Core's GPTModel (llama-tiny, dp 1, one step, sequence parallelism, ``ov``)
+    run on the pool and equal to the golden run, every parameter reported: (the case, the
+    ranks' results, ``hybrid``'s prediction for it)."""
+    case = apply_overrides(CaseConfig(), {**BASE, "scheme": GPT, "model": "llama-tiny",
+                                          "vocab_size": 128, "dp": 1, "steps": 1, "sp": True,
+                                          **ov})
+    get_scheme(GPT).check(case)
+    theirs, per_rank = run_on_pool(pools, case)
+    assert theirs.equivalent, theirs
+    assert not theirs.uncovered
+    return case, per_rank, get_scheme("hybrid").predict(case)
+
+
 def test_megatron_core_gptmodel_stages_equal_golden_with_hybrids_traffic(pools, megatron):
     """Megatron-Core's own GPTModel per pipeline stage (``baseline.megatron.gpt-ptdp``:
     pre_process / post_process, its TransformerBlock's layer offset) on the LLaMA blocks
@@ -86,22 +103,14 @@ def test_megatron_core_gptmodel_stages_equal_golden_with_hybrids_traffic(pools, 
     (its scatter / gather regions; its norms' gradients all-reduced over tp by
     finalize_model_grads, CPU shim 5): equal to the golden run, and its ledger exactly
     ``hybrid``'s closed form, the embd all-reduce included (issue 21)."""
-    name = "baseline.megatron.gpt-ptdp"
-    case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
-                                          "vocab_size": 128, "dp": 1, "steps": 1,
-                                          "tie_embeddings": True, "sp": True})
-    get_scheme(name).check(case)
-    theirs, per_rank = run_on_pool(pools, case)
-    assert theirs.equivalent, theirs
-    assert not theirs.uncovered
-    pred = get_scheme("hybrid").predict(case)
+    case, per_rank, pred = _gpt_ptdp_equivalent(pools, tie_embeddings=True)
     for r in per_rank:
         wire = {a: b for a, b in r.wire_by_axis_per_step[-1].items() if b}  # dp = 1: 0 B
         assert wire == pytest.approx(pred.wire_at(0)[r.rank], abs=0.5), r.rank
         assert r.calls_by_axis_per_step[-1] == pred.calls_at(0)[r.rank]
     assert all(r.wire_by_axis_per_step[-1]["embd"] > 0 for r in per_rank)
     with pytest.raises(ConfigError, match="clip_grad"):
-        get_scheme(name).check(apply_overrides(case, {"clip_grad": "0.5"}))
+        get_scheme(GPT).check(apply_overrides(case, {"clip_grad": "0.5"}))
 
 
 def test_megatron_core_gptmodel_context_parallel_equals_golden(pools, megatron):
@@ -112,15 +121,7 @@ def test_megatron_core_gptmodel_context_parallel_equals_golden(pools, megatron):
     tp and dp_cp bytes and calls are ``hybrid``'s closed form; cp's are torch's all-gather
     ring (K / V gathered in forward and backward, dK / dV all-to-all) and the loss's sum and
     count all-reduced over cp, more than the native p2p ring's (shown, a framework's)."""
-    name = "baseline.megatron.gpt-ptdp"
-    case = apply_overrides(CaseConfig(), {**BASE, "scheme": name, "model": "llama-tiny",
-                                          "vocab_size": 128, "dp": 1, "pp": 1, "cp": 2,
-                                          "steps": 1, "sp": True})
-    get_scheme(name).check(case)
-    theirs, per_rank = run_on_pool(pools, case)
-    assert theirs.equivalent, theirs
-    assert not theirs.uncovered
-    pred = get_scheme("hybrid").predict(case)
+    case, per_rank, pred = _gpt_ptdp_equivalent(pools, pp=1, cp=2)
     for r in per_rank:
         wire, want = r.wire_by_axis_per_step[-1], pred.wire_at(0)[r.rank]
         calls, want_calls = r.calls_by_axis_per_step[-1], pred.calls_at(0)[r.rank]
@@ -131,4 +132,4 @@ def test_megatron_core_gptmodel_context_parallel_equals_golden(pools, megatron):
     for ov, rule in [({"cp_balance": "none"}, "zigzag"), ({"seq_length": 10}, "2 cp"),
                      ({"seq_length": 20, "tp": 4}, "s/cp")]:
         with pytest.raises(ConfigError, match=rule):
-            get_scheme(name).check(apply_overrides(case, ov))
+            get_scheme(GPT).check(apply_overrides(case, ov))
