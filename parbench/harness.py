@@ -16,11 +16,13 @@ golden work runs after the timed steps, never inside one).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from . import thread_cpu
 from .comm import Ledger
 from .config import CaseConfig
 from .device import StepTimer, kind
@@ -53,6 +55,9 @@ class _Steps:
 
     step_times: list[float] = field(default_factory=list)
     step_cpu_times: list[float] = field(default_factory=list)
+    step_own_cpu_times: list[float] = field(default_factory=list)
+    #: CPU seconds of the process's other threads by name, summed over the timed steps
+    threads_cpu: Counter = field(default_factory=Counter)
     losses: list = field(default_factory=list)
     checks: list = field(default_factory=list)
     wire: list[dict[str, float]] = field(default_factory=list)
@@ -112,6 +117,9 @@ def run_case(wctx, case_dict: dict) -> RankResult:
     figures, bubble = split_figures(scheme.metrics())
     return RankResult(rank=wctx.rank, losses=out.losses, checks=out.checks,
                       step_times=out.step_times, step_cpu_times=out.step_cpu_times,
+                      step_own_cpu_times=out.step_own_cpu_times,
+                      threads_cpu_s={k: v / len(out.step_times) for k, v in
+                                     out.threads_cpu.items()} if out.step_times else {},
                       peak_bytes=out.peak,
                       model_states_per_step=out.states, wire_by_axis_per_step=out.wire,
                       calls_by_axis_per_step=out.calls, ledger=out.ledger,
@@ -214,13 +222,18 @@ def _train(me: _Rank, step: int, x, y, ledger: Ledger, out: _Steps):
         return loss
     # on CUDA the step is timed by events on the device, synchronised at its end; on CPU by
     # the host's clock (parbench.device.StepTimer)
+    timed = step >= run.steps + run.warmup_steps
+    threads0 = thread_cpu.by_thread() if timed else None  # outside the timer
     timer, c0 = StepTimer(device).start(), time.process_time()
+    own0 = thread_cpu.own_seconds()
     with ledger:
         loss = me.scheme.train_step(x, y, step)
     seconds = timer.stop()
-    if step >= run.steps + run.warmup_steps:
+    if timed:
+        out.step_own_cpu_times.append(thread_cpu.own_seconds() - own0)
         out.step_times.append(seconds)
         out.step_cpu_times.append(time.process_time() - c0)
+        thread_cpu.add_delta(out.threads_cpu, threads0, thread_cpu.by_thread())
     return loss
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 from .config import CaseConfig
 from .launch import SHARED_TIMEOUT_S, RankError, WorkerPool, shared_pool
 from .results import (Divergence, Environment, Failure, Memory, RankResult, Row, RowCase,
-                      SchemeFigures, Timing, append_row, load_rows)
+                      SchemeFigures, Timing, Traffic, append_row, load_rows)
 from .registry import get_scheme
 from .timeline import chrome_trace
 from .verdict import (Merged, merge_ranks, states_of, timed_ledger, traffic_of,
@@ -125,9 +125,12 @@ def timing(case: CaseConfig, merged: Merged, per_rank: list[RankResult]) -> Timi
     step = merged.step_time_s
     tokens = case.layout.global_batch_size * case.model.seq_length
     cpu = [statistics.median(r.step_cpu_times) for r in per_rank if r.step_cpu_times]
+    own = [statistics.median(r.step_own_cpu_times) for r in per_rank if r.step_own_cpu_times]
     shares = [r.verdict_s / r.case_s for r in per_rank if r.case_s > 0]
     return Timing(step_s=step, per_rank_s=[list(r.step_times) for r in per_rank],
                   tokens_per_s=tokens / step if step else None, cpu_s=max(cpu) if cpu else None,
+                  own_cpu_s=max(own) if own else None,
+                  threads_cpu_s=Traffic.largest([r.threads_cpu_s for r in per_rank]),
                   verdict_share=max(shares) if shares else None,
                   case_s=max((r.case_s for r in per_rank), default=None) or None)
 

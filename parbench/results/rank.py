@@ -211,6 +211,11 @@ class RankResult:
     #: sharing the cores, so ``scripts/bench_overhead.py`` compares instrumentation on and off
     #: with it
     step_cpu_times: list[float] = field(default_factory=list)
+    #: per timed step, of them, the calling thread's (the scheme's own work;
+    #: ``parbench.thread_cpu``); and the other threads' CPU seconds per timed step by thread
+    #: name, a mean over the timed steps (the collective backend's; Linux only)
+    step_own_cpu_times: list[float] = field(default_factory=list)
+    threads_cpu_s: dict[str, float] = field(default_factory=dict)
     #: wall seconds of this rank's part of the case (``harness.run_case``, scheme built to
     #: figures returned) and, of them, the verdict's: its golden run, every checked step's
     #: checks and the final check (issue 24: the verdict's share of a case)

@@ -128,6 +128,11 @@ class Timing:
     #: the median timed step's CPU seconds of the busiest rank's process (``RankResult.
     #: step_cpu_times``)
     cpu_s: float | None = None
+    #: of it, the calling thread's (the scheme's own work), the busiest rank's median; and the
+    #: other threads' CPU seconds per timed step by thread name (the collective backend's),
+    #: the largest rank's mean (``parbench.thread_cpu``; empty off Linux)
+    own_cpu_s: float | None = None
+    threads_cpu_s: dict[str, float] = field(default_factory=dict)
     #: the verdict's share of the case's wall time: per rank, the seconds of its golden run
     #: and checks over the seconds of its part of the case (``RankResult.verdict_s`` /
     #: ``case_s``), the largest over the ranks
