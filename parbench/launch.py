@@ -19,6 +19,11 @@ Failures end the task promptly, never as a silent wait:
   (the ledger's wrappers post it), and the caller gets ``RankHang`` naming the rank that is
   not waiting in a collective.
 
+A driver that dies leaves no rank behind: a driver ended by SIGTERM or SIGHUP closes its pools
+(``parbench.terminate``), and a rank whose driver is gone however it died (SIGKILL included)
+exits by itself within a moment (``_watch_driver``); the fork server and the resource tracker
+then end too, as they end once no process holds their pipes.
+
 Under ``torchrun`` or Slurm (``WORLD_SIZE`` and ``RANK`` set) ``worker.init_from_env`` joins the job
 as one rank instead (hangs there end at the backend's collective timeout).
 """
@@ -29,6 +34,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 
@@ -95,8 +101,37 @@ class _Board:
         self.when[rank] = time.time()
 
 
+#: a rank's exit status when its driver is gone (``_watch_driver``)
+DRIVER_GONE_EXIT = 1
+
+
+def _watch_driver(lifeline) -> None:
+    """End this rank at once when its driver is gone, however it died.
+
+    ``lifeline`` is the reading end of a pipe whose only writing end the driver holds (the
+    pool's ``_lifeline``: ranks are forked from the fork server or spawned, so none inherits
+    it) and never writes to: its end of file means the driver exited or was killed --
+    SIGKILL, which no handler sees, included -- while a rank may be blocked in a collective
+    whose peers wait for the same driver. A daemon thread blocks in the read, so the timed
+    steps pay nothing (no per-step work, no polling); it touches no device, so it is the same
+    on CUDA / NCCL. Polling the driver's pid instead would need a period, would take a
+    zombie driver (killed, not yet reaped by its parent) for a live one, and could meet a
+    reused pid; the fork server, the rank's parent, outlives the driver while ranks hold
+    its pipe, so the parent pid says nothing either."""
+    def watch():
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(DRIVER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="parbench-driver-watch", daemon=True).start()
+
+
 def _worker_main(rank, world_size, port, device, timeout_s, threads, tasks, results, board,
-                 stack_dir, env=None):
+                 stack_dir, env=None, lifeline=None):
+    if lifeline is not None:  # first: a rank stuck in the rendezvous also goes with its driver
+        _watch_driver(lifeline)
     rank_start.adopt(env)  # forked from the server: the parent's environment, as spawn gives
     if not os.environ.get("PARBENCH_VERBOSE"):
         # libraries print banners on stdout (DeepSpeed lists its layers); the parent's
@@ -166,6 +201,8 @@ class WorkerPool:
         self.threads = threads
         self._ctx = rank_start.context()
         self._procs: list = []
+        self._lifeline = None  # the writing end of the ranks' lifeline (``_watch_driver``)
+        self._busy = False  # a task was queued and its results not all collected
         self._task_qs: list = []
         self._results = None
         self._next_id = 0
@@ -190,24 +227,33 @@ class WorkerPool:
         self._results = self._ctx.Queue()
         self._task_qs = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = []
-        for r in range(self.world_size):
-            p = self._ctx.Process(target=_worker_main, daemon=True,
-                                  args=(r, self.world_size, port, self.device, self.timeout_s,
-                                        self.threads, self._task_qs[r], self._results,
-                                        self._board, self._stack_dir,
-                                        rank_start.environment()))
-            p.start()
-            self._procs.append(p)
-        self._collect(-1, start_timeout_s, hang_s=None)
+        reader, self._lifeline = self._ctx.Pipe(duplex=False)
+        try:
+            for r in range(self.world_size):
+                p = self._ctx.Process(target=_worker_main, daemon=True,
+                                      args=(r, self.world_size, port, self.device,
+                                            self.timeout_s, self.threads, self._task_qs[r],
+                                            self._results, self._board, self._stack_dir,
+                                            rank_start.environment(), reader))
+                p.start()
+                self._procs.append(p)
+            reader.close()  # each rank has its own copy now
+            self._collect(-1, start_timeout_s, hang_s=None)
+        except BaseException:  # Terminated or Ctrl-C while starting: no caller to close it
+            self.close(force=True)
+            raise
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def close(self, force: bool = False) -> None:
+        """End the ranks: let them leave their loop (up to 5 s) unless ``force`` or a task
+        is still running on them (they would not read the request before it ends), then kill
+        what is left."""
         if not self._procs:
             return
-        if not force:
+        if not (force or self._busy):
             for q in self._task_qs:
                 try:
                     q.put(None)
@@ -222,6 +268,7 @@ class WorkerPool:
         for p in self._procs:
             p.join(2)
         self._procs = []
+        self._lifeline.close()
         shutil.rmtree(self._stack_dir, ignore_errors=True)  # read by _hang before it closes
 
     def __enter__(self) -> "WorkerPool":
@@ -247,11 +294,14 @@ class WorkerPool:
         for r in range(self.world_size):
             self._board.when[r] = now
             _Board.write(self._board.progress[r], "task queued")
+        self._busy = True
         for q in self._task_qs:
             q.put((task_id, fn, args, kwargs))
-        return self._collect(task_id, timeout_s,
-                             hang_s=self.hang_timeout_s if hang_timeout_s is None
-                             else hang_timeout_s)
+        out = self._collect(task_id, timeout_s,
+                            hang_s=self.hang_timeout_s if hang_timeout_s is None
+                            else hang_timeout_s)
+        self._busy = False
+        return out
 
     def _collect(self, task_id: int, timeout_s: float | None, hang_s: float | None) -> list:
         out: list = [None] * self.world_size

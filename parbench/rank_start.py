@@ -11,7 +11,10 @@ state (libgomp's thread pool is created on first use, after the fork).
 What spawn gave for free is restored explicitly: a rank takes the parent's environment as it
 was when the pool started (``environment`` -- the server's own copy dates from its start),
 and the server sets the one-thread defaults before torch is imported (``worker._setup_env``).
-``PARBENCH_START=spawn`` (or a platform without fork) keeps spawn.
+``PARBENCH_START=spawn`` (or a platform without fork) keeps spawn. Plain ``fork`` is not
+offered (any other value gives spawn): a rank forked from the driver itself would inherit the
+driver's end of every pool's lifeline and never see its driver go (``launch._watch_driver``),
+besides copying the driver's threads' locks.
 """
 from __future__ import annotations
 
@@ -22,12 +25,14 @@ import sys
 #: what the fork server imports once: the parent's main script, as spawn runs it in each rank
 #: (a task defined there unpickles), and what every rank imports anyway
 PRELOAD = ["__main__", "parbench.rank_preload"]
+#: the start methods ``PARBENCH_START`` may choose
+STARTS = ("forkserver", "spawn")
 
 
 def context():
     """The multiprocessing context ranks are started in."""
     method = os.environ.get("PARBENCH_START", "forkserver")
-    if method not in mp.get_all_start_methods():
+    if method not in STARTS or method not in mp.get_all_start_methods():
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":

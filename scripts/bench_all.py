@@ -29,6 +29,7 @@ from parbench.bench import alternate  # noqa: E402
 from parbench.bench_pairs import (case_key, failed, goals, instrument_pairs,  # noqa: E402
                                   suite_pairs, summarise, summarise_ab)
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 
 OWN_KEYS = ("suites", "repeats", "timed_steps", "only", "instruments", "above")
@@ -105,4 +106,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_all",
+                           kept="the pairs printed above are what it measured"))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 PAIRS = [("context.ulysses", "baseline.deepspeed.ulysses"),
          ("context.ring-attention", "baseline.torch.context_parallel")]
@@ -43,4 +44,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_context",
+                           kept="the lines printed above are what it measured"))

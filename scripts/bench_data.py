@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 PAIRS = [("zero.3", "baseline.torch.fsdp2"), ("zero.3", "baseline.deepspeed.zero3"),
          ("data.ddp", "baseline.torch.ddp")]
@@ -32,4 +33,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_data",
+                           kept="the lines printed above are what it measured"))

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 DEFAULTS = {"model": "small", "dp": "2", "steps": "1", "timed_steps": "12",
             "warmup_steps": "2", "num_microbatches": "2", "micro_batch_size": "2",
@@ -54,4 +55,5 @@ def print_cpu_ratios(rows: dict, pairs: list[tuple[str, str]]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_overhead",
+                           kept="the lines printed above are what it measured"))

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 #: (ours, torch's, vpp)
 PAIRS = [("pipeline.1f1b", "baseline.torch.pipelining.1f1b", 1),
@@ -86,4 +87,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_pipeline",
+                           kept="the lines printed above are what it measured"))

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parbench.bench import alternate, base_case, describe, print_ratios  # noqa: E402
 from parbench.overrides import apply_overrides  # noqa: E402
 from parbench.registry import get_scheme  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 PAIRS = [("tensor.megatron", "baseline.dtensor.tp"),
          ("tensor.megatron", "baseline.megatron.tp"),
@@ -47,4 +48,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_tensor",
+                           kept="the lines printed above are what it measured"))

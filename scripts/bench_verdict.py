@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate, base_case, describe  # noqa: E402
 from parbench.overrides import apply_overrides  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 DEFAULTS = {"repeats": "5"}
 #: the 2-rank and the 8-rank case: (label, fields)
@@ -49,4 +50,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="bench_verdict",
+                           kept="the lines printed above are what it measured"))

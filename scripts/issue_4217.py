@@ -26,6 +26,7 @@ from parbench.analytic.context import ulysses_vs_megatron_sp  # noqa: E402
 from parbench.config import CaseConfig  # noqa: E402
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 from parbench.runner import PoolCache, case_row  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 DEFAULTS = {"hidden_size": "64", "num_heads": "4", "seq_length": "64", "vocab_size": "128",
             "micro_batch_size": "1", "num_microbatches": "1", "steps": "1",
@@ -70,4 +71,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_terminable(main, sys.argv[1:], prog="issue_4217",
+                           kept="the lines printed above are what it measured"))

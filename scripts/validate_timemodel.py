@@ -51,6 +51,7 @@ from parbench.runner import PoolCache, case_row  # noqa: E402
 from parbench.suites import load_suite  # noqa: E402
 from parbench.timemodel import Training, load_profile, predict_step  # noqa: E402
 from parbench.timemodel.profile import profile_dir  # noqa: E402
+from parbench.terminate import run_terminable  # noqa: E402
 
 SUITES = ("data", "pipeline", "tensor", "sequence")
 #: schemes whose mechanism the time model does not price (said in the table, not predicted)
@@ -416,7 +417,8 @@ def report(rows, prof, tol, rho_min, out, meta) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
+        sys.exit(run_terminable(main, sys.argv[1:], prog="validate_timemodel",
+                                kept="the lines printed above are what it measured"))
     except ConfigError as e:
         print(f"validate_timemodel: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,7 +3,9 @@
 Verbs that spawn ranks live in ``cli/run.py``; verbs that read results or describe things in
 ``cli/inspect.py``; the analytic model's verbs in ``cli/analytic.py``. Bad input exits with
 status 2 and one line ``parbench: error: ...`` naming field, value and rule, before any rank
-is spawned; a failing rank exits with status 1 and that rank's traceback.
+is spawned; a failing rank exits with status 1 and that rank's traceback. SIGTERM and SIGHUP
+end a command as an exception does (its pools of ranks closed, finished rows kept) with status
+128 + the signal's number (``parbench.terminate``).
 
 Each verb imports what it runs inside its function, on purpose: ``parbench --help``, a verb's
 ``--help`` and bad input answer without importing torch or the schemes.
@@ -14,6 +16,7 @@ import os
 import sys
 
 from ..config import ConfigError
+from ..terminate import run_terminable
 from . import analytic, calibrate, compare, inspect, plan, reproduce, run, schedule, verify
 from .help import VERBS_HELP, usage, verb_help
 
@@ -32,6 +35,10 @@ VERBOSE_VERBS = ("estimate", "plan")
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    return run_terminable(_main_piped, argv, prog="parbench")
+
+
+def _main_piped(argv: list[str]) -> int:
     try:
         return _main(argv)
     except BrokenPipeError:  # output piped into `head`

@@ -33,6 +33,8 @@ def test_the_start_method_is_chosen(monkeypatch):
     assert rank_start.context().get_start_method() == "spawn"
     monkeypatch.setenv("PARBENCH_START", "no-such-method")
     assert rank_start.context().get_start_method() == "spawn"
+    monkeypatch.setenv("PARBENCH_START", "fork")  # its ranks would hold their lifeline
+    assert rank_start.context().get_start_method() == "spawn"
     monkeypatch.delenv("PARBENCH_START")
     if sys.platform.startswith("linux"):
         assert rank_start.context().get_start_method() == "forkserver"
