@@ -70,3 +70,18 @@ def test_opposite_constant_gradients_come_within_one_percent_of_the_bound():
     n = run.steps + run.timed_steps
     got = _two_copies(run, [[1.0, -2.0]] * n, [[-1.0, 2.0]] * n)
     assert 0.99 * adamw_max_divergence(run) < got <= adamw_max_divergence(run)
+
+
+def test_the_divergence_bound_is_the_sum_of_the_step_bounds_and_linear_in_the_steps():
+    from types import SimpleNamespace
+
+    from parbench.tolerance_rules import adam_step_bound, adamw_max_divergence
+    r = SimpleNamespace(steps=2, timed_steps=38, lr=1e-3, beta1=0.9, beta2=0.95)
+    assert adamw_max_divergence(r) == 2e-3 * sum(adam_step_bound(t, 0.9, 0.95)
+                                                 for t in range(1, 41))
+    # a long run: 10^5 steps (quadratic before: the bound's series summed again every step)
+    # and beta1^2 > beta2, where Adam's step has no bound (it overflowed before)
+    long = SimpleNamespace(steps=2, timed_steps=100_000, lr=1e-3, beta1=0.9, beta2=0.95)
+    assert 0 < adamw_max_divergence(long) < float("inf")
+    assert adamw_max_divergence(SimpleNamespace(steps=2, timed_steps=5000, lr=1e-3,
+                                                beta1=0.9, beta2=0.5)) == float("inf")
