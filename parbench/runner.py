@@ -130,6 +130,8 @@ def timing(case: CaseConfig, merged: Merged, per_rank: list[RankResult]) -> Timi
     return Timing(step_s=step, per_rank_s=[list(r.step_times) for r in per_rank],
                   tokens_per_s=tokens / step if step else None, cpu_s=max(cpu) if cpu else None,
                   own_cpu_s=max(own) if own else None,
+                  per_rank_cpu_s=[list(r.step_cpu_times) for r in per_rank],
+                  per_rank_own_cpu_s=[list(r.step_own_cpu_times) for r in per_rank],
                   threads_cpu_s=Traffic.largest([r.threads_cpu_s for r in per_rank]),
                   verdict_share=max(shares) if shares else None,
                   case_s=max((r.case_s for r in per_rank), default=None) or None)

@@ -26,8 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parbench.bench import alternate  # noqa: E402
+from parbench.bench_ab import summarise_ab  # noqa: E402
 from parbench.bench_pairs import (case_key, failed, goals, instrument_pairs,  # noqa: E402
-                                  suite_pairs, summarise, summarise_ab)
+                                  suite_pairs, summarise)
 from parbench.overrides import apply_overrides, parse_overrides  # noqa: E402
 from parbench.terminate import run_terminable  # noqa: E402
 

@@ -132,6 +132,10 @@ class Timing:
     #: other threads' CPU seconds per timed step by thread name (the collective backend's),
     #: the largest rank's mean (``parbench.thread_cpu``; empty off Linux)
     own_cpu_s: float | None = None
+    #: per rank, the process's and the calling thread's CPU seconds of each timed step
+    #: (``per_rank_s``'s steps)
+    per_rank_cpu_s: list[list[float]] = field(default_factory=list)
+    per_rank_own_cpu_s: list[list[float]] = field(default_factory=list)
     threads_cpu_s: dict[str, float] = field(default_factory=dict)
     #: the verdict's share of the case's wall time: per rank, the seconds of its golden run
     #: and checks over the seconds of its part of the case (``RankResult.verdict_s`` /

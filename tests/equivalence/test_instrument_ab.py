@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parbench.bench_pairs import ab_steps
+from parbench.bench_ab import ab_steps
 from parbench.config import CaseConfig, ConfigError, validate_run
 from parbench.harness import instrumented
 from parbench.overrides import apply_overrides
@@ -48,3 +48,21 @@ def test_the_steps_are_paired_by_their_place_after_the_warm_up():
     # entries are timed steps 1..5 (after the warm-up): 2 and 4 with the instruments, each
     # paired with the next; the slowest rank's seconds per step
     assert ab_steps(row) == ([9, 4], [3, 5])
+
+
+def test_the_instruments_share_is_their_own_thread_cpu_over_the_steps():
+    from parbench.bench_ab import own_ratios, shares
+    # two ranks, timed steps 1..5 after a warm-up of 1: steps 2 and 4 with the instruments
+    t = SimpleNamespace(per_rank_s=[[1] * 5, [1] * 5],
+                        per_rank_own_cpu_s=[[0, 3, 2, 3, 2], [0, 3, 2, 5, 2]],
+                        per_rank_cpu_s=[[0, 9, 10, 9, 10], [0, 9, 10, 9, 30]])
+    row = SimpleNamespace(time=t, case=SimpleNamespace(config={"run": {"warmup_steps": 1}}))
+    assert shares(row) == [(6 - 4) / 20, (8 - 4) / 40]
+    assert own_ratios(row) == [6 / 4, 8 / 4]
+
+
+def test_a_real_rows_instruments_cost_some_cpu_and_a_share_below_one(pools):
+    from parbench.bench_ab import shares
+    row = case_row(_case(timed_steps=10), pools(2))
+    s = shares(row)
+    assert len(s) == 4 and all(-1 < x < 1 for x in s)

@@ -75,5 +75,17 @@ def test_the_goals_lines_count_what_is_above_and_whether_every_repeat_is():
                   r("baseline", 0.9, 0.8), r("instrument", 1.05, 1.04),
                   r("instrument", 1.02, 0.9), r("baseline", 1.0, 1.0, error="RankError: x")])
     assert "1 baseline pair(s) above 1.00x without a reason, 0 above with a measured one" \
-        in text and "1 instrument pair(s) above 1.03x, 1 without a figure" in text
+        in text and "1 instrument pair(s) above 3% of the step, 1 without a figure" in text
     assert "(a repeat at or below 1.00x)" in text and "(every repeat above 1.03x)" in text
+
+
+def test_an_instrument_pair_is_held_to_its_cpu_share_where_measured():
+    from parbench.bench_pairs import PairResult, goals
+
+    def r(ratio, share, low):
+        return PairResult("p", "instrument", 1.0, 1.0, ratio, 0.9, 1.2, 5, True, "c",
+                          own_ratio=1.05, share=share, share_low=low, share_high=share + 0.01)
+    text = goals([r(1.10, 0.02, 0.01), r(0.98, 0.035, 0.032), r(1.0, 0.04, 0.02)])
+    assert "2 instrument pair(s) above 3% of the step" in text
+    assert "every run's instruments' CPU above 3%" in text and "CPU 3.5% of the step's" in text
+    assert "a run's instruments' CPU at or below 3%" in text
