@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 
 
@@ -30,23 +30,37 @@ class Event:
 _EVENT_FIELDS = tuple(f.name for f in fields(Event) if f.name != "meta")
 
 
+class _Span:
+    __slots__ = ("tl", "kind", "mb", "stage", "meta", "t0", "c0")
+
+    def __init__(self, tl, kind, mb, stage, meta):
+        self.tl, self.kind, self.mb, self.stage, self.meta = tl, kind, mb, stage, meta
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc) -> None:
+        tl = self.tl
+        tl.events.append(Event(tl.rank, self.kind, self.t0, time.perf_counter(), "compute",
+                               self.mb, self.stage, self.meta, time.thread_time() - self.c0))
+
+
+_NO_SPAN = nullcontext()
+
+
 class Timeline:
     def __init__(self, rank: int = 0, enabled: bool = True):
         self.rank = rank
         self.enabled = enabled
         self.events: list[Event] = []
 
-    @contextmanager
     def span(self, kind: str, mb: int = -1, stage: int = -1, **meta):
+        """``with timeline.span("F", mb, stage):`` one compute event around the block (its
+        wall and thread-CPU seconds); nothing when the timeline is off. A small context
+        object, not a generator: a span is on the instruments' path of every action."""
         if not self.enabled:
-            yield
-            return
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self.events.append(Event(self.rank, kind, t0, time.perf_counter(), "compute", mb,
-                                     stage, meta, time.thread_time() - c0))
+            return _NO_SPAN
+        return _Span(self, kind, mb, stage, meta)
 
     def add(self, kind: str, start: float, end: float, cat: str = "compute", mb: int = -1,
             stage: int = -1, **meta) -> None:

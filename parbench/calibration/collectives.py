@@ -125,8 +125,7 @@ def time_items(items: list[Item], plan: Plan, dev: str, burst, ledger, timeline
             for i, (key, S, call, member, _) in enumerate(items):
                 base = _timed(burst, ks[i], dev)
                 diffs[i].append(_timed(_after_burst(burst, call, member), ks[i], dev) - base)
-                ledger.records.clear()
-                ledger._exact.clear()
+                ledger.clear()
                 timeline.clear()
     return diffs
 

@@ -38,46 +38,61 @@ def _thread_name() -> str:
 
 
 def _record(op: str, call: _Call, work, t0: float, is_async: bool, api: str) -> None:
+    """Note one call in the active ledger. On a step whose timeline wants the calls (the
+    exported one) the record is built at once, with its completion callback; on every other
+    step only the call's facts are kept -- its group, sizes, times, the tensor's dtype but
+    not the tensor -- and the ledger builds the records when it is read, after the step
+    (``Ledger.records``): the group's size and rank, the axis name, the exact wire bytes and
+    the record are arithmetic the step need not wait for."""
     led = recording.active()
     if led is None:
         return
-    group = call.group
-    size, group_rank = _group_info(group)
-    n = 2 if op in ("send", "recv") else size
-    root = None
-    if call.root is not None and op in ROOTED:
-        root = dist.get_group_rank(group, call.root) if group is not None else call.root
-    if call.kept_bytes is not None and n > 1:
-        wire = Fraction(call.message_bytes - call.kept_bytes)
-        wire_f = float(wire)
-    else:
-        wire, wire_f = wire_pair(op, call.message_bytes, n, group_rank, root)
-    rec = CommRecord(op=op, axis=led.axis(group), group_size=n,
-                     dtype=_dtype_name(call.tensor.dtype),
-                     elements=call.message_bytes // max(call.tensor.element_size(), 1),
-                     message_bytes=call.message_bytes, wire_bytes=wire_f,
-                     peer=-1 if call.peer is None else call.peer, start=t0,
-                     end=time.perf_counter(), async_op=is_async, thread=_thread_name(),
-                     api=api)
-    led.add(rec, wire)
+    t = call.tensor
+    raw = (op, call.group, call.message_bytes, call.kept_bytes, call.peer, call.root,
+           t.dtype, t.element_size(), t0, time.perf_counter(), is_async, _thread_name(), api)
     tl = led.timeline
+    if tl is None:
+        led.add_raw(raw)
+        return
+    rec, wire = build(raw, led.axis)
+    led.add(rec, wire)
     # the completion time is wanted by a timeline only (a callback per call costs a
     # future and a wake-up of the backend's thread)
-    if tl is not None and work is not None and is_async and hasattr(work, "get_future"):
+    if work is not None and is_async and hasattr(work, "get_future"):
         try:
             fut = work.get_future()
 
             def _done(_f, rec=rec):
                 rec.end = time.perf_counter()
-                if tl is not None:
-                    tl.add_comm(rec)
+                tl.add_comm(rec)
 
             fut.then(_done)
             return
         except Exception:  # backends without futures: issue time only
             pass
-    if tl is not None:
-        tl.add_comm(rec)
+    tl.add_comm(rec)
+
+
+def build(raw: tuple, axis_of) -> tuple[CommRecord, Fraction]:
+    """The record of one call's facts (``_record``'s tuple) and its exact wire bytes."""
+    (op, group, message_bytes, kept_bytes, peer, root, dtype, esize, t0, t1, is_async,
+     thread, api) = raw
+    size, group_rank = _group_info(group)
+    n = 2 if op in ("send", "recv") else size
+    if root is not None and op in ROOTED:
+        root = dist.get_group_rank(group, root) if group is not None else root
+    else:
+        root = None
+    if kept_bytes is not None and n > 1:
+        wire = Fraction(message_bytes - kept_bytes)
+        wire_f = float(wire)
+    else:
+        wire, wire_f = wire_pair(op, message_bytes, n, group_rank, root)
+    rec = CommRecord(op=op, axis=axis_of(group), group_size=n, dtype=_dtype_name(dtype),
+                     elements=message_bytes // max(esize, 1), message_bytes=message_bytes,
+                     wire_bytes=wire_f, peer=-1 if peer is None else peer, start=t0, end=t1,
+                     async_op=is_async, thread=thread, api=api)
+    return rec, wire
 
 
 def _wrap(module, name: str, op: str, size_of, api: str = "c10d", sync_module=None) -> None:

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import torch.distributed as dist
 
-from .install import install
+from .install import build, install
 from .recording import LOCK, CommRecord, activate, restore
 
 
@@ -17,8 +17,9 @@ class Ledger:
 
     def __init__(self, axis_of=None, timeline=None, recording: bool = True):
         self.recording = recording  # False: entering it changes nothing (overhead baseline)
-        self.records: list[CommRecord] = []
+        self._records: list[CommRecord] = []
         self._exact: list[Fraction] = []  # each record's wire bytes, exact
+        self._raw: list[tuple] = []  # calls noted in a step, not yet built (install._record)
         self._axis_of = axis_of  # callable(group) -> axis name
         self.timeline = timeline
         self._prev = None
@@ -42,15 +43,41 @@ class Ledger:
 
     def add(self, rec: CommRecord, exact_wire: Fraction) -> None:
         with LOCK:
-            self.records.append(rec)
+            self._flush()
+            self._records.append(rec)
             self._exact.append(exact_wire)
+
+    def add_raw(self, raw: tuple) -> None:
+        """One call's facts, built into its record when the records are read."""
+        with LOCK:
+            self._raw.append(raw)
+
+    def _flush(self) -> None:
+        if self._raw:
+            raw, self._raw = self._raw, []
+            for r in raw:
+                rec, wire = build(r, self.axis)
+                self._records.append(rec)
+                self._exact.append(wire)
+
+    @property
+    def records(self) -> list[CommRecord]:
+        """Every call recorded so far, in order."""
+        with LOCK:
+            self._flush()
+        return self._records
+
+    def clear(self) -> None:
+        with LOCK:
+            self._raw, self._records, self._exact = [], [], []
 
     # ---- summaries ---------------------------------------------------------------------
     def wire_by_axis(self) -> dict[str, float]:
         """Exact per-axis sums (fractions of a byte from the ring factor are summed exactly
         before rounding to float, so equal totals compare equal)."""
         out: dict[str, Fraction] = defaultdict(Fraction)
-        for r, w in zip(self.records, self._exact):
+        records = self.records
+        for r, w in zip(records, self._exact):
             out[r.axis] += w
         return {a: float(v) for a, v in out.items()}
 
