@@ -6,8 +6,8 @@ into the calling thread's (the scheme's own work) and the other threads' by name
 collective backend's: ``parbench.thread_cpu``), and its ledger counts the collectives'
 calls and wire bytes per step. A pair where ours is slower, yet does less work itself and
 issues the same collectives, loses its time in the backend's threads and in waiting: that
-is the measured reason printed. Where ours' own work is more, or its collectives differ, no
-excuse is made: the line says so.
+is the measured reason printed (so with fewer calls or bytes than theirs). Where ours' own work
+is more, or it issues more collectives, no excuse is made: the line says so.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class CpuSplit:
     threads: dict[str, float] = field(default_factory=dict)
     same_traffic: bool | None = None
     traffic: str = ""
+    #: ours issued no more than theirs: calls and wire bytes per step each at most theirs
+    no_more_traffic: bool | None = None
 
 
 def _ratio(ours: list, theirs: list) -> float | None:
@@ -64,13 +66,14 @@ def cpu_split(ours_rows: list, theirs_rows: list) -> CpuSplit:
                  [getattr(r.time, "own_cpu_s", None) for r in theirs_rows])
     a = _traffic(ours_rows[0]) if ours_rows else None
     b = _traffic(theirs_rows[0]) if theirs_rows else None
-    same, text = None, ""
+    same, fewer, text = None, None, ""
     if a and b:
         same = a[0] == b[0] and abs(a[1] - b[1]) < 0.5
+        fewer = a[0] <= b[0] and a[1] <= b[1] + 0.5
         text = (f"{a[0]} calls, {a[1] / 2**10:.1f} KiB a step" if same else
                 f"ours {a[0]} calls, {a[1] / 2**10:.1f} KiB; theirs {b[0]} calls, "
                 f"{b[1] / 2**10:.1f} KiB a step")
-    return CpuSplit(own, _threads(ours_rows, theirs_rows), same, text)
+    return CpuSplit(own, _threads(ours_rows, theirs_rows), same, text, fewer)
 
 
 def explain(split: CpuSplit | None) -> str:
@@ -80,14 +83,17 @@ def explain(split: CpuSplit | None) -> str:
     if split.own > 1.0:
         return f"measured: ours' own thread does more work ({split.own:.2f}x theirs' CPU)"
     threads = ", ".join(f"{n} {r:.2f}x" for n, r in split.threads.items()) or "not measured"
-    if split.same_traffic:
-        return (f"measured: ours' own thread {split.own:.2f}x theirs' CPU, the same "
-                f"collectives ({split.traffic}); the rest is the backend's threads "
-                f"({threads}) and waiting")
-    return (f"measured: ours' own thread {split.own:.2f}x theirs' CPU; the collectives "
-            f"differ ({split.traffic or 'not measured'})")
+    if split.no_more_traffic:
+        which = "the same collectives" if split.same_traffic else "no more collectives"
+        return (f"measured: ours' own thread {split.own:.2f}x theirs' CPU, {which} "
+                f"({split.traffic}); the rest is the backend's threads ({threads}) and "
+                f"waiting")
+    return (f"measured: ours' own thread {split.own:.2f}x theirs' CPU; ours issues more "
+            f"collectives ({split.traffic or 'not measured'})")
 
 
 def backend_bound(split: CpuSplit | None) -> bool:
-    """Ours does less work itself on the same collectives: the gap is the backend's."""
-    return bool(split and split.own is not None and split.own <= 1.0 and split.same_traffic)
+    """Ours does less work itself and issues no more collectives (calls, bytes) than theirs:
+    the gap is the backend's."""
+    return bool(split and split.own is not None and split.own <= 1.0
+                and split.no_more_traffic)

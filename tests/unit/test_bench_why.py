@@ -31,7 +31,11 @@ def test_more_own_work_or_other_collectives_is_not_excused():
     assert not backend_bound(heavier) and "does more work (1.20x" in explain(heavier)
     other = cpu_split([_row(9.0, {}, calls=30)], [_row(10.0, {})])
     assert not backend_bound(other) and not other.same_traffic
-    assert "differ (ours 30 calls" in explain(other)
+    assert "ours issues more collectives (ours 30 calls" in explain(other)
+    bigger = cpu_split([_row(9.0, {}, wire=2048.0)], [_row(10.0, {})])
+    assert not backend_bound(bigger)
+    fewer = cpu_split([_row(9.0, {}, calls=18, wire=1000.0)], [_row(10.0, {})])
+    assert backend_bound(fewer) and "no more collectives (ours 18 calls" in explain(fewer)
     unmeasured = cpu_split([_row(None, {})], [_row(10.0, {})])
     assert explain(unmeasured) == "" and not backend_bound(unmeasured)
 
