@@ -45,14 +45,13 @@ def _medians(per_row: list[list[float]]) -> tuple[float | None, float | None, fl
     return statistics.median(every), min(runs), max(runs)
 
 
-def wall_ratios(row) -> list[float]:
-    on, off = ab_steps(row)
-    return [a / b for a, b in zip(on, off) if a and b]
+def _ratios(on: list[float], off: list[float]) -> list[float]:
+    return [x / y for x, y in zip(on, off) if x and y]
 
 
 def own_ratios(row) -> list[float]:
-    on, off = ab_steps(row, getattr(row.time, "per_rank_own_cpu_s", None), sum)
-    return [a / b for a, b in zip(on, off) if a and b]
+    """Per step pair: the ranks' own-thread CPU with the instruments over without."""
+    return _ratios(*ab_steps(row, getattr(row.time, "per_rank_own_cpu_s", None), sum))
 
 
 def shares(row) -> list[float]:
@@ -69,17 +68,19 @@ def summarise_ab(pair: Pair, rows: list) -> PairResult:
     ``low`` / ``high`` the lowest and highest run's median; ``own_ratio`` the same of the
     ranks' own-thread CPU; ``share`` (and its runs' spread) the instruments' CPU over the
     step's."""
-    ratio, low, high = _medians([wall_ratios(r) for r in rows])
+    steps = [ab_steps(r) for r in rows]  # (on, off) wall seconds per row
+    walls = [_ratios(on, off) for on, off in steps]
+    ratio, low, high = _medians(walls)
     own = _medians([own_ratios(r) for r in rows])[0]
     share, share_low, share_high = _medians([shares(r) for r in rows])
-    on = [x for r in rows for x in ab_steps(r)[0]]
-    off = [x for r in rows for x in ab_steps(r)[1]]
+    on = [x for s in steps for x in s[0]]
+    off = [x for s in steps for x in s[1]]
     nan = float("nan")
     return PairResult(pair.label, pair.kind,
                       statistics.median(on) * 1e3 if on else nan,
                       statistics.median(off) * 1e3 if off else nan,
                       nan if ratio is None else ratio, nan if low is None else low,
                       nan if high is None else high,
-                      sum(1 for r in rows if wall_ratios(r)), _passed(rows), _where(pair),
+                      sum(1 for w in walls if w), _passed(rows), _where(pair),
                       key=case_key(pair), own_ratio=own, share=share, share_low=share_low,
                       share_high=share_high)

@@ -136,7 +136,7 @@ class PairResult:
     key: str = ""
     #: ours / theirs of the calling thread's CPU per step (the scheme's own work) and of the
     #: busiest backend threads'; the measured reason where ours is slower, and whether it is
-    #: the backend's (ours' own work less, the same collectives: ``parbench.bench_why``)
+    #: the backend's (ours' own work less, no more collectives: ``parbench.bench_why``)
     own_ratio: float | None = None
     threads: dict[str, float] = field(default_factory=dict)
     why: str = ""
@@ -158,11 +158,11 @@ class PairResult:
         ok = {True: "", False: "  (a row FAILED its verdict)",
               "finding": "  (FINDING: the baseline's known disagreement, reproduced)"}[
             self.passed]
-        cpu = "" if self.cpu_ratio is None else f"  cpu {self.cpu_ratio:.3f}x"
-        if self.own_ratio is not None:
-            cpu += f" (own {self.own_ratio:.3f}x)"
-        if self.share is not None:
+        if self.share is not None:  # an instrument pair: its own-thread CPU and share
             cpu = f"  own cpu {self.own_ratio:.3f}x{self.share_text()}"
+        else:
+            cpu = "" if self.cpu_ratio is None else f"  cpu {self.cpu_ratio:.3f}x"
+            cpu += "" if self.own_ratio is None else f" (own {self.own_ratio:.3f}x)"
         why = f"  -- {self.reason}" if self.reason else ""
         if self.why and self.ratio > 1.0 and not self.reason:
             why = f"  -- {self.why}"
@@ -239,8 +239,8 @@ def goals(results: list[PairResult]) -> str:
              and (r.share > 0.03 if r.share is not None else r.ratio > 1.03)]
     broken = [r for r in results if r.error]
     lines = [f"\ngoals: {len(slow) - len(backend)} baseline pair(s) above 1.00x without a "
-             f"reason, {len(backend)} above with a measured one (ours' own work less on the "
-             f"same collectives: the backend's threads), {len(heavy)} instrument pair(s) above "
+             f"reason, {len(backend)} above with a measured one (ours' own work less, no more "
+             f"collectives: the backend's threads), {len(heavy)} instrument pair(s) above "
              f"3% of the step, {len(broken)} without a figure"]
     lines += [_above(r, 1.0) for r in slow] + [_above(r, 1.03) for r in heavy]
     return "\n".join(lines)

@@ -19,7 +19,8 @@ def test_a_row_splits_its_cpu_between_its_own_thread_and_the_backends(pools):
     case = apply_overrides(CaseConfig(), {"scheme": "data.ddp", "model": "tiny", "dp": 2,
                                           "steps": 1, "timed_steps": 4, "warmup_steps": 1})
     t = case_row(case, pools(2)).time
-    assert t.own_cpu_s is not None and 0 < t.own_cpu_s <= t.cpu_s  # a part of the process's
+    # the calling thread's CPU is a part of the process's
+    assert t.own_cpu_s is not None and 0 < t.own_cpu_s <= t.cpu_s
     if LINUX:  # gloo's threads worked on the step's all-reduces
         assert any("gloo" in name and s > 0 for name, s in t.threads_cpu_s.items()), \
             t.threads_cpu_s
