@@ -64,6 +64,20 @@ HBM_NOTE = ("HBM priced at the bandwidth a kernel reached where one was publishe
 #: and written back as the 16-bit model weight (4 + 2): 16 bytes; fp16 adds the loss
 #: scaler's unscale-and-check of the main gradient (read 4, write 4): 24
 MIXED_OPTIMIZER_BYTES = {"bf16": 16.0, "fp16": 24.0}
+#: the A100 SXM4 80GB with the software of 2021-22 (CUDA 11), the generation the published
+#: Megatron-LM runs used (PTD-P: NGC PyTorch 20.12, CUDA 11.1; Korthikanti et al. 2022):
+#: Mu Li, "Transformers Benchmarks" (github.com/mli/transformers-benchmarks, 2022),
+#: micro_bench.ipynb on the NGC PyTorch 22.07 container (CUDA 11.7), its summary table:
+#: "Matrix Multiplication FP32 / FP16: 116 / 230" TFLOP/s (square fp16 matmuls up to
+#: n = 8192, each timed for at least 3 s) and "Vector Multiplication 0.202" TFLOP/s for
+#: ``a * 1.2`` on fp32 vectors, one FLOP per 4 bytes read and 4 written: 1.616 TB/s, an
+#: element-wise kernel's bandwidth (a read and a write, as the norms, activations and
+#: residuals are priced), 79% of the datasheet's 2,039 GB/s
+CUDA11_A100 = {"matmul_fp16": 230e12, "elementwise_bytes_per_s": 8 * 0.202e12}
+CUDA11_SOURCE = ("A100 SXM4 80GB with CUDA 11 software: Mu Li, 'Transformers Benchmarks' "
+                 "(github.com/mli/transformers-benchmarks, micro_bench.ipynb, NGC PyTorch "
+                 "22.07, CUDA 11.7): FP16 matmul 230 TFLOP/s, element-wise a * 1.2 on fp32 "
+                 "vectors 0.202 TFLOP/s = 1.616 TB/s read and written")
 #: not in any datasheet: stated assumptions for the latency terms of the presets
 LATENCY_NOTE = ("latencies are assumptions, not datasheet figures: 10 us per ring step "
                 "inside a node (NVLink), 20 us between nodes (InfiniBand), 1 us kernel "
@@ -106,6 +120,21 @@ PRESETS: dict[str, Profile] = {
                        "(8 GPUs)", B200_SRC, (2250e12, 80e12), 1745.0e12, 148, 8.0e12, 180e9,
                        900e9, 50e9),
 }
+
+
+def _a100_cuda11() -> Profile:
+    """The ``a100-80gb`` preset with the GEMM and element-wise rates that CUDA 11 software
+    reached on the device (:data:`CUDA11_A100`), in place of today's best GEMM search and
+    read kernel: the profile to price runs published in 2021-22 with."""
+    p = _gpu("a100-80gb-cuda11", "NVIDIA A100 SXM4 80GB, DGX A100 node (8 GPUs), CUDA 11 "
+             "software (2021-22)", A100_SRC, (312e12, 19.5e12),
+             CUDA11_A100["matmul_fp16"], 108, 2.039e12, 80e9, 300e9, 25e9)
+    p.mem_bandwidth = CUDA11_A100["elementwise_bytes_per_s"]
+    p.source = "; ".join((A100_SRC, CUDA11_SOURCE, NVLINK_NOTE, LATENCY_NOTE))
+    return p
+
+
+PRESETS["a100-80gb-cuda11"] = _a100_cuda11()
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb",
            "b200": "b200-180gb", "a100-sxm": "a100-80gb", "h100-sxm": "h100-80gb",
            "h200-sxm": "h200-141gb", "cpu": "cpu-local"}

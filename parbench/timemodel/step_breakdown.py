@@ -120,7 +120,7 @@ def _notes(shape, profile: Profile, mem: float) -> list[str]:
     if not profile.calibrated:
         notes.append(f"{profile.name} is an uncalibrated preset (datasheet and published "
                      "micro-benchmark figures, not measured here; `parbench reproduce "
-                     "throughput` compares it with published runs)")
+                     "throughput` compares the A100 presets with published runs)")
     if shape.moe:
         notes.append("MoE: experts assumed balanced (k T rows per rank); routing and "
                      "dispatch costs approximate")

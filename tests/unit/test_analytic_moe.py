@@ -405,7 +405,10 @@ def test_cli_moe_every_and_errors(capsys):
     assert "ep=2 needs an MoE model" in capsys.readouterr().err
 
 
-def test_cli_prints_expert_states(capsys):
+def test_cli_prints_expert_states(capsys, monkeypatch):
+    # a wide console: the breakdown's keys are read whole, not wrapped at 80 columns (a
+    # pytest-xdist worker has no terminal to take the width from)
+    monkeypatch.setenv("COLUMNS", "200")
     assert main([*UBMESH, "verbose=true"]) == 0  # the full breakdown (default: a summary)
     text = capsys.readouterr().out
     assert "model_states.groups.expert.padded.total" in text

@@ -201,7 +201,7 @@ def test_throughput_rows_are_predicted_at_run_time_beside_the_papers_figures(rep
                       schedule="1f1b", recompute="full", sp=False, zero_stage=0,
                       attention="eager", overlap_grad_reduce=True, dtype="fp16",
                       grad_accumulation="unfused")
-    assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb")).step_s
+    assert table.cells[0].tool == predict_step(shape, trn, load_profile("a100-80gb-cuda11")).step_s
 
 
 def test_table2_zero3_row_is_priced_with_its_communication_exposed(reproductions):
@@ -219,7 +219,7 @@ def test_table2_zero3_row_is_priced_with_its_communication_exposed(reproductions
     trn = Training.of(dp=n, micro_batch_size=4, num_microbatches=1, schedule="1f1b",
                       recompute="full", sp=False, zero_stage=3, attention="eager",
                       dtype="fp16", overlap_grad_reduce=False, grad_accumulation="unfused")
-    profile = load_profile("a100-80gb")
+    profile = load_profile("a100-80gb-cuda11")
     assert cell.tool == predict_step(gpt_shape(96, h, l), trn, profile).step_s
     hidden = predict_step(gpt_shape(96, h, l), trn.with_values(overlap_grad_reduce=True),
                           profile).step_s
@@ -252,9 +252,34 @@ def test_compute_scale_says_how_much_compute_would_close_a_rows_gap(reproduction
         tp=t, pp=p, dp=d, micro_batch_size=mbs, num_microbatches=B // (d * mbs),
         schedule="1f1b", recompute="full", sp=False, zero_stage=0, attention="eager",
         dtype="fp16", overlap_grad_reduce=True, grad_accumulation="unfused"),
-        load_profile("a100-80gb"))
+        load_profile("a100-80gb-cuda11"))
     cell = table.cells[0]
     one = compute_scale(cell.published, st.step_s, st.compute_s + st.recompute_s)
     assert one > 1  # the row's step is predicted short of the published one
     where = [x for x in table.notes if x.startswith("where the gap lies")]
     assert len(where) == 1 and "compute would have to be x" in where[0]
+
+
+def test_each_throughput_table_says_what_todays_preset_predicts(reproductions):
+    """The runs are priced on the A100 with CUDA 11's measured rates; each table's note also
+    gives the ratios on today's ``a100-80gb`` preset, computed here for Table 1's first row
+    (its median over one row is that row's ratio)."""
+    from parbench.reproduce.ptdp import TABLE1, gpt_shape
+    from parbench.reproduce.throughput import DEVICE, TABLE1_RUNS, TODAY
+    from parbench.timemodel import Training, load_profile, predict_step
+    assert (DEVICE, TODAY) == ("a100-80gb-cuda11", "a100-80gb")
+    _, a, h, l, t, p, n, B, _ = TABLE1[0]  # noqa: E741
+    mbs, _, _ = TABLE1_RUNS["1.7"]
+    d = n // (t * p)
+    trn = Training.of(tp=t, pp=p, dp=d, micro_batch_size=mbs, num_microbatches=B // (d * mbs),
+                      schedule="1f1b", recompute="full", sp=False, zero_stage=0,
+                      attention="eager", dtype="fp16", overlap_grad_reduce=True,
+                      grad_accumulation="unfused")
+    today = predict_step(gpt_shape(a, h, l), trn, load_profile(TODAY)).step_s
+    then = predict_step(gpt_shape(a, h, l), trn, load_profile(DEVICE)).step_s
+    assert today < then  # today's GEMMs and memory are faster
+    for table in reproductions["throughput"].tables:
+        notes = [x for x in table.notes if x.startswith(f"on today's {TODAY} preset")]
+        assert len(notes) == 1 and "within 15%" in notes[0]
+    cell = reproductions["throughput"].tables[0].cells[0]
+    assert cell.tool == then

@@ -73,6 +73,21 @@ def test_every_generation_has_a_preset_with_its_sources(name):
         assert needle in prof.source
 
 
+def test_the_cuda11_a100_prices_gemms_and_elementwise_kernels_at_their_measured_rates():
+    """``a100-80gb-cuda11``: the 80GB preset with Mu Li's transformers-benchmarks figures
+    (CUDA 11.7): FP16 matmul 230 TFLOP/s; ``a * 1.2`` on fp32 vectors 0.202 TFLOP/s, 8
+    bytes moved per FLOP; everything else as ``a100-80gb``."""
+    old, era = load_profile("a100-80gb"), load_profile("a100-80gb-cuda11")
+    assert era.matmul_achievable == {"bf16": 230e12, "fp16": 230e12}
+    assert era.mem_bandwidth == pytest.approx(8 * 0.202e12)
+    assert era.matmul_flops == old.matmul_flops and era.links == old.links
+    assert era.memory_bytes == old.memory_bytes and era.sm_count == old.sm_count
+    assert "transformers-benchmarks" in era.source and "datasheet" in era.source
+    m = 8192
+    assert era.shaped_gemm_time(m, m, m, "fp16") == pytest.approx(
+        old.shaped_gemm_time(m, m, m, "fp16") * 271.2 / 230)
+
+
 def test_b200_alias_and_40gb_memory():
     assert load_profile("b200").name == "b200-180gb"
     assert load_profile("a100-40gb").mem_bandwidth < load_profile("a100-80gb").mem_bandwidth
