@@ -164,6 +164,24 @@ def ranks(xs: list[float]) -> list[float]:
     return out
 
 
+def repeatability(rows, tol: float) -> tuple[int, int]:
+    """How often one repeat of a case lies within ``tol`` of the mean of its other repeats
+    (relative to that repeat, as a prediction's error is): (within, tried), over every
+    repeat of every case measured at least twice. The share is what the measurement itself
+    allows: a model that predicted each case's mean exactly would score about as well
+    against a single repeat."""
+    within = tried = 0
+    for r in rows:
+        ts = r.get("repeats_s") or []
+        for i, t in enumerate(ts):
+            others = ts[:i] + ts[i + 1:]
+            if not others or t <= 0:
+                continue
+            tried += 1
+            within += abs(sum(others) / len(others) - t) / t <= tol
+    return within, tried
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rho: Pearson's correlation of the ranks."""
     if len(a) < 2:
@@ -393,6 +411,11 @@ def report(rows, prof, tol, rho_min, out, meta) -> int:
     print(f"within {100 * tol:.0f}%: {within} of {len(have)} cases "
           f"({within_n} of {len(nat)} native); median |error| "
           f"{100 * statistics.median(abs_err):.1f}%" if abs_err else "no measurements")
+    rep_in, rep_n = repeatability(nat, tol)
+    if rep_n:
+        print(f"repeatability: one repeat within {100 * tol:.0f}% of the mean of the case's "
+              f"other repeats in {rep_in} of {rep_n} ({100 * rep_in / rep_n:.0f}%, native "
+              "cases): the measurement's own scatter")
     print(f"Spearman rank correlation, predicted vs measured: {rho:.3f} over {len(have)} "
           f"configurations ({rho_n:.3f} over the {len(nat)} native ones); target >= {rho_min}")
     print(f"load average {meta['load_average_start'][0]:.2f} at the start, "
@@ -402,6 +425,7 @@ def report(rows, prof, tol, rho_min, out, meta) -> int:
     ok = not misses and rho >= rho_min and len(have) >= 12
     if out:
         Path(out).write_text(json.dumps({"rows": rows, "spearman": rho,
+                                         "repeatability": [rep_in, rep_n],
                                          "spearman_native": rho_n, "tolerance": tol,
                                          "profile": prof.summary(), **meta}, indent=2,
                                         default=str))
