@@ -52,6 +52,7 @@ from parbench.suites import load_suite  # noqa: E402
 from parbench.timemodel import Training, load_profile, predict_step  # noqa: E402
 from parbench.timemodel.profile import profile_dir  # noqa: E402
 from parbench.terminate import run_terminable  # noqa: E402
+from validation_stats import repeatability, spearman  # noqa: E402  (scripts/)
 
 SUITES = ("data", "pipeline", "tensor", "sequence")
 #: schemes whose mechanism the time model does not price (said in the table, not predicted)
@@ -146,55 +147,6 @@ def predict(case, profile) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-# statistics
-# ---------------------------------------------------------------------------------------
-
-def ranks(xs: list[float]) -> list[float]:
-    """Ranks 1..n, ties given their average rank."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    out = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def repeatability(rows, tol: float) -> tuple[int, int]:
-    """How often one repeat of a case lies within ``tol`` of the mean of its other repeats
-    (relative to that repeat, as a prediction's error is): (within, tried), over every
-    repeat of every case measured at least twice. The share is what the measurement itself
-    allows: a model that predicted each case's mean exactly would score about as well
-    against a single repeat."""
-    within = tried = 0
-    for r in rows:
-        ts = r.get("repeats_s") or []
-        for i, t in enumerate(ts):
-            others = ts[:i] + ts[i + 1:]
-            if not others or t <= 0:
-                continue
-            tried += 1
-            within += abs(sum(others) / len(others) - t) / t <= tol
-    return within, tried
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rho: Pearson's correlation of the ranks."""
-    if len(a) < 2:
-        return float("nan")
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
-    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
-    return cov / (va * vb) if va and vb else float("nan")
-
-
-# ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
 
@@ -231,12 +183,7 @@ def two_rank_cases(suites, timed_steps: int | None, instrument: bool = False):
 
 
 def shapes_of(cases):
-    out = []
-    for _, c in cases:
-        s = shape_from(c.model)
-        if s not in out:
-            out.append(s)
-    return out
+    return list(dict.fromkeys(shape_from(c.model) for _, c in cases))  # distinct, in order
 
 
 def ensure_profile(name: str, mode: str, cases, instrument: bool = False):
@@ -304,11 +251,16 @@ def run_cases(cases, repeats: int):
 
 def reused_measurements(reuse: str, modelled: list) -> tuple[dict, dict, dict]:
     """The measurements of an earlier run (its out= file), to predict again against them;
-    matched by suite and label: ids carry a digest of every field, which changes when a
-    field is added to the configuration."""
+    matched by id, else by suite and label when that pair is unique (an id carries a digest
+    of every field, which changes when a field is added to the configuration; labels repeat
+    where cases differ in a field the label does not show)."""
     meta_old = json.loads(Path(reuse).read_text())
-    rows_old = {(r["suite"], r["case"]): r for r in meta_old["rows"]}
-    old = {c.id: rows_old[(s, label(c))] for s, c in modelled if (s, label(c)) in rows_old}
+    by_id = {r["id"]: r for r in meta_old["rows"]}
+    pairs = [(r["suite"], r["case"]) for r in meta_old["rows"]]
+    rows_old = {(r["suite"], r["case"]): r for r in meta_old["rows"]
+                if pairs.count((r["suite"], r["case"])) == 1}
+    old = {c.id: by_id.get(c.id) or rows_old.get((s, label(c))) for s, c in modelled}
+    old = {cid: r for cid, r in old.items() if r is not None}
     measured = {cid: r["repeats_s"] for cid, r in old.items()}
     failures = {cid: r["note"] for cid, r in old.items() if not r["repeats_s"]}
     return measured, failures, meta_old

@@ -1,16 +1,16 @@
-"""scripts/validate_timemodel.py's statistics, on made-up measurements (the script's runs are
-its own business: they take minutes on real ranks)."""
+"""scripts/validate_timemodel.py's statistics (scripts/validation_stats.py), on made-up
+measurements (the script's runs are its own business: they take minutes on real ranks)."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "validate_timemodel.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "validation_stats.py"
 
 
 @pytest.fixture(scope="module")
 def vt():
-    spec = importlib.util.spec_from_file_location("validate_timemodel", _PATH)
+    spec = importlib.util.spec_from_file_location("validation_stats", _PATH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
