@@ -248,3 +248,29 @@ def mla_gemms(shape, tp: int) -> tuple[list[tuple[int, int]], float]:
     q = [(dq, h), (a_l * d_qk, dq)] if dq else [(a_l * d_qk, h)]
     return (q + [(dc + shape.qk_rope_head_dim, h), (a_l * (d_nope + d_v), dc), (h, a_l * d_v)],
             (d_qk + d_v) / 2)
+
+
+@dataclass(frozen=True)
+class MoeLocal:
+    """A MoE layer's expert work on one rank: ``rows`` routed rows in all (k T_ln tokens,
+    capacity-scaled), ``per_expert`` of them on each of the rank's ``n_local`` = E / ep
+    experts (the rows spread over the E experts, ep groups each holding all of them), the
+    local expert width ``fe`` (``expert_f`` / etp) and the shared experts' local width
+    ``shared`` (0: none)."""
+
+    rows: int
+    per_expert: int
+    n_local: int
+    fe: int
+    shared: int
+
+
+def moe_local(shape, ep: int, etp: int, tp: int, T_ln: int) -> MoeLocal:  # noqa: N803
+    """The rank's share of a MoE layer (:class:`MoeLocal`), as the layer's price and the
+    selective recomputation of its modules both count it."""
+    E = shape.num_experts  # noqa: N806
+    rows = max(1, int(round(shape.moe_top_k * T_ln * (shape.moe_capacity_factor or 1.0))))
+    return MoeLocal(rows=rows, per_expert=max(1, -(-rows * ep // E)), n_local=max(1, E // ep),
+                    fe=getattr(shape, "expert_f", shape.f) // etp,
+                    shared=getattr(shape, "moe_shared_expert_size", 0) // tp)
+

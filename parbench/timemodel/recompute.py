@@ -18,7 +18,7 @@ A module the layer does not hold (``mlp`` in an MoE layer, the MoE modules in a 
 """
 from __future__ import annotations
 
-from .costs import _gemms
+from .costs import _gemms, moe_local
 
 
 def _mlp_forward(profile, rows: int, f_out: int, h: int, gated: bool, e: int, dt: str
@@ -48,16 +48,13 @@ def _mla_up(shape, profile, loc) -> float:
 def _moe_parts(shape, trn, profile, loc) -> dict[str, float]:
     """The MoE modules' forward seconds: the routed experts' activation, the shared
     experts, and the whole layer (router, experts, shared experts)."""
-    E, k, etp = shape.num_experts, shape.moe_top_k, trn.layout.etp or loc.tp  # noqa: N806
-    rows = max(1, int(round(k * loc.T_ln * (shape.moe_capacity_factor or 1.0))))
-    local_rows = max(1, -(-rows * trn.layout.ep // E)) * max(1, E // trn.layout.ep)
-    fe = getattr(shape, "expert_f", shape.f) // etp
-    shared_f = getattr(shape, "moe_shared_expert_size", 0) // loc.tp
-    shared = _mlp_forward(profile, loc.T, shared_f, loc.h, loc.gated, loc.e, loc.dt) \
-        if shared_f else 0.0
-    experts = _mlp_forward(profile, local_rows, fe, loc.h, loc.gated, loc.e, loc.dt)
-    router = _gemms(profile, loc.T_ln, E, loc.h, loc.dt)[0]
-    return {"moe_act": _act(profile, local_rows, fe, loc.gated, loc.e),
+    mo = moe_local(shape, trn.layout.ep, trn.layout.etp or loc.tp, loc.tp, loc.T_ln)
+    local_rows = mo.per_expert * mo.n_local
+    shared = _mlp_forward(profile, loc.T, mo.shared, loc.h, loc.gated, loc.e, loc.dt) \
+        if mo.shared else 0.0
+    experts = _mlp_forward(profile, local_rows, mo.fe, loc.h, loc.gated, loc.e, loc.dt)
+    router = _gemms(profile, loc.T_ln, shape.num_experts, loc.h, loc.dt)[0]
+    return {"moe_act": _act(profile, local_rows, mo.fe, loc.gated, loc.e),
             "shared_experts": shared, "moe": router + experts + shared}
 
 

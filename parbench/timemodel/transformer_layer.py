@@ -26,6 +26,7 @@ from .costs import (
     _part_ratio,
     _scaled,
     mla_gemms,
+    moe_local,
 )
 from .recompute import selective_forward_s
 from .training import Training
@@ -149,29 +150,23 @@ def _moe_mlp(shape, trn: Training, profile: Profile, loc: _LocalLayer, f0: float
     """(f, b, w) of a dense layer's count with its MLP replaced by the router and the local
     experts (k T capacity-scaled rows spread over the E / ep experts of the rank, each of
     hidden size ``expert_f``), and the shared experts' MLP on every token."""
-    E, k = shape.num_experts, shape.moe_top_k  # noqa: N806
+    E = shape.num_experts  # noqa: N806
     h, f, tp, T, T_ln, dt = shape.h, shape.f, loc.tp, loc.T, loc.T_ln, loc.dt  # noqa: N806
     gated = loc.gated
-    etp = trn.layout.etp or tp
-    ep = trn.layout.ep
-    rows = max(1, int(round(k * T_ln * (shape.moe_capacity_factor or 1.0))))
-    per_expert = max(1, -(-rows * ep // E))
-    n_local = max(1, E // ep)
+    mo = moe_local(shape, trn.layout.ep, trn.layout.etp or tp, tp, T_ln)
     for n_out, k_in in ((f // tp * (2 if gated else 1), h), (h, f // tp)):
         g = _gemms(profile, T, n_out, k_in, dt)
         f0, b0, w0 = f0 - g[0], b0 - g[1], w0 - g[2]
     router = _gemms(profile, T_ln, E, h, dt)
     f0, b0, w0 = f0 + router[0], b0 + router[1], w0 + router[2]
-    fe = getattr(shape, "expert_f", f)
-    for n_out, k_in in ((fe // etp * (2 if gated else 1), h), (h, fe // etp)):
-        g = _gemms(profile, per_expert, n_out, k_in, dt)
-        f0, b0, w0 = f0 + n_local * g[0], b0 + n_local * g[1], w0 + n_local * g[2]
-    shared = getattr(shape, "moe_shared_expert_size", 0) // tp
-    if shared:  # DeepSeekMoE's shared experts: a dense MLP on every token of the rank
-        for n_out, k_in in ((shared * (2 if gated else 1), h), (h, shared)):
+    for n_out, k_in in ((mo.fe * (2 if gated else 1), h), (h, mo.fe)):
+        g = _gemms(profile, mo.per_expert, n_out, k_in, dt)
+        f0, b0, w0 = f0 + mo.n_local * g[0], b0 + mo.n_local * g[1], w0 + mo.n_local * g[2]
+    if mo.shared:  # DeepSeekMoE's shared experts: a dense MLP on every token of the rank
+        for n_out, k_in in ((mo.shared * (2 if gated else 1), h), (h, mo.shared)):
             g = _gemms(profile, T, n_out, k_in, dt)
             f0, b0, w0 = f0 + g[0], b0 + g[1], w0 + g[2]
-    route_bytes = 6 * rows * h * loc.e + 3 * T_ln * E * 4
+    route_bytes = 6 * mo.rows * h * loc.e + 3 * T_ln * E * 4
     f0 += profile.mem_time(route_bytes, 8)
     b0 += profile.mem_time(route_bytes, 8) + 8 * profile.bwd_op_overhead_s
     return f0, b0, w0
