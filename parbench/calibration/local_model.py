@@ -1,13 +1,20 @@
 """The reference model's layer, LM head and embedding as one tensor-parallel rank holds them
 (widths divided by tp, heads a/tp; ``parbench.model``'s operators in its order: pre-norm, QKV,
-fused causal attention, projection, residual, norm, MLP, residual), at a model shape's
-variants (grouped-query attention, gated MLP, RMSNorm, no biases): what calibration times."""
+rotary positions where the model has no learned ones, fused causal attention, projection,
+residual, norm, MLP, residual), at a model shape's variants (grouped-query attention, gated
+MLP, RMSNorm, RoPE, no biases): what calibration times."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..model.blocks import rotate
 from .plan import gated_mlp, kv_width
+
+#: RoPE's base for the layers of a model without learned positions: any base costs the same
+#: (the reference model's ``rotate``, run on q and k)
+ROPE_THETA = 10000.0
 
 
 def _norm(shape, h: int) -> nn.Module:
@@ -29,6 +36,7 @@ class LocalLayer(nn.Module):
         self.kv = kv_width(shape) // tp
         self.kv_heads = max(1, self.kv // self.d)
         self.gated = gated_mlp(shape)
+        self.rope = not getattr(shape, "position_embeddings", True)
         bias = bool(getattr(shape, "bias", True))
         self.ln1, self.ln2 = _norm(shape, h), _norm(shape, h)
         self.qkv = nn.Linear(h, self.heads * self.d + 2 * self.kv, bias=bias)
@@ -43,6 +51,9 @@ class LocalLayer(nn.Module):
         q = q.view(b, s, heads, d).transpose(1, 2)
         k = k.view(b, s, kv_heads, d).transpose(1, 2)
         v = v.view(b, s, kv_heads, d).transpose(1, 2)
+        if self.rope:  # a model without learned positions rotates q and k (RoPE)
+            pos = torch.arange(s, device=x.device)
+            q, k = rotate(q, pos, ROPE_THETA), rotate(k, pos, ROPE_THETA)
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, 1)
             v = v.repeat_interleave(heads // kv_heads, 1)
