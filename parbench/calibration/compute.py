@@ -1,7 +1,7 @@
 """What each calibration rank runs for compute: GEMMs at the model's shapes, fused attention,
-memory bandwidth, the fixed costs of an eager operator, an autograd node and a ``backward()``
-call, the model's in-graph layer costs, AdamW -- and the reference model's whole step (a
-check of the compute model, not an input to it)."""
+memory bandwidth, the fixed costs of an eager operator, an autograd node, a ``backward()``
+call and a re-entry into a kept graph, the model's in-graph layer costs, AdamW -- and the
+reference model's whole step (a check of the compute model, not an input to it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..config import RunConfig
 from ..model import build_model, make_optimizer, synthetic_batch
 from .plan import Plan, model_config
+from .reentry import reentry_costs
 from .timing import dtype_of, time_parts, timeit
 
 
@@ -24,6 +25,8 @@ def compute_task(ctx, plan: Plan) -> dict:
         out["gemms"] += gemm_times(plan, dev, dt)
         out["attention"] += attention_times(plan, dev, dt)
     out.update(memory_and_overheads(plan, dev))
+    out.update(reentry_costs(dev, lambda fn: timeit(fn, dev, plan.min_time_s,
+                                                    plan.repeats)))
     if plan.shape is not None:
         for dt in plan.dtypes:
             out["parts"] = out.get("parts", []) + time_parts(plan, dev, dt)

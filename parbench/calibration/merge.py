@@ -157,6 +157,8 @@ def build_profile(name: str, plan: Plan, compute: list[dict], coll: list[dict],
         op_overhead_s=max(c["op_overhead_s"] for c in comp),
         bwd_op_overhead_s=max(c["bwd_op_overhead_s"] for c in comp),
         backward_call_s=max(c["backward_call_s"] for c in comp),
+        grad_reentry_s=max(c["grad_reentry_s"] for c in comp),
+        graph_walk_s=max(c["graph_walk_s"] for c in comp),
         gemms=[{"m": m, "n": n, "k": k, "dtype": dt, "seconds": s}
                for (m, n, k, dt), s in sorted(gemms.items())],
         attention=[{"b": b, "heads": hh, "sq": sq, "skv": skv, "d": d, "dtype": dt,

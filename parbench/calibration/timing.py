@@ -13,6 +13,7 @@ from ..comm import unrecorded
 from ..device import StepTimer, synchronize
 from .local_model import local_modules, vocab_shard
 from .plan import Plan, gated_mlp, kv_width
+from .reentry import graph_counts
 
 
 def sync(device: str) -> None:
@@ -132,7 +133,8 @@ def time_parts(plan: Plan, dev: str, dt: str) -> list[dict]:
         efb = max(t1fb - k1 * lfb, ef)
         row = {"b": b, "s": s_l, "tp": tp, "h": sh.h, "heads": sh.a // tp, "f": sh.f // tp,
                "kv": kv_width(sh) // tp, "vocab": vl, "dtype": dt, "gated": gated_mlp(sh)}
-        out.append({"kind": "layer", **row, "fwd_s": lf, "bwd_s": lfb - lf})
+        out.append({"kind": "layer", **row, "fwd_s": lf, "bwd_s": lfb - lf,
+                    **graph_counts(layer, embed(tokens))})
         out.append({"kind": "ends", **row, "fwd_s": ef, "bwd_s": efb - ef})
         for m_ in (layer, head, embed):
             m_.zero_grad(set_to_none=True)

@@ -73,6 +73,7 @@ from .grad_accumulation import MODES, accumulation_s
 from .training import StepTime, Training
 from .pipeline_time import busy_bound, chain_bound, pipeline_time
 from .profile import Profile
+from .split_backward_cost import w_reentry_s
 from .step_breakdown import CriticalSync, PipelineRun, StageCosts, step_time
 from .transformer_layer import layer_costs
 
@@ -256,11 +257,10 @@ def _add_schedule_costs(shape, trn: Training, profile: Profile, stage_costs: lis
                 c.comm_b["pp"] = c.comm_b.get("pp", 0.0) + p2p
     if spec.splits_backward:
         # a split backward's W (Qi et al. 2024, Sec. 2) re-enters the autograd graph once
-        # per linear layer (4 per transformer layer, the LM head on the last stage): one
-        # engine call each, beside B's own (``impls/pipeline/split_backward.py``)
+        # per weight node, each re-entry walking the graph below it (split_backward_cost)
         for vs, c in enumerate(stage_costs):
-            calls = 4 * chunks[vs] + (1 if vs == nstages - 1 else 0)
-            c.w += calls * profile.backward_call_s
+            c.w += w_reentry_s(profile, shape, trn.layout.tp, chunks[vs], vs == 0,
+                               vs == nstages - 1)
     if spec.weight_rule is WeightRule.PIPEDREAM:
         # PipeDream (Narayanan et al. 2019, Sec. 3.3): each stage applies an optimizer
         # step after every micro-batch's backward and stashes the new weight version

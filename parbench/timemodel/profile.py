@@ -19,13 +19,16 @@ Fields (SI units: seconds, bytes, FLOP/s, bytes/s):
   achieved rate in log(FLOPs) between them (:meth:`Profile.gemm_time`);
 - ``mem_bandwidth``: bytes/s of a large copy (read + write counted), ``op_overhead_s``: the
   fixed cost of one eager operator, ``bwd_op_overhead_s``: of one autograd node in backward,
-  ``backward_call_s``: of one ``loss.backward()`` call;
+  ``backward_call_s``: of one ``loss.backward()`` call; ``grad_reentry_s``: of one
+  ``autograd.grad`` call re-entering a kept graph at a node, and ``graph_walk_s``: what each
+  node below the entry adds to it (a split backward's W, ``split_backward_cost``);
 - ``attention``: measured fused-attention kernels ``{"b", "heads", "sq", "skv", "d",
   "dtype", "fwd_s", "bwd_s"}``;
 - ``parts``: the reference model's in-graph costs at each rank's local shape, ``kind``
   ``layer`` (one transformer layer) and ``ends`` (embedding, head, loss and the ``backward()``
   call), from timing the local model at two depths ``{"kind", "b", "s", "tp", "h", "heads",
-  "f", "kv", "vocab", "dtype", "fwd_s", "bwd_s"}`` (``calibrate model=...``); the time model
+  "f", "kv", "vocab", "dtype", "fwd_s", "bwd_s"}``, a layer also its autograd graph's
+  ``graph_nodes`` and ``weight_nodes`` (``calibrate model=...``); the time model
   uses them where the shape matches and scales its operator count by their ratio elsewhere;
 - ``optimizer``: AdamW's cost ``{"per_tensor_s", "per_element_s"}`` (single-tensor
   ``torch.optim.AdamW``, as parbench runs it, on CPU; a fused multi-tensor kernel on GPUs),
@@ -156,6 +159,8 @@ class Profile:
     op_overhead_s: float = 0.0
     bwd_op_overhead_s: float = 0.0
     backward_call_s: float = 0.0
+    grad_reentry_s: float = 0.0
+    graph_walk_s: float = 0.0
     gemms: list[dict] = field(default_factory=list)
     attention: list[dict] = field(default_factory=list)
     parts: list[dict] = field(default_factory=list)
