@@ -173,11 +173,20 @@ def _burst(plan: Plan, dev: str):
     return mm
 
 
+#: overlap samples taken at least (each a paired comm / GEMM loop / both triple), and the
+#: all-reduce's fp32 elements (16 MB: long enough that a scheduler's hiccup of a few ms is a
+#: small part of one sample)
+OVERLAP_SAMPLES = 15
+OVERLAP_ELEMENTS = 1 << 22
+
+
 def overlap_task(ctx, plan: Plan) -> float:
     """Fraction of the shorter of (an all-reduce, a GEMM loop of about the same length) hidden
-    when the all-reduce is issued asynchronously before the loop."""
+    when the all-reduce is issued asynchronously before the loop: the median over samples,
+    each sample the three timed in turn (a machine whose load drifts moves all three alike),
+    every time the slowest rank's."""
     dev = ctx.device
-    buf = torch.ones(1 << 20, device=dev)  # 4 MB
+    buf = torch.ones(OVERLAP_ELEMENTS, device=dev)
     a = torch.randn(256, 256, device=dev)
     c = torch.empty(256, 256, device=dev)
 
@@ -189,31 +198,25 @@ def overlap_task(ctx, plan: Plan) -> float:
             torch.mm(a, a, out=c)
         sync(dev)
 
-    def timed(fn) -> float:
-        out = []
-        for _ in range(plan.repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            out.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(out)], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+    def once(fn) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        return agree_max(time.perf_counter() - t0, dev)
 
     comm()
-    t_comm = timed(comm)
-    one = timed(lambda: mm(1))
-    kt = torch.tensor([max(1, int(t_comm / max(one, 1e-7)))], device=dev)
-    dist.all_reduce(kt, op=dist.ReduceOp.MAX)
-    k = int(kt.item())
-    t_mm = timed(lambda: mm(k))
+    t_comm = statistics.median(once(comm) for _ in range(plan.repeats))
+    one = statistics.median(once(lambda: mm(1)) for _ in range(plan.repeats))
+    k = int(agree_max(max(1, int(t_comm / max(one, 1e-7))), dev))
 
     def both():
         w = dist.all_reduce(buf, async_op=True)
         mm(k)
         w.wait()
 
-    t_both = timed(both)
-    hidden = t_comm + t_mm - t_both
-    return max(0.0, min(1.0, hidden / max(min(t_comm, t_mm), 1e-9)))
+    fractions = []
+    for _ in range(max(OVERLAP_SAMPLES, plan.repeats)):
+        tc, tm, tb = once(comm), once(lambda: mm(k)), once(both)
+        fractions.append((tc + tm - tb) / max(min(tc, tm), 1e-9))
+    return max(0.0, min(1.0, statistics.median(fractions)))
