@@ -78,10 +78,15 @@ CUDA11_SOURCE = ("A100 SXM4 80GB with CUDA 11 software: Mu Li, 'Transformers Ben
                  "(github.com/mli/transformers-benchmarks, micro_bench.ipynb, NGC PyTorch "
                  "22.07, CUDA 11.7): FP16 matmul 230 TFLOP/s, element-wise a * 1.2 on fp32 "
                  "vectors 0.202 TFLOP/s = 1.616 TB/s read and written")
-#: not in any datasheet: stated assumptions for the latency terms of the presets
-LATENCY_NOTE = ("latencies are assumptions, not datasheet figures: 10 us per ring step "
-                "inside a node (NVLink), 20 us between nodes (InfiniBand), 1 us kernel "
-                "launch hidden behind the queue (op overhead 0)")
+#: the latency terms of the presets: NCCL's own tuning model (NVIDIA/nccl,
+#: src/graph/tuning.cc, ncclTopoTuneModel, as of the 2.9-2.12 releases) prices a ring
+#: collective with the Simple protocol (large messages) at baseLat 8.4 us plus, per step,
+#: hwLat 3.4 us over NVLink and 9.6 us over the network; a kernel launch is hidden behind the
+#: queue (op overhead 0)
+NCCL_RING_SIMPLE_US = {"base": 8.4, "nvlink": 3.4, "net": 9.6}
+LATENCY_NOTE = ("latencies from NCCL's tuning model (src/graph/tuning.cc, ring, Simple "
+                "protocol): 8.4 us per collective plus 3.4 us per ring step over NVLink, "
+                "9.6 us between nodes; kernel launch hidden behind the queue (op overhead 0)")
 
 
 def _gpu(name: str, desc: str, src: str, peak: tuple[float, float], mamf: float, sms: int,
@@ -98,9 +103,13 @@ def _gpu(name: str, desc: str, src: str, peak: tuple[float, float], mamf: float,
         optimizer={"per_tensor_s": 0.0, "bytes_per_element": 32.0,
                    **{f"mixed_bytes_{dt}": b for dt, b in MIXED_OPTIMIZER_BYTES.items()}},
         ranks_per_node=8,
-        links={"intra": Link(NVLINK_EFFICIENCY * nvlink_each_way, 10e-6,
-                             "NVLink, per GPU each way, 80% of the peak"),
-               "inter": Link(ib_each_way, 20e-6, "InfiniBand, per GPU each way")},
+        links={"intra": Link(NVLINK_EFFICIENCY * nvlink_each_way,
+                             NCCL_RING_SIMPLE_US["nvlink"] * 1e-6,
+                             "NVLink, per GPU each way, 80% of the peak",
+                             NCCL_RING_SIMPLE_US["base"] * 1e-6),
+               "inter": Link(ib_each_way, NCCL_RING_SIMPLE_US["net"] * 1e-6,
+                             "InfiniBand, per GPU each way",
+                             NCCL_RING_SIMPLE_US["base"] * 1e-6)},
         overlap=1.0)
 
 

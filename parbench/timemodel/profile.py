@@ -94,12 +94,15 @@ class Fit:
 
 @dataclass
 class Link:
-    """A class of connection: per-rank bandwidth in one direction (bytes/s) and the latency of
-    one step of a ring or one point-to-point message (s)."""
+    """A class of connection: per-rank bandwidth in one direction (bytes/s), the latency of
+    one step of a ring or one point-to-point message (s), and a collective's fixed latency
+    beside its steps (``base_latency_s``: NCCL's tuning model has one per algorithm and
+    protocol; 0 where the step latency is all that was measured)."""
 
     bandwidth: float
     latency_s: float
     source: str = ""
+    base_latency_s: float = 0.0
 
 
 #: the output tiles (rows, columns) a GEMM library picks among on NVIDIA GPUs since Ampere
@@ -338,8 +341,8 @@ class Profile:
         lk = self.links.get(link) or self.links.get("intra")
         if lk is None:
             return 0.0
-        return ring_steps(op, n) * lk.latency_s + wire_factor(op, n) * message_bytes / \
-            lk.bandwidth
+        return lk.base_latency_s + ring_steps(op, n) * lk.latency_s + \
+            wire_factor(op, n) * message_bytes / lk.bandwidth
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -112,3 +112,16 @@ def test_a_16_bit_runs_optimizer_step_adds_the_mixed_precision_passes():
            for dt in ("fp32", "bf16", "fp16")}
     for dt, nbytes in (("fp32", 32), ("bf16", 48), ("fp16", 56)):
         assert opt[dt] == pytest.approx(nbytes * psi / 1.80e12, rel=1e-9)
+
+
+def test_preset_latencies_are_nccls_ring_simple_model():
+    """NCCL's tuning model (src/graph/tuning.cc): a ring collective with the Simple protocol
+    costs baseLat 8.4 us plus hwLat 3.4 us a step over NVLink, 9.6 us between nodes: an
+    all-gather on 8 GPUs of a node, 7 steps, 8.4 + 7 x 3.4 us before its bytes."""
+    a100 = load_profile("a100-80gb")
+    intra, inter = a100.links["intra"], a100.links["inter"]
+    assert (intra.base_latency_s, intra.latency_s) == pytest.approx((8.4e-6, 3.4e-6))
+    assert (inter.base_latency_s, inter.latency_s) == pytest.approx((8.4e-6, 9.6e-6))
+    assert a100.collective_time("all_gather", 8, 0.0, "intra") == pytest.approx(
+        8.4e-6 + 7 * 3.4e-6)
+    assert "tuning.cc" in a100.source
