@@ -79,7 +79,8 @@ CUDA11_SOURCE = ("A100 SXM4 80GB with CUDA 11 software: Mu Li, 'Transformers Ben
                  "22.07, CUDA 11.7): FP16 matmul 230 TFLOP/s, element-wise a * 1.2 on fp32 "
                  "vectors 0.202 TFLOP/s = 1.616 TB/s read and written")
 #: the latency terms of the presets: NCCL's own tuning model (NVIDIA/nccl,
-#: src/graph/tuning.cc, ncclTopoTuneModel, as of the 2.9-2.12 releases) prices a ring
+#: src/graph/tuning.cc, ncclTopoTuneModel, in its version with the Tree, Ring and CollNet
+#: algorithms; later versions keep the NVLink ring figures) prices a ring
 #: collective with the Simple protocol (large messages) at baseLat 8.4 us plus, per step,
 #: hwLat 3.4 us over NVLink and 9.6 us over the network; a kernel launch is hidden behind the
 #: queue (op overhead 0)
